@@ -1,0 +1,112 @@
+"""Run a function on N local processes joined in one torch.distributed group.
+
+`run_ranks(fn, world_size)` spawns fresh interpreters (the `spawn` start method, so
+no state leaks from the parent), sets the torchrun environment variables on a free
+port, and returns each rank's return value. A failing rank's traceback is raised in
+the parent; a rank that hangs is killed after `timeout` seconds instead of blocking
+the test suite forever.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message carries that rank's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
+           kwargs: dict, queue: Any) -> None:
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "MOE_RL_DIST_BACKEND": backend,
+    })
+    # One intra-op thread per rank: ranks share the machine's cores.
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args, **kwargs)
+        try:
+            payload = pickle.dumps(result)
+        except Exception:  # an unpicklable result is not the test's point
+            payload = pickle.dumps(None)
+        queue.put((rank, True, payload))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+              timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` processes; return the per-rank results.
+
+    `fn` must be importable by name (a module-level function). Process groups are
+    not created here: `fn` calls `moe_rl.policy.parallel.init_distributed` (or
+    `torch.distributed.init_process_group`) itself, reading the usual environment.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, kwargs, queue),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failure: tuple[int, str] | None = None
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size and failure is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, payload = queue.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    failure = (dead[0], f"process exited with code {procs[dead[0]].exitcode} (no traceback)")
+                continue
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                failure = (rank, payload)
+    finally:
+        if failure is not None or len(results) < world_size:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if failure is not None:
+        raise RankFailed(f"rank {failure[0]} of {world_size} failed:\n{failure[1]}")
+    if len(results) < world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s")
+    return [results[r] for r in range(world_size)]
