@@ -1,0 +1,68 @@
+"""`moe-rl` command line: one subcommand per user task.
+
+Each subcommand lives next to the code it drives, in a module that exposes
+`add_arguments(parser)` and `run(args) -> int`. Modules are imported only when
+their subcommand runs, so `moe-rl --help` stays fast and a CPU machine never
+imports GPU-only packages.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("moe_rl.trainer", "run RL training from a config file (YAML + key=value overrides)"),
+    "serve": ("moe_rl.rollout.server", "serve a HF model over SGLang's native HTTP API (CPU rollout engine)"),
+    "check-parity": ("moe_rl.policy.parity", "compare megatron log-probs under parallel layouts against HF transformers"),
+    "convert": ("moe_rl.policy.convert_cli", "convert between HF safetensors and megatron checkpoints"),
+    "drift": ("moe_rl.drift.offline", "routing volatility between two HF checkpoints on a JSONL data file"),
+    "report": ("moe_rl.observe.report", "plot a run directory's metrics (reward, volatility heatmap, mismatch)"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    """Subcommands whose module exists in this installation."""
+    out = {}
+    for name, (mod, text) in SUBCOMMANDS.items():
+        if importlib.util.find_spec(mod) is not None:
+            out[name] = (mod, text)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-rl",
+        description="RL post-training for Mixture-of-Experts models on megatron-core, "
+                    "with SGLang rollouts, routing replay and expert-drift metrics.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (mod, text) in _available().items():
+        p = sub.add_parser(name, help=text, description=text)
+        p.set_defaults(_module=mod)
+        importlib.import_module(mod).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Import only the chosen subcommand's module, so one broken optional module
+    # cannot take the whole CLI down.
+    cmds = _available()
+    if argv and argv[0] in cmds:
+        name = argv[0]
+        mod = importlib.import_module(cmds[name][0])
+        p = argparse.ArgumentParser(prog=f"moe-rl {name}", description=cmds[name][1])
+        mod.add_arguments(p)
+        args = p.parse_args(argv[1:])
+        return int(mod.run(args) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
