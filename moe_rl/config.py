@@ -1,0 +1,764 @@
+"""Run configuration: one `RunConfig` tree of dataclass sections, validated once.
+
+A run's settings are built in layers, each later layer winning:
+
+    dataclass defaults  ->  YAML file  ->  `key.sub=value` overrides  ->  validate()
+
+    cfg = load_config("launch/configs/tiny_cpu.yaml", ["algo.loss=sapo", "parallel.tp=2"])
+
+Every mistake fails here, before any process group, model or server starts,
+with a `ConfigError` whose message names the dotted field, the value given and
+what is allowed. Unknown keys are refused (with a "did you mean"), so a typo
+can never silently leave a default in place.
+
+Conventions for the sections below:
+- Each field is followed by a docstring: what it means, and why the default.
+- Fields with a fixed set of values are `str` fields declared with `choice(...)`;
+  the allowed values live in that one call and appear in error messages.
+  (omegaconf cannot type a field as `Literal`, and a plain string reads better
+  in YAML and in errors than an Enum.)
+- Numeric ranges are declared with `ranged(...)` next to the field; rules that
+  relate several fields live in the small `_check_<section>` functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
+__all__ = [
+    "AlgoConfig", "ConfigError", "DataConfig", "DriftConfig", "LogConfig", "ModelConfig",
+    "ParallelConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TinyModel", "TrainConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """An invalid config file, key or value. `problems` holds one line per mistake."""
+
+    def __init__(self, problems: str | Sequence[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:  # report every mistake at once, so one run fixes them all
+            message = f"{len(self.problems)} config errors:\n" + "\n".join(
+                f"  - {p}" for p in self.problems)
+        super().__init__(message)
+
+
+# --------------------------------------------------------------------------
+# Field declarations: allowed values and ranges live next to each field.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Range:
+    """Closed (ge/le) or open (gt/lt) bounds on a number; None means unbounded."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def contains(self, x: float) -> bool:
+        return ((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
+                and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt))
+
+    def __str__(self) -> str:
+        lo = f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
+        hi = f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None
+        if lo and hi:
+            return f"in {lo}, {hi}"
+        if lo:
+            return f">= {self.ge}" if self.ge is not None else f"> {self.gt}"
+        return f"<= {self.le}" if self.le is not None else f"< {self.lt}"
+
+
+def choice(default: str | None, options: tuple[str, ...]) -> Any:
+    """A string field that must be one of `options` (None allowed only if it is the default)."""
+    return field(default=default, metadata={"choices": options})
+
+
+def ranged(default: float | None, *, ge: float | None = None, gt: float | None = None,
+           le: float | None = None, lt: float | None = None) -> Any:
+    """A numeric field that must lie in the given bounds (None passes when the type allows it)."""
+    return field(default=default, metadata={"range": _Range(ge, gt, le, lt)})
+
+
+DTYPES = ("fp32", "bf16", "fp16")
+ENGINES = ("local", "sglang")
+WEIGHT_SYNCS = ("disk", "tensor", "nccl")
+LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "sapo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+ADVANTAGES = ("grpo", "drgrpo", "rloo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+TIS_LEVELS = ("token", "sequence")
+REPLAYS = ("off", "r2", "r3")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+LOG_LEVELS = ("debug", "info", "warning")
+DATA_SUFFIXES = (".jsonl", ".parquet")
+
+
+# --------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------
+
+@dataclass
+class TinyModel:
+    """Shape of the fresh random Qwen3-MoE built when `model.hf_path` is None.
+
+    Names match `moe_rl.testing.TinyMoEConfig`, so `TinyMoEConfig(**asdict(tiny))`
+    builds it. The defaults divide every layout the tests use: TP2 (4 heads,
+    2 KV heads), PP2 x VPP2 (4 layers), EP2 (4 experts).
+    """
+
+    vocab_size: int = ranged(128, ge=1)
+    """Token vocabulary; 128 covers the toy tasks' character tokenizer."""
+    hidden_size: int = ranged(64, ge=1)
+    """Residual width; small so a CPU step takes well under a second."""
+    moe_intermediate_size: int = ranged(32, ge=1)
+    """Hidden width of each expert's MLP."""
+    intermediate_size: int = ranged(128, ge=1)
+    """Hidden width of a dense MLP (only used by dense layers, if any)."""
+    num_hidden_layers: int = ranged(4, ge=1)
+    """Transformer layers; 4 allows PP2 with VPP2."""
+    num_attention_heads: int = ranged(4, ge=1)
+    """Query heads; 4 allows TP2."""
+    num_key_value_heads: int = ranged(2, ge=1)
+    """KV heads (GQA groups); 2 allows TP2 and keeps GQA in the tested path."""
+    head_dim: int = ranged(16, ge=1)
+    """Per-head width (Qwen3 sets it explicitly rather than hidden/heads)."""
+    num_experts: int = ranged(4, ge=1)
+    """Routed experts per MoE layer; 4 allows EP2 and EP4."""
+    num_experts_per_tok: int = ranged(2, ge=1)
+    """Top-k experts per token; 2 so routes can partly change between updates."""
+
+
+@dataclass
+class ModelConfig:
+    """Which policy to train and how its weights are held."""
+
+    hf_path: str | None = None
+    """HF checkpoint directory. None builds a fresh tiny model from `tiny` (CPU demo and tests)."""
+    tiny: TinyModel = field(default_factory=TinyModel)
+    """Shape of the fresh model when `hf_path` is None; ignored otherwise."""
+    dtype: str = choice("fp32", DTYPES)
+    """Parameter/compute dtype. fp32 because the CPU path is the default; GPU configs set bf16."""
+    recompute: bool = False
+    """Activation recomputation: trades ~30% more compute for memory; needed for long sequences."""
+    moe_router_fusion: bool = False
+    """Fused router kernel. Off because megatron silently skips routing replay when it is on."""
+    seed: int = 1234
+    """Seed for model init and megatron's RNG tracker (data order has its own seed)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Trainer parallel layout. Checks against the world size live in `policy/parallel.py`."""
+
+    tp: int = ranged(1, ge=1)
+    """Tensor parallel size; must divide attention heads and KV heads."""
+    pp: int = ranged(1, ge=1)
+    """Pipeline parallel stages; pp * vpp must divide the layer count."""
+    vpp: int | None = ranged(None, ge=1)
+    """Virtual pipeline chunks per stage (interleaved 1F1B); None = not interleaved. Needs pp > 1."""
+    ep: int = ranged(1, ge=1)
+    """Expert parallel size; must divide the number of experts."""
+    etp: int = ranged(1, ge=1)
+    """Tensor parallel size inside experts; 1 because EP scales MoE better than splitting experts."""
+    sp: bool | None = None
+    """Sequence parallel; None = auto (on when tp > 1, which megatron MoE requires)."""
+    micro_batch_size: int = ranged(4, ge=1)
+    """Sequences per forward/backward micro-batch; tiny models fit 4, long-context runs use 1."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """`sp` with the auto rule applied."""
+        return self.tp > 1 if self.sp is None else self.sp
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are generated: engine, servers and sampling."""
+
+    engine: str = choice("local", ENGINES)
+    """local = HF-transformers engine (CPU, speaks SGLang's HTTP API); sglang = real SGLang servers."""
+    urls: list[str] = field(default_factory=list)
+    """Base URLs of servers that are already running; empty means launch `num_servers` ourselves."""
+    num_servers: int = ranged(1, ge=1)
+    """Servers to launch when `urls` is empty."""
+    n_samples: int = ranged(8, ge=2)
+    """Responses per prompt (G); group advantages need at least 2. 8 as in the GSPO/DAPO setups."""
+    temperature: float = ranged(1.0, ge=0.0)
+    """Sampling temperature; 1.0 so rollout log-probs are the policy's own."""
+    top_p: float = ranged(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling; 1.0 (off) so the sampled distribution is the policy's."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off, for the same reason as top_p."""
+    max_new_tokens: int = ranged(64, ge=1)
+    """Response length cap; 64 fits the toy tasks."""
+    concurrency: int = ranged(64, ge=1)
+    """Requests in flight across all servers; bounds client memory and server queueing."""
+    timeout_s: float = ranged(120.0, gt=0.0)
+    """Per-request HTTP timeout in seconds."""
+    retries: int = ranged(3, ge=0)
+    """Retries per failed request before the step fails."""
+    host: str = "127.0.0.1"
+    """Interface launched servers bind to; loopback unless servers run on other nodes."""
+    base_port: int = ranged(30000, ge=1, le=65535)
+    """Port of the first launched server; server i uses base_port + i (SGLang's usual range)."""
+    sglang_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments passed to `sglang.launch_server` as given."""
+    mem_fraction: float = ranged(0.8, gt=0.0, le=1.0)
+    """Share of GPU memory SGLang may take for weights + KV cache (its --mem-fraction-static)."""
+    weight_sync: str = choice("disk", WEIGHT_SYNCS)
+    """How new weights reach the engine: disk (safetensors; works everywhere), tensor (same process/GPU), nccl (broadcast to SGLang)."""
+    return_routed_experts: bool = True
+    """Ask the engine for its routed experts; needed for R3 and train-rollout mismatch metrics."""
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective, advantages and rollout filters."""
+
+    loss: str = choice("gspo", LOSSES)
+    """Policy loss; GSPO because sequence-level ratios are stable on MoE models."""
+    eps_low: float | None = ranged(None, ge=0.0, lt=1.0)
+    """Lower clip range; None = the loss's paper default (GRPO/DAPO 0.2, GSPO 3e-4)."""
+    eps_high: float | None = ranged(None, ge=0.0)
+    """Upper clip range; None = the loss's paper default (GRPO 0.2, DAPO 0.28, GSPO 4e-4)."""
+    tau_pos: float = ranged(1.0, gt=0.0)
+    """SAPO temperature for positive advantages (paper value)."""
+    tau_neg: float = ranged(1.05, gt=0.0)
+    """SAPO temperature for negative advantages; slightly sharper, as in the paper."""
+    dual_clip: float | None = ranged(None, gt=1.0)
+    """Dual-clip constant c > 1 bounding the loss for negative advantages; None = off."""
+    aggregation: str | None = choice(None, AGGREGATIONS)
+    """How token losses become one number; None = the loss's default."""
+    advantage: str = choice("grpo", ADVANTAGES)
+    """Group advantage estimator: grpo (mean/std), drgrpo (mean only), rloo (leave-one-out)."""
+    adv_eps: float = ranged(1e-6, ge=0.0)
+    """Added to the group std so equal-reward groups give 0, not NaN."""
+    kl_coef: float = ranged(0.0, ge=0.0)
+    """KL penalty to the reference policy; 0 (no reference model) as in DAPO and GSPO."""
+    kl_estimator: str = choice("k3", KL_ESTIMATORS)
+    """KL estimator when kl_coef > 0; k3 is unbiased and non-negative."""
+    tis_cap: float | None = ranged(None, gt=0.0)
+    """Truncated importance sampling cap for the rollout/trainer mismatch; None = off."""
+    tis_level: str = choice("token", TIS_LEVELS)
+    """Whether the TIS weight is per token or one per sequence."""
+    num_minibatches: int = ranged(4, ge=1)
+    """Optimizer updates per step (the step's samples split evenly); 4 as in GSPO."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (DAPO); off so every step has a fixed size."""
+    overlong_max_len: int | None = ranged(None, ge=1)
+    """DAPO overlong shaping L_max in tokens; None = off."""
+    overlong_cache_len: int = ranged(0, ge=0)
+    """DAPO L_cache: responses within this many tokens of L_max get a linear penalty."""
+    replay: str = choice("r2", REPLAYS)
+    """Routing replay: r2 replays the old policy's routes, r3 the rollout engine's; r2 needs no engine support."""
+    off_policy_overlap: bool = False
+    """Generate step t+1 while training step t (one step stale); off so steps are on-policy."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets."""
+
+    train: str = "toy:add-easy"
+    """Training prompts: a .jsonl or .parquet file, or `toy:<task>` (built in, no download)."""
+    eval: str | None = "toy:add-easy-eval"
+    """Evaluation prompts in the same forms; None = no evaluation."""
+    prompts_per_step: int = ranged(8, ge=1)
+    """Prompts per RL step; each yields `rollout.n_samples` responses."""
+    shuffle_seed: int = 0
+    """Seed of the data order, separate from the model seed so either can change alone."""
+    prompt_key: str = "prompt"
+    """Record field holding the prompt."""
+    answer_key: str = "answer"
+    """Record field holding the reference answer passed to the reward."""
+    max_prompt_len: int = ranged(256, ge=1)
+    """Prompts longer than this many tokens are skipped, not truncated (truncation changes the task)."""
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    name: str = "auto"
+    """Registry name, or `module:function`; auto = the reward that matches the data (toy task or math)."""
+    max_failure_frac: float = ranged(0.1, ge=0.0, le=1.0)
+    """Share of samples whose reward may raise (scored 0) before the step fails."""
+
+
+@dataclass
+class TrainConfig:
+    """Optimizer, schedule, checkpoints and run length."""
+
+    steps: int = ranged(20, ge=1)
+    """RL steps to run."""
+    lr: float = ranged(1e-5, gt=0.0)
+    """Peak learning rate."""
+    min_lr: float = ranged(0.0, ge=0.0)
+    """Final learning rate for cosine/linear decay."""
+    warmup_steps: int = ranged(0, ge=0)
+    """Linear warmup steps (counted in RL steps)."""
+    lr_schedule: str = choice("constant", LR_SCHEDULES)
+    """Shape after warmup; constant, as RL runs are usually stopped by eval, not by schedule."""
+    weight_decay: float = ranged(0.0, ge=0.0)
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = ranged(0.9, ge=0.0, lt=1.0)
+    """Adam first-moment decay."""
+    adam_beta2: float = ranged(0.999, ge=0.0, lt=1.0)
+    """Adam second-moment decay."""
+    grad_clip: float = ranged(1.0, ge=0.0)
+    """Global gradient-norm clip; 0 = off."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (megatron ZeRO-1); needed for large models."""
+    eval_every: int = ranged(0, ge=0)
+    """Evaluate every N steps; 0 = never."""
+    save_every: int = ranged(0, ge=0)
+    """Checkpoint every N steps; 0 = only at the end."""
+    keep_last: int = ranged(2, ge=1)
+    """Checkpoints kept on disk; 2 so a crash during a save leaves a good one."""
+    resume: str | None = None
+    """None = fresh start; "auto" = latest checkpoint in the run dir if any; or a checkpoint path."""
+    world_size: int = ranged(1, ge=1)
+    """Trainer processes to start on this machine (single-machine runs; SLURM sets its own)."""
+
+
+@dataclass
+class DriftConfig:
+    """Routing drift measurement (expert volatility, train-rollout mismatch)."""
+
+    enabled: bool = True
+    """Measure drift; on, since it is a cheap extra forward on a small probe set."""
+    probe_size: int = ranged(16, ge=1)
+    """Fixed probe sequences whose routes are compared before and after each update."""
+    probe_every: int = ranged(1, ge=1)
+    """Measure on the probe set every N steps."""
+    step_tokens: bool = True
+    """Also measure on the step's own training tokens (the volatility that replay removes)."""
+
+
+@dataclass
+class LogConfig:
+    """Run directory, metric sinks and console output."""
+
+    name: str = "run"
+    """Run name; used in the run directory and W&B."""
+    run_dir: str | None = None
+    """Where metrics, config and checkpoints go; None = runs/<name>-<timestamp>."""
+    tensorboard: bool = True
+    """Write TensorBoard event files (local, no account needed)."""
+    wandb: bool = False
+    """Log to Weights & Biases; off because it needs network access and an account."""
+    wandb_project: str = "moe_rl"
+    """W&B project when `wandb` is on."""
+    progress: bool = True
+    """Live progress display on rank 0; turn off for batch logs without a terminal."""
+    all_ranks: bool = False
+    """Log from every rank instead of rank 0 only (debugging hangs)."""
+    level: str = choice("info", LOG_LEVELS)
+    """Console log level."""
+
+
+@dataclass
+class RunConfig:
+    """The whole run: one section per concern. Build with `load_config`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    drift: DriftConfig = field(default_factory=DriftConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def validate(self) -> RunConfig:
+        """Check every field and cross-field rule; raise one ConfigError listing all problems."""
+        problems = _field_problems(self, "")
+        if not problems:  # cross-field rules assume each field has the right type
+            problems = [p for check in _CROSS_CHECKS for p in check(self)]
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict of the config."""
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        """The full config as YAML (every field, defaults included), for the run directory."""
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Build from a nested dict (e.g. `to_dict()` output) with the same checks as load_config."""
+        return _build([(data, "in the given dict")])
+
+
+# --------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Defaults, then the YAML file at `path` (if any), then `key.sub=value` overrides; validated."""
+    layers: list[tuple[dict[str, Any], str]] = []
+    if path is not None:
+        layers.append((_read_yaml(Path(path)), f"in {path}"))
+    for item in overrides:
+        layers.append((_parse_override(item), f"in override {item!r}"))
+    return _build(layers)
+
+
+def _build(layers: list[tuple[dict[str, Any], str]]) -> RunConfig:
+    """Merge layers onto the defaults, each checked for unknown keys first, and validate."""
+    problems = [p for data, source in layers for p in _unknown_keys(data, RunConfig, "", source)]
+    if problems:
+        raise ConfigError(problems)
+    merged = OmegaConf.structured(RunConfig)
+    for data, source in layers:  # one merge per layer so a type error names its source
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(_normalize(data, RunConfig)))
+        except OmegaConfBaseException as e:
+            raise ConfigError(_from_omegaconf(e, source)) from None
+    try:
+        cfg = OmegaConf.to_object(merged)  # resolves ${...} interpolations
+    except OmegaConfBaseException as e:
+        raise ConfigError(_from_omegaconf(e, "while resolving interpolations")) from None
+    return cfg.validate()
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """Parse a YAML config file; errors name the file (and line for syntax errors)."""
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    if not path.is_file():
+        raise ConfigError(f"config path is not a file: {path}")
+    try:
+        node = OmegaConf.load(path)  # its YAML loader reads 1e-6 as a float, unlike PyYAML's
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: YAML syntax error: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: YAML error: {e}") from None
+    data = OmegaConf.to_container(node, resolve=False)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections "
+                          f"({', '.join(_field_names(RunConfig))}), got {type(data).__name__}")
+    return data
+
+
+def _parse_override(item: str) -> dict[str, Any]:
+    """Turn `key.sub=value` into a nested dict; the value is parsed as YAML (lists, null, numbers)."""
+    key, sep, _ = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: expected key.sub=value, e.g. algo.loss=sapo")
+    try:
+        node = OmegaConf.from_dotlist([item])
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        raise ConfigError(f"override {item!r}: cannot parse the value: {str(e).splitlines()[0]}") from None
+    return OmegaConf.to_container(node, resolve=False)
+
+
+def _unknown_keys(data: Any, cls: type, prefix: str, source: str) -> list[str]:
+    """Problems for keys in `data` that `cls` lacks, and for sections that are not mappings."""
+    section = prefix.rstrip(".") or "the config"
+    if not isinstance(data, dict):
+        return [f"{section}: {_show(data)} must be a mapping of {section} keys ({source})"]
+    names = _field_names(cls)
+    problems = []
+    for key, value in data.items():
+        if key not in names:
+            problems.append(_unknown_key_message(str(key), prefix, names, source))
+            continue
+        sub = _hints(cls)[key]
+        if dataclasses.is_dataclass(sub) and value is not None:
+            problems += _unknown_keys(value, sub, f"{prefix}{key}.", source)
+    return problems
+
+
+def _unknown_key_message(key: str, prefix: str, names: list[str], source: str) -> str:
+    section = prefix.rstrip(".") or "the top level"
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    return f"{prefix}{key}: unknown key ({source}){hint}; valid keys of {section}: {', '.join(names)}"
+
+
+# YAML 1.1 reads bare off/on/no/yes as booleans; a choice field gets the word back.
+_BOOL_WORDS = {False: ("off", "no", "false"), True: ("on", "yes", "true")}
+
+
+def _normalize(data: dict[str, Any], cls: type) -> dict[str, Any]:
+    """Undo YAML surprises before merging: `section:` left empty (null) means an empty
+    section, and `replay: off` (parsed as false) means the string 'off'."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, sub = data[f.name], _hints(cls)[f.name]
+        if dataclasses.is_dataclass(sub):
+            if value is None:
+                continue
+            value = _normalize(value, sub)
+        elif isinstance(value, bool) and "choices" in f.metadata:
+            value = next((w for w in _BOOL_WORDS[value] if w in f.metadata["choices"]), value)
+        out[f.name] = value
+    return out
+
+
+def _from_omegaconf(e: OmegaConfBaseException, source: str) -> str:
+    """Reword an omegaconf type error as `field: value is not <type> (source)`."""
+    key, first_line = getattr(e, "full_key", None), str(e).splitlines()[0]
+    if not key:
+        return f"{source}: {first_line}"
+    if isinstance(e, InterpolationResolutionError):  # the value is a ${...} that does not resolve
+        return f"{key}: {first_line} ({source})"
+    tp = _field_type(key)
+    expected = f"is not {_describe_type(tp)}" if tp is not None else f"is invalid: {first_line}"
+    return f"{key}: {_show(getattr(e, 'value', None))} {expected} ({source})"
+
+
+# --------------------------------------------------------------------------
+# Per-field checks (types, choices, ranges), driven by the declarations above
+# --------------------------------------------------------------------------
+
+def _field_problems(obj: Any, prefix: str) -> list[str]:
+    """Type, choice and range problems of every field of a section, recursing into subsections."""
+    problems = []
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key, value, tp = f"{prefix}{f.name}", getattr(obj, f.name), hints[f.name]
+        if not _type_ok(value, tp):
+            problems.append(f"{key}: {_show(value)} is not {_describe_type(tp)}")
+        elif dataclasses.is_dataclass(value):
+            problems += _field_problems(value, key + ".")
+        elif value is not None:
+            problems += _value_problems(key, value, f.metadata)
+    return problems
+
+
+def _value_problems(key: str, value: Any, meta: typing.Mapping[str, Any]) -> list[str]:
+    choices, bounds = meta.get("choices"), meta.get("range")
+    if choices and value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return [f"{key}: {_show(value)} is not one of {', '.join(choices)}{hint}"]
+    if bounds and not bounds.contains(value):
+        return [f"{key}: {_show(value)} must be {bounds}"]
+    return []
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """isinstance for the annotations used here (unions, list[...], int vs bool vs float)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_type_ok(v, args[0]) for v in value)
+    if tp is type(None):
+        return value is None
+    if tp in (int, float):  # bool is an int subclass but never a valid number here
+        allowed = (int, float) if tp is float else int
+        return isinstance(value, allowed) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _describe_type(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe_type(args[0]).split(' ', 1)[1]}s"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping of {tp.__name__} fields"
+    names = {int: "an integer", float: "a number", bool: "a boolean (true/false)",
+             str: "a string", type(None): "null"}
+    return names.get(tp, f"a {getattr(tp, '__name__', tp)}")
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it: strings quoted, None as null."""
+    return "null" if value is None else repr(value)
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _field_type(dotted: str) -> Any:
+    """Annotation of a dotted field of RunConfig, or None if the path does not exist."""
+    tp: Any = RunConfig
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp) or part not in _hints(tp):
+            return None
+        tp = _hints(tp)[part]
+    return tp
+
+
+# --------------------------------------------------------------------------
+# Cross-field rules, one small function per section
+# --------------------------------------------------------------------------
+
+# Keys of a HF config.json that give the shapes the parallel layout must divide.
+_HF_SHAPE_KEYS = {
+    "num_attention_heads": ("num_attention_heads",),
+    "num_key_value_heads": ("num_key_value_heads",),
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "num_hidden_layers": ("num_hidden_layers",),
+    "moe_intermediate_size": ("moe_intermediate_size",),
+}
+
+
+def _model_shape(model: ModelConfig) -> dict[str, tuple[int, str]]:
+    """Known model sizes as name -> (value, label for messages).
+
+    The tiny model's sizes are always known; for `hf_path` they are read from its
+    config.json when that file is on this machine, and skipped otherwise.
+    """
+    if model.hf_path is None:
+        return {k: (v, f"model.tiny.{k}={v}") for k, v in dataclasses.asdict(model.tiny).items()}
+    cfg_file = Path(model.hf_path) / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    raw = raw.get("text_config", raw)  # multimodal checkpoints nest the LM's config
+    shape = {}
+    for name, keys in _HF_SHAPE_KEYS.items():
+        value = next((raw[k] for k in keys if isinstance(raw.get(k), int)), None)
+        if value is not None:
+            shape[name] = (value, f"{name}={value} (from {cfg_file})")
+    return shape
+
+
+def _divides(key: str, size: int, shape: dict[str, tuple[int, str]], dim: str,
+             what: str = "") -> Iterator[str]:
+    """`key: <what><size> must divide <dim>=N` when the model's `dim` is known and not divisible."""
+    if dim in shape and shape[dim][0] % size:
+        yield f"{key}: {what}{size} must divide {shape[dim][1]}"
+
+
+def _check_model(cfg: RunConfig) -> Iterator[str]:
+    tiny = cfg.model.tiny
+    if cfg.model.hf_path is None:
+        if tiny.num_experts_per_tok > tiny.num_experts:
+            yield (f"model.tiny.num_experts_per_tok: {tiny.num_experts_per_tok} must be <= "
+                   f"model.tiny.num_experts={tiny.num_experts}")
+        if tiny.num_attention_heads % tiny.num_key_value_heads:
+            yield (f"model.tiny.num_key_value_heads: {tiny.num_key_value_heads} must divide "
+                   f"model.tiny.num_attention_heads={tiny.num_attention_heads}")
+    elif not cfg.model.hf_path.strip():
+        yield "model.hf_path: '' must be a checkpoint directory or null (fresh tiny model)"
+    if cfg.model.moe_router_fusion and cfg.algo.replay != "off":
+        yield (f"model.moe_router_fusion: true is not allowed with algo.replay={cfg.algo.replay}: "
+               "the fused router skips routing replay (set algo.replay=off or fusion false)")
+
+
+def _check_parallel(cfg: RunConfig) -> Iterator[str]:
+    p = cfg.parallel
+    if p.vpp is not None and p.pp < 2:
+        yield f"parallel.vpp: {p.vpp} needs parallel.pp > 1 (pp={p.pp}); use null without pipelining"
+    if p.tp > 1 and p.sp is False:
+        yield (f"parallel.sp: false is not allowed with parallel.tp={p.tp}: megatron MoE layers "
+               "need sequence parallel when tp > 1 (use true or null for auto)")
+    shape = _model_shape(cfg.model)
+    yield from _divides("parallel.tp", p.tp, shape, "num_attention_heads")
+    yield from _divides("parallel.tp", p.tp, shape, "num_key_value_heads")
+    yield from _divides("parallel.ep", p.ep, shape, "num_experts")
+    yield from _divides("parallel.etp", p.etp, shape, "moe_intermediate_size")
+    if p.vpp is None:
+        yield from _divides("parallel.pp", p.pp, shape, "num_hidden_layers")
+    else:
+        yield from _divides("parallel.vpp", p.pp * p.vpp, shape, "num_hidden_layers",
+                            f"pp*vpp={p.pp}*{p.vpp}=")
+
+
+def _check_rollout(cfg: RunConfig) -> Iterator[str]:
+    r = cfg.rollout
+    if r.top_k == 0 or r.top_k < -1:
+        yield f"rollout.top_k: {r.top_k} must be -1 (off) or >= 1"
+    for i, url in enumerate(r.urls):
+        if not url.startswith(("http://", "https://")):
+            yield f"rollout.urls[{i}]: {url!r} must start with http:// or https://"
+    if r.weight_sync == "nccl" and r.engine != "sglang":
+        yield (f"rollout.weight_sync: 'nccl' requires rollout.engine=sglang (engine={r.engine!r}); "
+               "use disk or tensor")
+
+
+def _check_algo(cfg: RunConfig) -> Iterator[str]:
+    a = cfg.algo
+    if a.replay == "r3" and not cfg.rollout.return_routed_experts:
+        yield ("algo.replay: 'r3' replays the rollout engine's routes and requires "
+               "rollout.return_routed_experts=true")
+    if a.overlong_cache_len > 0 and a.overlong_max_len is None:
+        yield f"algo.overlong_cache_len: {a.overlong_cache_len} needs algo.overlong_max_len to be set"
+    if a.overlong_max_len is not None and a.overlong_cache_len >= a.overlong_max_len:
+        yield (f"algo.overlong_cache_len: {a.overlong_cache_len} must be < "
+               f"algo.overlong_max_len={a.overlong_max_len}")
+    samples = cfg.data.prompts_per_step * cfg.rollout.n_samples
+    if samples % a.num_minibatches:
+        yield (f"algo.num_minibatches: {a.num_minibatches} must divide the step's samples, "
+               f"data.prompts_per_step*rollout.n_samples={samples}")
+
+
+def _data_source_problem(key: str, spec: str) -> str | None:
+    if spec.startswith("toy:"):
+        return None if spec[4:].strip() else f"{key}: {spec!r} must name a task, e.g. toy:add-easy"
+    if spec.endswith(DATA_SUFFIXES):
+        return None
+    return f"{key}: {spec!r} must be a {' or '.join(DATA_SUFFIXES)} file or toy:<task>"
+
+
+def _check_data(cfg: RunConfig) -> Iterator[str]:
+    for key, spec in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        problem = spec is not None and _data_source_problem(key, spec)
+        if problem:
+            yield problem
+
+
+def _check_reward(cfg: RunConfig) -> Iterator[str]:
+    name = cfg.reward.name
+    module, sep, function = name.partition(":")
+    if not name.strip() or (sep and not (module.strip() and function.strip())):
+        yield f"reward.name: {name!r} must be a registry name or module:function"
+
+
+def _check_train(cfg: RunConfig) -> Iterator[str]:
+    t = cfg.train
+    if t.min_lr > t.lr:
+        yield f"train.min_lr: {t.min_lr} must be <= train.lr={t.lr}"
+    if t.warmup_steps > t.steps:
+        yield f"train.warmup_steps: {t.warmup_steps} must be <= train.steps={t.steps}"
+    if t.eval_every > 0 and cfg.data.eval is None:
+        yield f"train.eval_every: {t.eval_every} needs data.eval (it is null); use 0 to skip evaluation"
+
+
+def _check_log(cfg: RunConfig) -> Iterator[str]:
+    name = cfg.log.name
+    if not name.strip() or "/" in name:
+        yield f"log.name: {name!r} must be non-empty and without '/' (it names a directory)"
+    if cfg.log.wandb and not cfg.log.wandb_project.strip():
+        yield "log.wandb_project: '' must be set when log.wandb=true"
+
+
+_CROSS_CHECKS = (_check_model, _check_parallel, _check_rollout, _check_algo, _check_data,
+                 _check_reward, _check_train, _check_log)

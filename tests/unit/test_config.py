@@ -1,0 +1,255 @@
+"""RunConfig: shipped YAMLs load, overrides apply, every class of mistake is reported clearly."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import ConfigError, RunConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
+SHIPPED = ["tiny_cpu.yaml", "qwen3_30b_a3b_gspo.yaml"]
+
+
+def error_of(overrides: list[str], path: str | Path | None = None) -> str:
+    """The ConfigError message that loading with these overrides raises."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+# -- shipped configs ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_load_and_validate(name):
+    cfg = load_config(CONFIGS / name)
+    assert isinstance(cfg, RunConfig)
+    cfg.validate()
+
+
+def test_tiny_cpu_exercises_a_parallel_dimension():
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml")
+    assert cfg.model.hf_path is None
+    assert cfg.rollout.engine == "local"
+    assert (cfg.algo.loss, cfg.algo.replay) == ("gspo", "r2")
+    assert cfg.parallel.ep == 2 and cfg.train.world_size == 2
+
+
+def test_qwen3_config_layout():
+    cfg = load_config(CONFIGS / "qwen3_30b_a3b_gspo.yaml")
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.ep, p.etp) == (2, 4, 8, 1)
+    assert p.sequence_parallel
+    assert cfg.model.dtype == "bf16" and cfg.model.recompute
+    assert cfg.rollout.engine == "sglang" and cfg.algo.replay == "r3"
+    assert cfg.train.distributed_optimizer and cfg.train.lr == pytest.approx(1e-6)
+    assert cfg.rollout.max_new_tokens == 8192 and cfg.rollout.n_samples == 8
+
+
+def test_defaults_validate_without_a_file():
+    cfg = load_config(None)
+    assert cfg == RunConfig()
+    assert cfg.algo.loss == "gspo" and cfg.parallel.sp is None
+    assert not cfg.parallel.sequence_parallel
+
+
+# -- overrides -----------------------------------------------------------------
+
+def test_overrides_change_values():
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml", ["algo.loss=sapo", "parallel.tp=2", "train.lr=3e-6",
+                                                  "model.tiny.num_experts=8", "data.eval=null",
+                                                  "train.eval_every=0"])
+    assert cfg.algo.loss == "sapo"
+    assert cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel
+    assert cfg.train.lr == pytest.approx(3e-6)
+    assert cfg.model.tiny.num_experts == 8
+    assert cfg.data.eval is None
+    assert cfg.parallel.ep == 2  # untouched YAML value survives
+
+
+def test_list_overrides():
+    cfg = load_config(None, ["rollout.urls=[http://node1:30000,http://node2:30000]",
+                             "rollout.sglang_args=[--tp-size,2]"])
+    assert cfg.rollout.urls == ["http://node1:30000", "http://node2:30000"]
+    assert cfg.rollout.sglang_args == ["--tp-size", "2"]
+
+
+def test_overrides_win_over_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  loss: grpo\ntrain:\n  steps: 3\n")
+    cfg = load_config(path, ["algo.loss=dapo"])
+    assert (cfg.algo.loss, cfg.train.steps) == ("dapo", 3)
+
+
+def test_empty_section_keeps_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  # everything commented out\nlog:\n  name: x\n")
+    cfg = load_config(path)
+    assert cfg.algo == RunConfig().algo and cfg.log.name == "x"
+
+
+# -- errors: values ------------------------------------------------------------
+
+def test_bad_enum_lists_allowed_values():
+    msg = error_of(["algo.loss=gspox"])
+    assert "algo.loss: 'gspox' is not one of grpo, dapo, gspo, gspo_token, sapo" in msg
+    assert "did you mean 'gspo'" in msg
+
+
+def test_negative_int():
+    assert "parallel.ep: -2 must be >= 1" in error_of(["parallel.ep=-2"])
+
+
+def test_probability_range():
+    assert "rollout.top_p: 0.0 must be in (0.0, 1.0]" in error_of(["rollout.top_p=0.0"])
+    assert "reward.max_failure_frac: 1.5 must be in [0.0, 1.0]" in error_of(["reward.max_failure_frac=1.5"])
+
+
+def test_wrong_type_names_field_value_and_source():
+    msg = error_of(["parallel.tp=two"])
+    assert "parallel.tp: 'two' is not an integer" in msg and "parallel.tp=two" in msg
+
+
+def test_malformed_override():
+    assert "expected key.sub=value" in error_of(["algo.loss"])
+
+
+def test_all_problems_reported_at_once():
+    msg = error_of(["algo.loss=nope", "rollout.temperature=-1"])
+    assert "2 config errors" in msg and "algo.loss" in msg and "rollout.temperature" in msg
+
+
+# -- errors: unknown keys ------------------------------------------------------
+
+def test_unknown_override_key_suggests_and_lists_valid_keys():
+    msg = error_of(["algo.los=sapo"])
+    assert "algo.los: unknown key" in msg
+    assert "did you mean 'algo.loss'" in msg
+    assert "valid keys of algo: loss, eps_low, eps_high" in msg
+
+
+def test_unknown_yaml_key_names_file(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("rollout:\n  n_sample: 4\n")
+    msg = error_of([], path)
+    assert "rollout.n_sample: unknown key" in msg and str(path) in msg
+    assert "did you mean 'rollout.n_samples'" in msg
+
+
+def test_unknown_section():
+    msg = error_of(["optim.lr=1"])
+    assert "optim: unknown key" in msg and "valid keys of the top level: model, parallel" in msg
+
+
+def test_section_given_a_scalar():
+    assert "algo: 3 must be a mapping" in error_of(["algo=3"])
+
+
+# -- errors: cross-field rules -------------------------------------------------
+
+def test_tp_must_divide_heads():
+    msg = error_of(["parallel.tp=3"])
+    assert "parallel.tp: 3 must divide model.tiny.num_attention_heads=4" in msg
+
+
+def test_ep_must_divide_experts():
+    assert "parallel.ep: 3 must divide model.tiny.num_experts=4" in error_of(["parallel.ep=3"])
+
+
+def test_pipeline_rules():
+    assert "parallel.vpp: 2 needs parallel.pp > 1" in error_of(["parallel.vpp=2"])
+    msg = error_of(["parallel.pp=2", "parallel.vpp=4"])
+    assert "parallel.vpp: pp*vpp=2*4=8 must divide model.tiny.num_hidden_layers=4" in msg
+    load_config(None, ["parallel.pp=2", "parallel.vpp=2"])  # 4 layers: PP2 x VPP2 is fine
+
+
+def test_tp_needs_sequence_parallel():
+    assert "parallel.sp: false is not allowed with parallel.tp=2" in error_of(["parallel.tp=2", "parallel.sp=false"])
+
+
+def test_hf_config_json_is_checked_when_present(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128, "num_hidden_layers": 48}))
+    load_config(None, [f"model.hf_path={tmp_path}", "parallel.tp=4", "parallel.ep=8"])
+    msg = error_of([f"model.hf_path={tmp_path}", "parallel.tp=8"])
+    assert "parallel.tp: 8 must divide num_key_value_heads=4" in msg
+
+
+def test_r3_needs_routed_experts():
+    msg = error_of(["algo.replay=r3", "rollout.return_routed_experts=false"])
+    assert "algo.replay: 'r3'" in msg and "rollout.return_routed_experts=true" in msg
+
+
+def test_nccl_needs_sglang():
+    assert "rollout.weight_sync: 'nccl' requires rollout.engine=sglang" in error_of(["rollout.weight_sync=nccl"])
+
+
+def test_router_fusion_refused_with_replay():
+    assert "model.moe_router_fusion" in error_of(["model.moe_router_fusion=true"])
+    load_config(None, ["model.moe_router_fusion=true", "algo.replay=off"])
+
+
+def test_bare_off_in_yaml_means_the_string(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  replay: off\n")  # YAML 1.1 parses bare off as false
+    assert load_config(path).algo.replay == "off"
+
+
+def test_minibatches_must_split_the_step():
+    msg = error_of(["algo.num_minibatches=5"])
+    assert "algo.num_minibatches: 5 must divide" in msg and "=64" in msg
+
+
+def test_validate_after_programmatic_edit():
+    cfg = load_config(None)
+    cfg.algo.loss = "ppo"
+    with pytest.raises(ConfigError, match="algo.loss: 'ppo' is not one of"):
+        cfg.validate()
+    cfg.algo.loss = "sapo"
+    cfg.parallel.tp = "2"  # a string slipped in from code, not YAML
+    with pytest.raises(ConfigError, match="parallel.tp: '2' is not an integer"):
+        cfg.validate()
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# -- errors: files -------------------------------------------------------------
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("algo:\n  loss: gspo\n  replay: [r2\nlog:\n  name: x\n")
+    msg = error_of([], path)
+    assert str(path) in msg and "line 4" in msg and "YAML syntax error" in msg
+
+
+def test_missing_file_names_path(tmp_path):
+    path = tmp_path / "nope.yaml"
+    msg = error_of([], path)
+    assert "config file not found" in msg and str(path) in msg
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    assert "top level must be a mapping" in error_of([], path)
+
+
+# -- round trip ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_to_yaml_round_trip(name, tmp_path):
+    cfg = load_config(CONFIGS / name, ["algo.aggregation=token-mean", "algo.replay=off",
+                                              "rollout.urls=[http://h:1]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path) == cfg
+
+
+def test_to_dict_from_dict_round_trip():
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml")
+    d = cfg.to_dict()
+    assert d["parallel"]["ep"] == 2 and d["model"]["tiny"]["num_experts"] == 4
+    assert RunConfig.from_dict(d) == cfg
