@@ -1,0 +1,155 @@
+"""Run megatron-core on CPU + gloo.
+
+megatron-core has no supported CPU path: it assumes a CUDA device in a handful of
+places (buffer allocation, RNG trackers, stream sync, optimizer type checks). None of
+those assumptions matter for the maths, so on a machine without CUDA we redirect them
+to the CPU. Nothing here edits megatron's source files; everything is a runtime
+redirection that is active only when `torch.cuda.is_available()` is False. On a GPU
+`activate()` does nothing.
+
+Each piece below says which megatron call site needs it. The list was established
+against megatron-core 0.16.1 by running TP/PP/EP/DP layouts with DDP and the optimizer.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE = False
+_CPU = torch.device("cpu")
+
+# Tensor.type() names that megatron's optimizers assert on (`param.type() ==
+# 'torch.cuda.FloatTensor'`, clip_grads, distrib_optimizer): report the CUDA name.
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int means "cuda:<int>" to torch (megatron passes
+    # torch.cuda.current_device()). Booleans are ints too: leave them alone.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Map every CUDA device argument to the CPU.
+
+    Needed for `device=torch.cuda.current_device()` / `device="cuda"` literals in
+    megatron's memory buffers, DDP buckets, p2p shape exchange and pipeline schedules,
+    and for `.cuda()` / `.to("cuda")` calls on tensors.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple(_CPU if (i > 0 and _is_cuda(a) and not isinstance(a, int)) else a
+                         for i, a in enumerate(args))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _noop(name: str) -> Any:
+    """A fresh no-op per patched name: torch.compile's trace rules reject one function
+    object registered under two torch names."""
+    def noop(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    noop.__name__ = noop.__qualname__ = f"cpu_{name}"
+    return noop
+
+
+class _NullStream:
+    """Stands in for `torch.cuda.current_stream()`; megatron only waits on it or syncs it."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, _other: Any) -> None:
+        pass
+
+    def wait_event(self, _event: Any) -> None:
+        pass
+
+    def record_event(self, _event: Any = None) -> None:
+        pass
+
+
+def activate() -> bool:
+    """Install the CPU redirections if CUDA is absent. Idempotent. Returns True if active."""
+    global _ACTIVE
+    if _ACTIVE:
+        return True
+    if torch.cuda.is_available():
+        return False
+
+    # Buffers, schedules and `.cuda()` calls: see _CudaToCpu. Entered for the life of
+    # the process (and the thread that activates it, which is the training thread).
+    _CudaToCpu().__enter__()
+
+    # Allocation sites call torch.cuda.current_device() and pass the result as a device.
+    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
+    torch.cuda.set_device = _noop("set_device")  # type: ignore[assignment]
+    torch.cuda.device_count = lambda: 0  # type: ignore[assignment]
+
+    # RNG: model_parallel_cuda_manual_seed and CudaRNGStatesTracker save, seed and
+    # restore "the CUDA generator"; on CPU the CPU generator plays that part.
+    torch.cuda.get_rng_state = _cpu_rng_state  # type: ignore[assignment]
+    torch.cuda.set_rng_state = _set_cpu_rng_state  # type: ignore[assignment]
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = _set_cpu_rng_state
+
+    # Stream and device synchronisation used around p2p and optimizer steps: CPU
+    # ops are synchronous, so these are no-ops.
+    torch.cuda.synchronize = _noop("synchronize")  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    torch.cuda.empty_cache = _noop("empty_cache")  # type: ignore[assignment]
+
+    # megatron-core 0.16.x references `te_general_gemm` in the router's fp32 GEMM
+    # even when transformer-engine is not installed (NameError). None selects the
+    # plain torch path that the same function already has.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    _ACTIVE = True
+    return True
+
+
+def is_active() -> bool:
+    """True once the CPU redirections are installed in this process."""
+    return _ACTIVE
+
+
+@functools.cache
+def device() -> torch.device:
+    """The device the policy lives on: the local CUDA device, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU

@@ -1,0 +1,353 @@
+"""HF safetensors <-> megatron-core model state, for any TP/PP/VPP/EP/ETP layout.
+
+Import: every rank reads, tensor by tensor, only the HF tensors its own shard
+needs (its pipeline stage's layers, its experts) and slices them for its TP/ETP
+rank, so no rank ever holds the whole model.
+
+Export: tensors are gathered over TP (dense) or ETP (experts) one at a time; one
+writer per shard group (DP rank 0 and TP rank 0 for dense weights, expert-DP rank 0
+and ETP rank 0 for experts) streams them into safetensors files of bounded size.
+Rank 0 then names the files `model-0000i-of-0000N.safetensors` and writes
+`model.safetensors.index.json` with the config, giving a standard HF checkpoint
+with per-expert tensor names that transformers and SGLang load.
+
+Written by hand because no maintained library maps megatron-core's local and
+transformer-engine parameter names to HF Qwen3-MoE for arbitrary layouts
+(megatron-bridge targets NeMo's stack and is not a dependency here).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_rl.policy.model import MoEArch
+
+
+class ConversionError(ValueError):
+    """A tensor is missing or has the wrong shape."""
+
+
+# ---------------------------------------------------------------- reading HF checkpoints
+
+class HFCheckpoint:
+    """Lazy access to the tensors of a HF safetensors checkpoint (single file or sharded)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").is_file():
+            with safe_open(self.dir / "model.safetensors", "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        self.weight_map: dict[str, str] = weight_map
+        self._handles: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise ConversionError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.dir / file, "pt")
+        return self._handles[file].get_tensor(name)
+
+
+# ---------------------------------------------------------------- the weight map
+
+@dataclass(frozen=True)
+class Shard:
+    """How one megatron parameter relates to HF tensors.
+
+    hf: HF tensor names that make up the full (unsharded) megatron tensor.
+    kind: `copy` (one tensor), `qkv` (q, k, v interleaved per query group),
+          `glu` (gate and up stacked, each split separately).
+    dim: the dimension split across `group` (None = replicated).
+    group: `tp` or `etp`.
+    """
+
+    hf: tuple[str, ...]
+    kind: str = "copy"
+    dim: int | None = None
+    group: str = "tp"
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
+
+
+def qwen3_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
+    """Map a megatron name (layer-relative part, global layer and expert ids) to HF. None = skip."""
+    p = f"model.layers.{layer}." if layer is not None else ""
+    if layer is None:
+        return {
+            "embedding.word_embeddings.weight": Shard(("model.embed_tokens.weight",), dim=0),
+            "decoder.final_layernorm.weight": Shard(("model.norm.weight",)),
+            "output_layer.weight": Shard(("model.embed_tokens.weight" if arch.tie_word_embeddings
+                                          else "lm_head.weight",), dim=0),
+        }.get(name)
+    if expert is not None:
+        fc = name
+        if fc == "linear_fc1":
+            return Shard((f"{p}mlp.experts.{expert}.gate_proj.weight", f"{p}mlp.experts.{expert}.up_proj.weight"),
+                         kind="glu", dim=0, group="etp")
+        return Shard((f"{p}mlp.experts.{expert}.down_proj.weight",), dim=1, group="etp")
+    return {
+        "input_layernorm.weight": Shard((f"{p}input_layernorm.weight",)),
+        "self_attention.linear_qkv.layer_norm_weight": Shard((f"{p}input_layernorm.weight",)),
+        "self_attention.linear_qkv.weight": Shard((f"{p}self_attn.q_proj.weight", f"{p}self_attn.k_proj.weight",
+                                                   f"{p}self_attn.v_proj.weight"), kind="qkv", dim=0),
+        "self_attention.linear_proj.weight": Shard((f"{p}self_attn.o_proj.weight",), dim=1),
+        "self_attention.q_layernorm.weight": Shard((f"{p}self_attn.q_norm.weight",)),
+        "self_attention.k_layernorm.weight": Shard((f"{p}self_attn.k_norm.weight",)),
+        "pre_mlp_layernorm.weight": Shard((f"{p}post_attention_layernorm.weight",)),
+        "mlp.linear_fc1.layer_norm_weight": Shard((f"{p}post_attention_layernorm.weight",)),
+        "mlp.router.weight": Shard((f"{p}mlp.gate.weight",)),
+        "mlp.linear_fc1.weight": Shard((f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"), kind="glu", dim=0),
+        "mlp.linear_fc2.weight": Shard((f"{p}mlp.down_proj.weight",), dim=1),
+    }.get(name)
+
+
+# HF family -> weight map. New families add their map here and a reader in model.py.
+WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | None]] = {
+    "qwen3_moe": qwen3_moe_shard,
+}
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """This rank's coordinates in every group the weight map needs."""
+
+    tp_rank: int
+    tp_size: int
+    etp_rank: int
+    etp_size: int
+    ep_rank: int
+    ep_size: int
+    dp_rank: int
+    edp_rank: int
+
+    @classmethod
+    def current(cls) -> "RankPlace":
+        from megatron.core import parallel_state as ps
+
+        return cls(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                   etp_rank=ps.get_expert_tensor_parallel_rank(),
+                   etp_size=ps.get_expert_tensor_parallel_world_size(),
+                   ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+                   dp_rank=ps.get_data_parallel_rank(), edp_rank=ps.get_expert_data_parallel_rank())
+
+
+def _shard_for(name: str, offset: int, place: RankPlace, arch: MoEArch) -> Shard | None:
+    """The Shard of a chunk-local megatron parameter name (layer ids made global)."""
+    wmap = WEIGHT_MAPS[arch.family]
+    m = _LAYER.match(name)
+    if not m:
+        return wmap(name, None, None, arch)
+    layer, rest = offset + int(m.group(1)), m.group(2)
+    em = _LOCAL_EXPERT.match(rest) or _GROUPED_EXPERT.match(rest)
+    if em:
+        local, fc = (int(em.group(1)), em.group(2)) if em.re is _LOCAL_EXPERT else (int(em.group(2)), em.group(1))
+        per_rank = arch.num_moe_experts // place.ep_size
+        return wmap(fc, layer, place.ep_rank * per_rank + local, arch)
+    return wmap(rest, layer, None, arch)
+
+
+def _qkv_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: MoEArch) -> torch.Tensor:
+    """HF q/k/v -> megatron's fused layout: per query group [q heads..., k, v] rows."""
+    g, d = arch.num_query_groups, arch.kv_channels
+    qg = q.reshape(g, -1, d, q.shape[-1])
+    return torch.cat([qg, k.reshape(g, 1, d, -1), v.reshape(g, 1, d, -1)], dim=1).reshape(-1, q.shape[-1])
+
+
+def _qkv_split(w: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = arch.num_query_groups, arch.kv_channels
+    per = arch.num_attention_heads // g
+    x = w.reshape(g, per + 2, d, w.shape[-1])
+    return (x[:, :per].reshape(-1, w.shape[-1]), x[:, per].reshape(-1, w.shape[-1]),
+            x[:, per + 1].reshape(-1, w.shape[-1]))
+
+
+def _rank_and_size(shard: Shard, place: RankPlace) -> tuple[int, int]:
+    return (place.tp_rank, place.tp_size) if shard.group == "tp" else (place.etp_rank, place.etp_size)
+
+
+def _local_slice(shard: Shard, parts: list[torch.Tensor], place: RankPlace, arch: MoEArch) -> torch.Tensor:
+    """Build this rank's piece of a megatron tensor from full HF tensors."""
+    rank, size = _rank_and_size(shard, place)
+    if shard.kind == "qkv":
+        full = _qkv_full(*parts, arch)
+        return full.chunk(size, dim=0)[rank]
+    if shard.kind == "glu":
+        return torch.cat([p.chunk(size, dim=0)[rank] for p in parts], dim=0)
+    (t,) = parts
+    return t if shard.dim is None else t.chunk(size, dim=shard.dim)[rank]
+
+
+def _param_items(chunks: list[Any]) -> Iterator[tuple[int, str, torch.nn.Parameter, int]]:
+    """(chunk index, name, parameter, layer offset) over this rank's chunks, in a fixed order."""
+    from moe_rl.policy.model import layer_offset
+
+    for i, chunk in enumerate(chunks):
+        model = _unwrap(chunk)
+        offset = layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
+        for name, param in model.named_parameters():
+            yield i, name, param, offset
+
+
+def _unwrap(module: Any) -> Any:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[Any], hf_dir: str | Path, arch: MoEArch) -> int:
+    """Copy a HF checkpoint into this rank's model chunks. Returns the number of tensors set.
+
+    Fails with the parameter's name and both shapes when a tensor does not fit.
+    """
+    ckpt = HFCheckpoint(hf_dir)
+    place = RankPlace.current()
+    count = 0
+    for _, name, param, offset in _param_items(chunks):
+        shard = _shard_for(name, offset, place, arch)
+        if shard is None:
+            raise ConversionError(f"megatron parameter {name!r} has no HF counterpart for {arch.family}")
+        piece = _local_slice(shard, [ckpt.get(h) for h in shard.hf], place, arch)
+        if tuple(piece.shape) != tuple(param.shape):
+            raise ConversionError(f"{name} (from {', '.join(shard.hf)}): checkpoint gives shape "
+                                  f"{tuple(piece.shape)}, model expects {tuple(param.shape)}")
+        param.copy_(piece.to(param.dtype))
+        count += 1
+    return count
+
+
+# ---------------------------------------------------------------- export
+
+def _gather(t: torch.Tensor, shard: Shard, place: RankPlace) -> torch.Tensor:
+    """All-gather a sharded tensor over its group and undo the sharding."""
+    from megatron.core import parallel_state as ps
+
+    rank, size = _rank_and_size(shard, place)
+    if shard.dim is None or size == 1:
+        return t
+    group = ps.get_tensor_model_parallel_group() if shard.group == "tp" else ps.get_expert_tensor_parallel_group()
+    pieces = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(pieces, t.contiguous(), group=group)
+    if shard.kind == "glu":
+        halves = [p.chunk(2, dim=0) for p in pieces]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
+    return torch.cat(pieces, dim=shard.dim)
+
+
+def _to_hf(full: torch.Tensor, shard: Shard, arch: MoEArch) -> list[tuple[str, torch.Tensor]]:
+    if shard.kind == "qkv":
+        return list(zip(shard.hf, _qkv_split(full, arch)))
+    if shard.kind == "glu":
+        return list(zip(shard.hf, full.chunk(2, dim=0)))
+    return [(shard.hf[0], full)]
+
+
+class _ShardWriter:
+    """Streams tensors into safetensors files of at most `max_bytes` each."""
+
+    def __init__(self, out_dir: Path, tag: str, max_bytes: int) -> None:
+        self.out_dir, self.tag, self.max_bytes = out_dir, tag, max_bytes
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[str, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.buffer and self.size + nbytes > self.max_bytes:
+            self.flush()
+        self.buffer[name] = tensor.detach().to("cpu").contiguous().clone()
+        self.size += nbytes
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        fname = f"part-{self.tag}-{len(self.files):05d}.safetensors"
+        save_file(self.buffer, str(self.out_dir / fname), metadata={"format": "pt"})
+        self.files.append((fname, list(self.buffer)))
+        self.buffer, self.size = {}, 0
+
+
+@torch.no_grad()
+def export_hf(chunks: list[Any], out_dir: str | Path, arch: MoEArch, hf_config: dict[str, Any],
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 2 << 30) -> Path | None:
+    """Write this model as a HF checkpoint into `out_dir` (collective: call on every rank).
+
+    `out_dir` must be on a filesystem all ranks see. Returns the directory on rank 0.
+    Tied output weights are written once (as the embedding).
+    """
+    place = RankPlace.current()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(out, f"r{rank:05d}", max_shard_bytes)
+    for _, name, param, offset in _param_items(chunks):
+        shard = _shard_for(name, offset, place, arch)
+        if shard is None:
+            raise ConversionError(f"megatron parameter {name!r} has no HF counterpart for {arch.family}")
+        full = _gather(param.data, shard, place)
+        is_writer = (place.edp_rank == 0 and place.etp_rank == 0) if shard.group == "etp" \
+            else (place.dp_rank == 0 and place.tp_rank == 0)
+        if not is_writer or (name == "output_layer.weight" and arch.tie_word_embeddings):
+            continue
+        for hf_name, t in _to_hf(full, shard, arch):
+            writer.add(hf_name, t if dtype is None else t.to(dtype))
+    writer.flush()
+    files = writer.files
+    if dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, files)
+        files = [f for per_rank in gathered for f in per_rank]
+    if rank == 0:
+        _finalize(out, files, hf_config)
+    if dist.is_initialized():
+        dist.barrier()
+    return out if rank == 0 else None
+
+
+def _finalize(out: Path, files: list[tuple[str, list[str]]], hf_config: dict[str, Any]) -> None:
+    """Rename the parts to HF's shard names and write the index and config."""
+    n = len(files)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, (tmp, names) in enumerate(sorted(files)):
+        final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(out / tmp, out / final)
+        total += (out / final).stat().st_size
+        for name in names:
+            if name in weight_map:
+                raise ConversionError(f"tensor {name} written twice ({weight_map[name]} and {final})")
+            weight_map[name] = final
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+
+def copy_aux_files(src: str | Path, dst: str | Path) -> None:
+    """Copy tokenizer and generation files (everything but weights and config) between HF dirs."""
+    for f in Path(src).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, Path(dst) / f.name)

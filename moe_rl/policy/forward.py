@@ -1,0 +1,237 @@
+"""Per-token log-probs (and entropy) of given token ids under megatron's pipeline schedule.
+
+Sequences of different lengths are right-padded into microbatches of one common
+length (the pipeline's p2p buffers need one shape; causal attention keeps padding
+from touching real tokens). Log-probs are computed vocab-parallel on the last
+pipeline stage, never gathering the full vocabulary, and broadcast back to every
+pipeline stage so the ranks that own the data have them.
+
+Shapes: B sequences, T = longest length, V/tp = this rank's vocabulary shard.
+`logp[b, t] = log p(tokens[b, t + 1] | tokens[b, : t + 1])`, so outputs are `[B, T - 1]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Microbatch:
+    """One microbatch as the schedule sees it.
+
+    tokens: `[b, s]` right-padded token ids; lengths: `[b]`; index: `[b]` rows of the
+    caller's batch; extras: per-row tensors the loss needs (advantages `[b]`,
+    old log-probs `[b, s - 1]`, ...), padded like `tokens`.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    index: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """`[b, s - 1]`: 1 where position t predicts a real token t + 1."""
+        s = self.tokens.shape[1]
+        return (torch.arange(s - 1).unsqueeze(0) < (self.lengths - 1).unsqueeze(1)).float()
+
+
+def pad_length(max_len: int, multiple: int) -> int:
+    """Round up to a multiple (sequence parallel splits the sequence over TP ranks)."""
+    return -(-max_len // multiple) * multiple
+
+
+def make_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, pad_multiple: int = 1,
+                      extras: dict[str, torch.Tensor] | None = None, pad_id: int = 0,
+                      seq_len: int | None = None) -> list[Microbatch]:
+    """Split sequences (each `[T_i]`) into right-padded microbatches of one common length.
+
+    `extras` tensors are indexed by row (first dim B) and sliced along with tokens.
+    """
+    if not sequences:
+        raise ValueError("no sequences to process")
+    lengths = torch.tensor([len(s) for s in sequences])
+    if int(lengths.min()) < 2:
+        raise ValueError("every sequence needs at least 2 tokens (a prompt token and one to score)")
+    s = pad_length(seq_len or int(lengths.max()), pad_multiple)
+    tokens = torch.full((len(sequences), s), pad_id, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        tokens[i, : len(seq)] = seq
+    out = []
+    for start in range(0, len(sequences), micro_batch_size):
+        idx = torch.arange(start, min(start + micro_batch_size, len(sequences)))
+        ex = {k: v[idx] for k, v in (extras or {}).items()}
+        out.append(Microbatch(tokens=tokens[idx], lengths=lengths[idx], index=idx, extras=ex))
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel log p of the next token. logits `[b, s, V/tp]`, tokens `[b, s]` -> `[b, s - 1]`.
+
+    Differentiable. `vocab_parallel_cross_entropy` rewrites its input in place, so it
+    gets its own fp32 copy.
+    """
+    from megatron.core import tensor_parallel
+
+    shifted = logits[:, :-1].float().contiguous()
+    return -tensor_parallel.vocab_parallel_cross_entropy(shifted.clone(), tokens[:, 1:].contiguous())
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel entropy of the next-token distribution: `[b, s, V/tp]` -> `[b, s - 1]`."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    x = logits[:, :-1].float()
+    m = x.max(dim=-1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(x - m.unsqueeze(-1))
+    z = e.sum(-1)
+    ez = (e * x).sum(-1)
+    dist.all_reduce(z, group=group)
+    dist.all_reduce(ez, group=group)
+    # H = log Z - E_p[x], with Z and x shifted by m.
+    return torch.log(z) + m - ez / z
+
+
+# A loss function runs on the last stage: (logits [b, s, V/tp], microbatch) ->
+# (scalar loss to backpropagate, dict of outputs to keep).
+LossFn = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def run_schedule(chunks: list[Any], microbatches: list[Microbatch], loss_fn: LossFn,
+                 forward_only: bool) -> list[dict[str, Any]]:
+    """Run megatron's pipeline schedule over `microbatches`; return loss_fn outputs (last stage only).
+
+    Every rank of a model-parallel group must pass the same microbatches. Losses are
+    summed, not averaged, over microbatches (`calculate_per_token_loss`): callers
+    normalise with global counts so gradients add up across microbatches and DP ranks.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Iterator[Microbatch], model: Any):
+        mb = next(data_iterator)
+        pos = torch.arange(mb.tokens.shape[1]).unsqueeze(0).expand_as(mb.tokens)
+        output = model(mb.tokens.to(_device()), pos.to(_device()), attention_mask=None)
+
+        def loss_func(logits: torch.Tensor):
+            loss, out = loss_fn(logits, mb)
+            return loss, torch.ones((), dtype=torch.int), out
+
+        return output, loss_func
+
+    seq_len = microbatches[0].tokens.shape[1]
+    mbs = microbatches[0].tokens.shape[0]
+    if any(mb.tokens.shape != (mbs, seq_len) for mb in microbatches[:-1]) or \
+            microbatches[-1].tokens.shape[1] != seq_len:
+        raise ValueError("all microbatches must share one sequence length and size (the last may be smaller)")
+    if microbatches[-1].tokens.shape[0] != mbs:
+        # The schedule's p2p buffers use one shape; pad the last microbatch with
+        # repeated rows whose loss contributions are masked out by `index = -1`.
+        microbatches = microbatches[:-1] + [_pad_microbatch(microbatches[-1], mbs)]
+    iters = [iter(microbatches) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iters if len(chunks) > 1 else iters[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(microbatches),
+        seq_length=seq_len,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )
+
+
+def _pad_microbatch(mb: Microbatch, size: int) -> Microbatch:
+    extra_rows = size - mb.tokens.shape[0]
+    rep = torch.zeros(extra_rows, dtype=torch.long)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t[rep]], dim=0)
+
+    return Microbatch(tokens=pad(mb.tokens), lengths=pad(mb.lengths),
+                      index=torch.cat([mb.index, torch.full((extra_rows,), -1, dtype=mb.index.dtype)]),
+                      extras={k: pad(v) for k, v in mb.extras.items()})
+
+
+def agree_on_shape(num_sequences: int, seq_len: int) -> int:
+    """Common padded length across all ranks; checks every DP rank has as many sequences.
+
+    Expert-parallel token exchange and DP-replicated pipelines run collectives per
+    microbatch, so every rank must run the same number of microbatches of one shape.
+    """
+    if not dist.is_initialized():
+        return seq_len
+    t = torch.tensor([seq_len, num_sequences, -num_sequences], dtype=torch.long, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(t[1]) != -int(t[2]):
+        raise ValueError(f"data-parallel ranks hold different numbers of sequences (between {-int(t[2])} and "
+                         f"{int(t[1])}); shard the batch evenly across data-parallel ranks")
+    return int(t[0])
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@dataclass
+class LogProbs:
+    """Per-token results for B sequences, aligned with the input order.
+
+    logp, entropy: `[B, T - 1]` (0 past each sequence's end); mask: `[B, T - 1]`.
+    """
+
+    logp: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_batch_size: int,
+                     with_entropy: bool = False, seq_len: int | None = None) -> LogProbs:
+    """Log-probs (and entropy) of each sequence's tokens, on every rank of the model-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    for c in chunks:
+        c.eval()
+    tp = ps.get_tensor_model_parallel_world_size()
+    seq_len = agree_on_shape(len(sequences), max(seq_len or 0, max(len(x) for x in sequences)))
+    mbs = make_microbatches(sequences, micro_batch_size, pad_multiple=tp, seq_len=seq_len)
+
+    def keep(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        out = {"index": mb.index, "logp": token_logprobs(logits, mb.tokens)}
+        if with_entropy:
+            out["entropy"] = token_entropy(logits)
+        return logits.new_zeros(()), out
+
+    outputs = run_schedule(chunks, mbs, keep, forward_only=True)
+    s = mbs[0].tokens.shape[1]
+    n = len(sequences)
+    logp = torch.zeros(n, s - 1)
+    ent = torch.zeros(n, s - 1) if with_entropy else None
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for out in outputs:
+            rows = out["index"] >= 0
+            logp[out["index"][rows]] = out["logp"][rows].float().cpu()
+            if ent is not None:
+                ent[out["index"][rows]] = out["entropy"][rows].float().cpu()
+    _broadcast_from_last_stage(logp)
+    if ent is not None:
+        _broadcast_from_last_stage(ent)
+    lengths = torch.tensor([len(x) for x in sequences])
+    mask = (torch.arange(s - 1).unsqueeze(0) < (lengths - 1).unsqueeze(1)).float()
+    return LogProbs(logp=logp * mask, mask=mask, entropy=None if ent is None else ent * mask)
+
+
+def _broadcast_from_last_stage(t: torch.Tensor) -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return
+    buf = t.to(_device())
+    dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                   group=ps.get_pipeline_model_parallel_group())
+    t.copy_(buf.cpu())

@@ -1,0 +1,319 @@
+"""Build a megatron-core `GPTModel` for a HF MoE architecture.
+
+The HF `config.json` is read into `MoEArch` (a plain description of the network),
+which then becomes a megatron `TransformerConfig` for a given `ParallelLayout`.
+Families are registered in `ARCHITECTURES`: each entry reads one HF config format.
+Qwen3-MoE is the first; Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 slot in as
+further readers plus their weight maps in `convert.py`.
+
+On GPU the transformer-engine layer spec and the alltoall dispatcher are used; on
+CPU the local spec with a sequence-parallel-capable RMSNorm and the allgather
+dispatcher (the alltoall dispatcher creates a CUDA stream when it is built).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from moe_rl.policy.parallel import ParallelLayout
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint's architecture has no reader here."""
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """The network as both HF and megatron see it (names follow megatron)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int  # dense MLP layers (mlp_only_layers)
+    num_moe_experts: int | None
+    moe_ffn_hidden_size: int | None
+    moe_router_topk: int
+    norm_topk_prob: bool
+    moe_aux_loss_coeff: float
+    moe_layers: tuple[int, ...]  # 0-based indices of MoE layers; the others are dense
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_layernorm: bool = True
+    hf_architecture: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    # Published checkpoints: top-level `rope_theta`; current transformers writes
+    # `rope_parameters: {"rope_theta": ..., "rope_type": "default"}`.
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if cfg.get("rope_theta") is not None:
+        return float(cfg["rope_theta"])
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    return 10000.0
+
+
+def _read_qwen3_moe(cfg: dict[str, Any]) -> MoEArch:
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    moe_layers = tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0)
+    rope_type = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type", "default")
+    if rope_type not in (None, "default"):
+        raise UnsupportedModel(f"rope_type={rope_type!r} is not supported yet (only 'default')")
+    heads = int(cfg["num_attention_heads"])
+    return MoEArch(
+        family="qwen3_moe",
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads", heads)),
+        kv_channels=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        ffn_hidden_size=int(cfg.get("intermediate_size", 0)),
+        num_moe_experts=int(experts) if experts else None,
+        moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]) if experts else None,
+        moe_router_topk=int(cfg.get("num_experts_per_tok", 1)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0),
+        moe_layers=moe_layers,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hf_architecture="Qwen3MoeForCausalLM",
+    )
+
+
+# HF `architectures[0]` -> reader. Add a family by adding a reader here and its
+# weight map in convert.py.
+ARCHITECTURES: dict[str, Callable[[dict[str, Any]], MoEArch]] = {
+    "Qwen3MoeForCausalLM": _read_qwen3_moe,
+}
+
+
+def read_hf_config(model_dir: str | Path) -> MoEArch:
+    """Read `config.json` of a HF checkpoint directory into `MoEArch`."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json; expected a HF checkpoint directory")
+    cfg = json.loads(path.read_text())
+    return arch_from_hf_dict(cfg, source=str(path))
+
+
+def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config") -> MoEArch:
+    archs = cfg.get("architectures") or []
+    name = archs[0] if archs else {"qwen3_moe": "Qwen3MoeForCausalLM"}.get(cfg.get("model_type", ""), "")
+    if name not in ARCHITECTURES:
+        raise UnsupportedModel(f"{source}: architecture {name or cfg.get('model_type')!r} is not supported; "
+                               f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[name](cfg)
+
+
+# ---------------------------------------------------------------- megatron config
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm with megatron's norm constructor signature that works with sequence parallel.
+
+    megatron's `WrappedTorchNorm` refuses `sequence_parallel=True`, and its fused
+    alternatives need apex or transformer-engine. A norm is elementwise over the
+    hidden dimension, so it runs unchanged on a sequence shard; the only SP duty is
+    to mark the weight so `finalize_model_grads` sums its gradient over TP ranks.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as HF's Qwen3 RMSNorm: normalise in fp32, scale in input dtype.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def use_transformer_engine() -> bool:
+    """TE spec only on GPU and only when transformer-engine imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32",
+                       recompute: bool = False, router_fusion: bool = False) -> Any:
+    """megatron `TransformerConfig` for `arch` under `layout`."""
+    from megatron.core.transformer import TransformerConfig
+
+    if router_fusion:
+        raise ValueError("model.moe_router_fusion=true skips megatron's RouterReplay, so recorded routes "
+                         "would be silently ignored; set model.moe_router_fusion=false")
+    gpu = torch.cuda.is_available()
+    te = use_transformer_engine()
+    params_dtype = _DTYPES[dtype]
+    moe = arch.num_moe_experts is not None
+    kw: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        ffn_hidden_size=arch.ffn_hidden_size or arch.moe_ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        qk_layernorm=arch.qk_layernorm,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Fusions need apex / TE kernels; the plain paths are exact on any device.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        # Losses are summed over microbatches and DP ranks with global normalisers
+        # (see algo/losses.py): no averaging in the schedule or in DDP.
+        calculate_per_token_loss=True,
+        params_dtype=params_dtype,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        pipeline_dtype=params_dtype,
+        autocast_dtype=params_dtype,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sequence_parallel,
+        use_cpu_initialization=not gpu,
+        deallocate_pipeline_outputs=True,
+    )
+    if moe:
+        kw.update(
+            num_moe_experts=arch.num_moe_experts,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_topk=arch.moe_router_topk,
+            # norm_topk_prob=True: softmax over the top-k logits (== renormalised top-k
+            # probabilities). False: softmax over all experts, then top-k, no renorm.
+            moe_router_pre_softmax=not arch.norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type="alltoall" if gpu else "allgather",
+            moe_grouped_gemm=te,
+            moe_layer_freq=[1 if i in arch.moe_layers else 0 for i in range(arch.num_layers)],
+            moe_enable_routing_replay=True,
+            moe_router_fusion=False,
+            moe_permute_fusion=False,
+        )
+    if recompute:
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kw)
+
+
+def _swap_norms(spec: Any, qk_layernorm: bool) -> None:
+    """Replace the local spec's torch norms with SequenceParallelRMSNorm, in place."""
+    sub = spec.submodules
+    sub.input_layernorm = SequenceParallelRMSNorm
+    sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if qk_layernorm:
+        sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+        sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+
+
+def layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """Block spec for this pipeline stage (TE on GPU, local + SP-capable norms on CPU)."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    te = use_transformer_engine()
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
+    if te:
+        return block
+    block = copy.deepcopy(block)
+    for spec in block.layer_specs:
+        _swap_norms(spec, config.qk_layernorm)
+    block.layer_norm = SequenceParallelRMSNorm
+    return block
+
+
+def build_model(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32", recompute: bool = False,
+                router_fusion: bool = False) -> list[Any]:
+    """Build this rank's model chunks (one per virtual pipeline stage).
+
+    Parallel groups must already exist (`parallel.init_distributed`). Returns the
+    bare `GPTModel` chunks; DDP wrapping is the training step's business.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    config = transformer_config(arch, layout, dtype, recompute, router_fusion)
+    # RouterReplay keeps a class-level list of every router ever built; a second
+    # model in the same process would otherwise mix its routers into ours.
+    RouterReplay.clear_global_router_replay_instances()
+    chunks = []
+    vpp = layout.vpp or 1
+    for stage in range(vpp):
+        vp_stage = stage if layout.vpp else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config, vp_stage),
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta),
+            vp_stage=vp_stage,
+        )
+        model.model_type = getattr(model, "model_type", None)
+        chunks.append(model.to(_DTYPES[dtype]))
+    return chunks
+
+
+def layer_offset(config: Any, vp_stage: int | None = None) -> int:
+    """Global index of this chunk's first decoder layer."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(config, vp_stage=vp_stage)
+
+
+def with_dims(arch: MoEArch, **changes: Any) -> MoEArch:
+    """A copy of `arch` with some fields changed (tests, scaling benchmarks)."""
+    return replace(arch, **changes)

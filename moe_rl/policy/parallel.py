@@ -1,0 +1,209 @@
+"""Parallel layout (TP, PP, VPP, EP, ETP, SP, DP) and process-group initialisation.
+
+`ParallelLayout` is validated once against the world size and the model, with
+errors that say which dimension is wrong and what would fit. `init_distributed`
+reads torchrun or SLURM variables, creates the default process group (gloo on
+CPU, nccl on GPU) and megatron's model-parallel groups.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work for this world size or model."""
+
+
+class ModelDims(Protocol):
+    """What layout validation needs to know about the model."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    num_moe_experts: int | None
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of each parallel dimension; `dp` is derived from the world size.
+
+    tp: tensor parallel; pp: pipeline stages; vpp: virtual stages per pipeline rank
+    (interleaved schedule) or None; ep: expert parallel; etp: expert tensor parallel;
+    sp: sequence parallel (None = on exactly when tp > 1, which MoE requires).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int = 1
+    sp: bool | None = None
+    world_size: int = 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1 if self.sp is None else self.sp
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def name(self) -> str:
+        """Dash-joined short name, e.g. `tp2-pp2` (dimensions of size 1 left out)."""
+        parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vpp", self.vpp or 1),
+                                         ("ep", self.ep), ("etp", self.etp), ("dp", self.dp)) if v > 1]
+        return "-".join(parts) or "single"
+
+    @classmethod
+    def parse(cls, name: str) -> "ParallelLayout":
+        """Parse a layout name like `tp2-pp2-vpp2` or `tp2-ep2-dp2` (world size = product, vpp aside)."""
+        sizes = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "etp": 1, "dp": 1}
+        if name not in ("", "single", "dp1"):
+            for part in name.split("-"):
+                m = re.fullmatch(r"(tp|pp|vpp|ep|etp|dp)(\d+)", part)
+                if not m or int(m.group(2)) < 1:
+                    raise LayoutError(f"layout {name!r}: bad part {part!r}; use dash-joined tpN, ppN, vppN, "
+                                      f"epN, etpN, dpN (e.g. tp2-pp2)")
+                sizes[m.group(1)] = int(m.group(2))
+        # The world size is the product of the named sizes (vpp aside): EP and ETP
+        # then partition the tp*dp ranks of a stage, so `ep2` alone runs on 2 ranks
+        # (dp2 for the dense part) and `tp2-ep2` on 4.
+        world = 1
+        for key in ("tp", "pp", "ep", "etp", "dp"):
+            world *= sizes[key]
+        return cls(tp=sizes["tp"], pp=sizes["pp"], vpp=sizes["vpp"] if sizes["vpp"] > 1 else None,
+                   ep=sizes["ep"], etp=sizes["etp"], world_size=world)
+
+    def validate(self, model: ModelDims | None = None) -> "ParallelLayout":
+        """Raise LayoutError naming the first dimension that does not fit; return self."""
+        for field in ("tp", "pp", "ep", "etp", "world_size"):
+            if getattr(self, field) < 1:
+                raise LayoutError(f"parallel.{field}={getattr(self, field)} must be >= 1")
+        if self.vpp is not None and (self.vpp < 1 or self.pp < 2):
+            raise LayoutError(f"parallel.vpp={self.vpp} needs parallel.pp >= 2 (got pp={self.pp})")
+        if self.world_size % (self.tp * self.pp):
+            raise LayoutError(f"world size {self.world_size} is not divisible by tp*pp = "
+                              f"{self.tp}*{self.pp}; use a world size that is a multiple of {self.tp * self.pp}")
+        per_stage = self.world_size // self.pp
+        if per_stage % (self.ep * self.etp):
+            raise LayoutError(f"ep*etp = {self.ep}*{self.etp} must divide world_size/pp = {per_stage}")
+        if self.sp is False and self.tp > 1 and model is not None and model.num_moe_experts:
+            raise LayoutError("parallel.sp=false with tp>1: megatron-core requires sequence parallel "
+                              "for MoE models under tensor parallelism; set parallel.sp=true (or leave it unset)")
+        if model is not None:
+            self._validate_model(model)
+        return self
+
+    def _validate_model(self, m: ModelDims) -> None:
+        stages = self.pp * (self.vpp or 1)
+        if m.num_layers % stages:
+            raise LayoutError(f"num_layers={m.num_layers} is not divisible by pp*vpp = {stages}")
+        if m.num_attention_heads % self.tp:
+            raise LayoutError(f"num_attention_heads={m.num_attention_heads} is not divisible by tp={self.tp}")
+        if m.num_query_groups % self.tp:
+            raise LayoutError(f"num_key_value_heads={m.num_query_groups} is not divisible by tp={self.tp}")
+        if m.num_moe_experts and m.num_moe_experts % self.ep:
+            raise LayoutError(f"num_experts={m.num_moe_experts} is not divisible by ep={self.ep}")
+        if not m.num_moe_experts and self.ep > 1:
+            raise LayoutError(f"ep={self.ep} but the model has no MoE layers")
+
+
+# ---------------------------------------------------------------- launch environment
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, read from torchrun or SLURM variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: `gpu[003-010,012],cpu1` -> `gpu003`.
+
+    Written here instead of calling `scontrol show hostnames` so that it also works
+    inside containers that lack the SLURM client tools.
+    """
+    nodelist = nodelist.strip()
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not m:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def read_dist_env(environ: dict[str, str] | None = None, default_port: int = 29500) -> DistEnv:
+    """torchrun variables win; otherwise SLURM (srun, one task per device); otherwise one process."""
+    env = dict(os.environ if environ is None else environ)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                       local_rank=int(env.get("LOCAL_RANK", "0")),
+                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                       master_port=int(env.get("MASTER_PORT", default_port)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        return DistEnv(rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
+                       local_rank=int(env.get("SLURM_LOCALID", "0")),
+                       master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+                       master_port=int(env.get("MASTER_PORT", default_port)))
+    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                   master_port=int(env.get("MASTER_PORT", default_port)))
+
+
+def init_distributed(layout: ParallelLayout, timeout_minutes: int = 30, seed: int = 1234) -> DistEnv:
+    """Create the default group and megatron's parallel groups for `layout`.
+
+    The layout's world size must equal the job's. gloo on CPU (with the compat layer
+    activated), nccl on GPU.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    from moe_rl.policy import compat
+
+    env = read_dist_env()
+    if layout.world_size != env.world_size:
+        raise LayoutError(f"layout {layout.name} needs {layout.world_size} processes, "
+                          f"but the job has {env.world_size}")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(env.local_rank)
+    else:
+        compat.activate()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo",
+                                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(minutes=timeout_minutes))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return env
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's groups and the default group (tests and clean exits)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
