@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 # name -> (module, one-line help)
@@ -16,7 +17,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("moe_rl.trainer", "run RL training from a config file (YAML + key=value overrides)"),
     "serve": ("moe_rl.rollout.server", "serve a HF model over SGLang's native HTTP API (CPU rollout engine)"),
     "check-parity": ("moe_rl.policy.parity", "compare megatron log-probs under parallel layouts against HF transformers"),
-    "convert": ("moe_rl.policy.convert_cli", "convert between HF safetensors and megatron checkpoints"),
     "drift": ("moe_rl.drift.offline", "routing volatility between two HF checkpoints on a JSONL data file"),
     "report": ("moe_rl.observe.report", "plot a run directory's metrics (reward, volatility heatmap, mismatch)"),
 }

@@ -290,18 +290,13 @@ class _ShardWriter:
 
 
 @torch.no_grad()
-def export_hf(chunks: list[Any], out_dir: str | Path, arch: MoEArch, hf_config: dict[str, Any],
-              dtype: torch.dtype | None = None, max_shard_bytes: int = 2 << 30) -> Path | None:
-    """Write this model as a HF checkpoint into `out_dir` (collective: call on every rank).
+def iter_hf_tensors(chunks: list[Any], arch: MoEArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the tensors this rank writes (collective: call on every rank).
 
-    `out_dir` must be on a filesystem all ranks see. Returns the directory on rank 0.
-    Tied output weights are written once (as the embedding).
+    Each HF tensor is yielded by exactly one rank of the whole job; the others take
+    part in the TP / ETP gathers and yield nothing for it.
     """
     place = RankPlace.current()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(out, f"r{rank:05d}", max_shard_bytes)
     for _, name, param, offset in _param_items(chunks):
         shard = _shard_for(name, offset, place, arch)
         if shard is None:
@@ -311,8 +306,23 @@ def export_hf(chunks: list[Any], out_dir: str | Path, arch: MoEArch, hf_config: 
             else (place.dp_rank == 0 and place.tp_rank == 0)
         if not is_writer or (name == "output_layer.weight" and arch.tie_word_embeddings):
             continue
-        for hf_name, t in _to_hf(full, shard, arch):
-            writer.add(hf_name, t if dtype is None else t.to(dtype))
+        yield from _to_hf(full, shard, arch)
+
+
+@torch.no_grad()
+def export_hf(chunks: list[Any], out_dir: str | Path, arch: MoEArch, hf_config: dict[str, Any],
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 2 << 30) -> Path | None:
+    """Write this model as a HF checkpoint into `out_dir` (collective: call on every rank).
+
+    `out_dir` must be on a filesystem all ranks see. Returns the directory on rank 0.
+    Tied output weights are written once (as the embedding).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(out, f"r{rank:05d}", max_shard_bytes)
+    for hf_name, t in iter_hf_tensors(chunks, arch):
+        writer.add(hf_name, t if dtype is None else t.to(dtype))
     writer.flush()
     files = writer.files
     if dist.is_initialized():

@@ -302,9 +302,24 @@ def build_model(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32", reco
             rotary_base=int(arch.rope_theta),
             vp_stage=vp_stage,
         )
-        model.model_type = getattr(model, "model_type", None)
+        _mark_expert_params(model)
         chunks.append(model.to(_DTYPES[dtype]))
     return chunks
+
+
+def _mark_expert_params(model: Any) -> None:
+    """Route every expert weight's gradient through DDP's expert-data-parallel reduction.
+
+    megatron-core marks expert weights (`allreduce=False`) only when ep > 1. With
+    ep = 1, tp > 1 and etp = 1, each TP rank runs the full experts on its own
+    sequence-parallel shard of tokens, so the expert gradients must be summed over
+    the expert-data-parallel group (TP x DP ranks); left unmarked they are reduced
+    over DP only and each TP rank keeps a partial gradient. Marking them is exact for
+    every layout, since the expert-DP group equals the DP group whenever etp = tp.
+    """
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 def layer_offset(config: Any, vp_stage: int | None = None) -> int:

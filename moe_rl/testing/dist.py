@@ -33,13 +33,17 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "MOE_RL_DIST_BACKEND": backend,
     })
     # One intra-op thread per rank: ranks share the machine's cores.
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % max(torch.cuda.device_count(), 1))
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
         result = fn(*args, **kwargs)
         try:
             payload = pickle.dumps(result)
@@ -62,9 +66,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
               timeout: float = 300.0, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` processes; return the per-rank results.
 
-    `fn` must be importable by name (a module-level function). Process groups are
-    not created here: `fn` calls `moe_rl.policy.parallel.init_distributed` (or
-    `torch.distributed.init_process_group`) itself, reading the usual environment.
+    `fn` must be importable by name (a module-level function). The default process
+    group is created here with `backend`; `fn` adds megatron's groups with
+    `moe_rl.policy.parallel.init_distributed`, which reuses it.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -1,0 +1,217 @@
+"""`moe-rl check-parity`: is this parallel layout numerically sound for my model?
+
+For each layout, local processes (gloo on CPU) build the megatron model from a HF
+checkpoint, compute per-token log-probs of a fixed set of token sequences, and the
+results are compared with HF transformers on the same weights. The workers here
+are also what the test suite uses for layout parity, gradient parity and the
+HF -> megatron -> HF round trip.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_rl.policy.parallel import ParallelLayout
+
+DEFAULT_LAYOUTS = "tp2,pp2,ep2,tp2-ep2,tp2-pp2,pp2-vpp2,dp2"
+
+
+def sample_sequences(vocab_size: int, num: int = 8, max_len: int = 24, seed: int = 0) -> list[torch.Tensor]:
+    """Deterministic token sequences of varied lengths (2..max_len) for parity checks."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, max_len + 1, (num,), generator=g)
+    lengths[0] = max_len
+    return [torch.randint(0, vocab_size, (int(n),), generator=g) for n in lengths]
+
+
+@torch.no_grad()
+def hf_logprobs(hf_dir: str | Path, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Reference log-probs from HF transformers, one sequence at a time (no padding), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    out = []
+    for seq in sequences:
+        logits = model(seq.unsqueeze(0)).logits[0, :-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, seq[1:, None]).squeeze(-1))
+    return out
+
+
+def token_weights(sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fixed signed per-token weights for a gradient check loss: `[T_i - 1]` each."""
+    return [torch.tensor([(((b + 1) * (t + 3)) % 7 - 3) / 3.0 for t in range(len(s) - 1)])
+            for b, s in enumerate(sequences)]
+
+
+def layout_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], micro_batch_size: int = 2,
+                  export_dir: str | None = None, grads: bool = False, recompute: bool = False) -> dict[str, Any]:
+    """Runs on every rank: log-probs of this DP rank's share, optional HF export and gradients.
+
+    Returns {"rank", "dp_rank", "index", "logp", "grads" (HF name -> tensor, this rank's share)}.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
+    from moe_rl.policy.forward import compute_logprobs, make_microbatches, token_logprobs
+    from moe_rl.policy.model import build_model, read_hf_config
+    from moe_rl.policy.parallel import init_distributed
+
+    layout = ParallelLayout.parse(layout_name)
+    arch = read_hf_config(hf_dir)
+    layout.validate(arch)
+    init_distributed(layout)
+    chunks = build_model(arch, layout, recompute=recompute)
+    load_hf_weights(chunks, hf_dir, arch)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    index = list(range(dp_rank, len(sequences), dp))
+    mine = [sequences[i] for i in index]
+    result: dict[str, Any] = {"rank": dist.get_rank(), "dp_rank": dp_rank, "index": index}
+    result["logp"] = compute_logprobs(chunks, mine, micro_batch_size).logp
+    if export_dir is not None:
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        export_hf(chunks, export_dir, arch, config)
+    if grads:
+        result["grads"] = _gradients(chunks, arch, sequences, index, micro_batch_size)
+    return result
+
+
+def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], index: list[int],
+               micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """Gradient of sum(w * logp) / N_global over the whole batch, this rank's HF-named share."""
+    from moe_rl.policy.convert import iter_hf_tensors
+    from moe_rl.policy.forward import agree_on_shape, make_microbatches, token_logprobs
+    from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, grads_as_params
+
+    weights = token_weights(sequences)
+    total = sum(len(w) for w in weights)
+    mine = [sequences[i] for i in index]
+    seq_len = agree_on_shape(len(mine), max(len(s) for s in sequences))
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    w = torch.zeros(len(mine), -(-seq_len // tp) * tp - 1)
+    for j, i in enumerate(index):
+        w[j, : len(weights[i])] = weights[i]
+    mbs = make_microbatches(mine, micro_batch_size, pad_multiple=tp, seq_len=seq_len, extras={"w": w})
+
+    def loss_fn(logits, mb):
+        logp = token_logprobs(logits, mb.tokens)
+        valid = (mb.index >= 0).float().unsqueeze(1)
+        loss = -(logp * mb.extras["w"] * mb.loss_mask * valid).sum() / total
+        return loss, {}
+
+    opt = PolicyOptimizer(chunks, OptimConfig())
+    opt.backward(mbs, loss_fn)
+    grads_as_params(opt.chunks)
+    return {k: v.clone() for k, v in iter_hf_tensors(opt.bare_chunks, arch)}
+
+
+@dataclass
+class ParityRow:
+    """One layout's result, as printed and written to JSON."""
+
+    layout: str
+    world_size: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    seconds: float
+    ok: bool
+    error: str | None = None
+
+
+def compare(results: list[dict[str, Any]], reference: list[torch.Tensor]) -> tuple[float, float]:
+    """Max and mean |Δ log p| between per-rank results and the reference, over all tokens."""
+    diffs = []
+    seen = set()
+    for r in results:
+        for j, i in enumerate(r["index"]):
+            if i in seen:
+                continue
+            seen.add(i)
+            n = len(reference[i])
+            diffs.append((r["logp"][j, :n] - reference[i]).abs())
+    if len(seen) != len(reference):
+        raise RuntimeError(f"results cover {len(seen)} of {len(reference)} sequences")
+    d = torch.cat(diffs)
+    return float(d.max()), float(d.mean())
+
+
+def check_layouts(hf_dir: str | Path, layouts: list[str], num_tokens: int = 24, num_sequences: int = 8,
+                  tolerance: float = 1e-4, timeout: float = 600.0, progress: Any = None) -> list[ParityRow]:
+    """Run each layout on local processes and compare with HF transformers."""
+    from moe_rl.policy.model import read_hf_config
+    from moe_rl.testing.dist import run_ranks
+
+    arch = read_hf_config(hf_dir)
+    sequences = sample_sequences(arch.vocab_size, num=num_sequences, max_len=num_tokens)
+    reference = hf_logprobs(hf_dir, sequences)
+    rows = []
+    for name in layouts:
+        start = time.monotonic()
+        try:
+            layout = ParallelLayout.parse(name).validate(arch)
+            results = run_ranks(layout_worker, layout.world_size, name, str(hf_dir), sequences, timeout=timeout)
+            mx, mean = compare(results, reference)
+            row = ParityRow(name, layout.world_size, mx, mean, time.monotonic() - start, mx <= tolerance)
+        except Exception as exc:  # a broken layout is a row in the table, not a crash
+            world = _safe_world(name)
+            row = ParityRow(name, world, float("nan"), float("nan"), time.monotonic() - start, False,
+                            f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+        rows.append(row)
+        if progress:
+            progress(row)
+    return rows
+
+
+def _safe_world(name: str) -> int:
+    try:
+        return ParallelLayout.parse(name).world_size
+    except Exception:
+        return 0
+
+
+# ---------------------------------------------------------------- CLI
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf-model", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                   help="comma-separated layouts, each dash-joined tpN, ppN, vppN, epN, etpN, dpN; "
+                        f"world size = product (vpp aside). Default: {DEFAULT_LAYOUTS}")
+    p.add_argument("--tokens", type=int, default=24, help="longest sequence length to score (default 24)")
+    p.add_argument("--sequences", type=int, default=8, help="number of sequences (default 8)")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max |Δ log p| allowed (default 1e-4, fp32)")
+    p.add_argument("--json", dest="json_out", help="also write the results as a JSON list to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    console.print(f"checking {len(layouts)} layouts of {args.hf_model} against HF transformers "
+                  f"(tolerance {args.tolerance:g})")
+
+    def progress(row: ParityRow) -> None:
+        mark = "[green]ok[/green]" if row.ok else "[red]FAIL[/red]"
+        console.print(f"  {row.layout:<14} {mark}  max |Δ log p| {row.max_abs_diff:.2e}  ({row.seconds:.1f}s)"
+                      + (f"  {row.error}" if row.error else ""))
+
+    rows = check_layouts(args.hf_model, layouts, args.tokens, args.sequences, args.tolerance, progress=progress)
+    table = Table(title="log-prob parity vs HF transformers")
+    for col in ("layout", "ranks", "max |Δ log p|", "mean |Δ log p|", "seconds", "ok"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.layout, str(r.world_size), f"{r.max_abs_diff:.2e}", f"{r.mean_abs_diff:.2e}",
+                      f"{r.seconds:.1f}", "yes" if r.ok else "NO")
+    console.print(table)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0 if all(r.ok for r in rows) else 1

@@ -1,0 +1,132 @@
+"""One optimizer step of the policy: megatron DDP + optimizer + LR schedule.
+
+`PolicyOptimizer` wraps the model chunks in megatron's `DistributedDataParallel`,
+builds megatron's optimizer (plain or distributed) and its LR scheduler, and runs
+`step(microbatches, loss_fn)`: zero the grad buffers, run the pipeline schedule
+forward and backward, reduce gradients over DP / TP / PP (`finalize_model_grads`),
+clip, and step.
+
+Losses are summed over microbatches and data-parallel ranks (DDP sums, it does not
+average: `calculate_per_token_loss=True` in the model config), so `loss_fn` must
+divide by global token or sequence counts (see `moe_rl/algo/losses.py`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_rl.policy.forward import LossFn, Microbatch, run_schedule
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer settings the policy needs (mirrors the `train` config section)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1
+    lr_schedule: str = "constant"
+    distributed_optimizer: bool = False
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradient norm was NaN/inf; the optimizer step was skipped."""
+
+
+def wrap_ddp(chunks: list[Any], distributed_optimizer: bool = False) -> list[Any]:
+    """Wrap bare GPTModel chunks in megatron DDP (fp32 gradient buffers)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        # Bucketing only pays off with overlap; one bucket per chunk keeps CPU runs simple.
+        ddp = DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
+        wrapped.append(ddp)
+    return wrapped
+
+
+class PolicyOptimizer:
+    """DDP-wrapped chunks + megatron optimizer + LR schedule."""
+
+    def __init__(self, chunks: list[Any], cfg: OptimConfig) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.cfg = cfg
+        self.chunks = wrap_ddp(chunks, cfg.distributed_optimizer)
+        model_cfg = chunks[0].config
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.grad_clip, bf16=model_cfg.bf16, fp16=model_cfg.fp16,
+            params_dtype=model_cfg.params_dtype, use_distributed_optimizer=cfg.distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
+        decay = max(cfg.total_steps - cfg.warmup_steps, 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+            lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=cfg.warmup_steps + decay,
+            lr_decay_style=cfg.lr_schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant")
+
+    def train(self) -> None:
+        for c in self.chunks:
+            c.train()
+
+    def backward(self, microbatches: list[Microbatch], loss_fn: LossFn) -> list[dict[str, Any]]:
+        """Zero grads, forward + backward over the microbatches, reduce grads. No optimizer step."""
+        from megatron.core.distributed import finalize_model_grads
+
+        self.train()
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = run_schedule(self.chunks, microbatches, loss_fn, forward_only=False)
+        finalize_model_grads(self.chunks)
+        return outputs
+
+    def step(self, microbatches: list[Microbatch], loss_fn: LossFn) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """One optimizer update on `microbatches`; returns the loss outputs and step metrics.
+
+        A non-finite gradient norm skips the update and raises NonFiniteLoss, leaving
+        the weights as they were.
+        """
+        outputs = self.backward(microbatches, loss_fn)
+        ok, grad_norm, _ = self.optimizer.step()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if not ok or not math.isfinite(grad_norm):
+            raise NonFiniteLoss(f"gradient norm is {grad_norm}: the update was skipped and weights are unchanged")
+        self.scheduler.step(increment=1)
+        return outputs, {"perf/grad_norm": grad_norm, "perf/lr": self.optimizer.param_groups[0]["lr"]}
+
+    @property
+    def bare_chunks(self) -> list[Any]:
+        """The GPTModel chunks inside DDP (for log-prob passes and export)."""
+        return [c.module for c in self.chunks]
+
+
+def grads_as_params(chunks: list[Any]) -> None:
+    """Copy each parameter's reduced gradient (DDP `main_grad`) into `.data` (tests, debugging).
+
+    Lets the HF exporter gather gradients exactly as it gathers weights.
+    """
+    for c in chunks:
+        for p in c.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            p.data.copy_(g if g is not None else torch.zeros_like(p))

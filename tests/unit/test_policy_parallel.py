@@ -1,0 +1,104 @@
+"""ParallelLayout validation, layout names, and launch-environment parsing."""
+from __future__ import annotations
+
+import pytest
+
+from moe_rl.policy.model import UnsupportedModel, arch_from_hf_dict
+from moe_rl.policy.parallel import LayoutError, ParallelLayout, first_host, read_dist_env
+
+QWEN3 = {
+    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_experts_per_tok": 2, "num_experts": 4, "norm_topk_prob": True,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+}
+
+
+@pytest.fixture
+def arch():
+    return arch_from_hf_dict(QWEN3)
+
+
+@pytest.mark.parametrize("name,sizes,world", [
+    ("tp2", dict(tp=2), 2), ("pp2-vpp2", dict(pp=2, vpp=2), 2), ("ep2", dict(ep=2), 2),
+    ("tp2-ep2", dict(tp=2, ep=2), 4), ("tp2-pp2", dict(tp=2, pp=2), 4), ("dp2", dict(), 2),
+    ("tp2-pp4-ep8", dict(tp=2, pp=4, ep=8), 64),
+])
+def test_parse_layout_names(name, sizes, world):
+    layout = ParallelLayout.parse(name)
+    assert layout.world_size == world
+    for key, value in sizes.items():
+        assert getattr(layout, key) == value
+
+
+def test_dp_is_derived_and_sp_defaults_on_with_tp():
+    layout = ParallelLayout.parse("tp2-ep2")
+    assert layout.dp == 2 and layout.sequence_parallel
+    assert not ParallelLayout.parse("pp2").sequence_parallel
+
+
+@pytest.mark.parametrize("layout,message", [
+    (ParallelLayout(tp=3, world_size=3), "num_attention_heads=4 is not divisible by tp=3"),
+    (ParallelLayout(tp=4, world_size=4), "num_key_value_heads=2 is not divisible by tp=4"),
+    (ParallelLayout(ep=8, world_size=8), "num_experts=4 is not divisible by ep=8"),
+    (ParallelLayout(pp=2, vpp=4, world_size=2), "num_layers=4 is not divisible by pp*vpp = 8"),
+    (ParallelLayout(pp=3, world_size=3), "num_layers=4 is not divisible by pp*vpp = 3"),
+    (ParallelLayout(tp=2, sp=False, world_size=2), "requires sequence parallel"),
+    (ParallelLayout(vpp=2, world_size=1), "parallel.vpp=2 needs parallel.pp >= 2"),
+    (ParallelLayout(tp=2, pp=2, world_size=6), "world size 6 is not divisible by tp*pp = 2*2"),
+    (ParallelLayout(ep=4, world_size=2), "ep*etp = 4*1 must divide world_size/pp = 2"),
+])
+def test_layout_errors_name_the_dimension(arch, layout, message):
+    with pytest.raises(LayoutError, match=message.replace("*", r"\*")):
+        layout.validate(arch)
+
+
+def test_bad_layout_name():
+    with pytest.raises(LayoutError, match="bad part 'xp2'"):
+        ParallelLayout.parse("tp2-xp2")
+
+
+def test_read_config_old_and_new_keys():
+    old = arch_from_hf_dict(QWEN3)
+    new_cfg = dict(QWEN3)
+    new_cfg["num_local_experts"] = new_cfg.pop("num_experts")
+    new_cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": new_cfg.pop("rope_theta")}
+    new = arch_from_hf_dict(new_cfg)
+    assert old == new
+    assert new.num_moe_experts == 4 and new.rope_theta == 1e6 and new.moe_layers == (0, 1, 2, 3)
+
+
+def test_dense_layers_from_mlp_only_layers():
+    cfg = dict(QWEN3, mlp_only_layers=[0, 3])
+    assert arch_from_hf_dict(cfg).moe_layers == (1, 2)
+
+
+def test_unsupported_architecture_lists_supported():
+    with pytest.raises(UnsupportedModel, match="'LlamaForCausalLM' is not supported; supported: Qwen3MoeForCausalLM"):
+        arch_from_hf_dict({"architectures": ["LlamaForCausalLM"]})
+
+
+def test_router_fusion_with_replay_is_refused(arch):
+    from moe_rl.policy.model import transformer_config
+
+    with pytest.raises(ValueError, match="moe_router_fusion=true skips megatron's RouterReplay"):
+        transformer_config(arch, ParallelLayout(), router_fusion=True)
+
+
+def test_torchrun_env_wins():
+    env = read_dist_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h0",
+                         "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == (3, 8, 1, "h0", 1234)
+
+
+def test_slurm_env():
+    env = read_dist_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                         "SLURM_JOB_NODELIST": "gpu[003-010,012],cpu1"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (5, 16, 1, "gpu003")
+
+
+@pytest.mark.parametrize("nodelist,host", [
+    ("node7", "node7"), ("a[1-4]", "a1"), ("gpu[003-010,012],cpu1", "gpu003"), ("x-y[10,20]", "x-y10"),
+])
+def test_first_host(nodelist, host):
+    assert first_host(nodelist) == host
