@@ -1,0 +1,249 @@
+"""The rollout-engine contract: what the RL loop asks of any generator.
+
+Two engines implement it: `SGLangClient` (SGLang servers over HTTP, or
+`moe-rl serve` on CPU) and `LocalEngine` (HF transformers in-process).
+
+Conventions shared by every engine:
+- `output_logprobs[t]` is log p(output_ids[t]) under the policy's *unmodified*
+  next-token distribution: log_softmax of the raw logits (temperature 1, no
+  top-k/top-p truncation). That is the quantity the trainer recomputes.
+- `routed_experts[i, l, j]` is the j-th expert chosen by the l-th MoE layer for
+  the token at position i of `prompt_ids + output_ids`, for i in
+  0 .. len(prompt + output) - 2 (the last token is never fed to the model).
+  Dense layers are not included. Ids are global expert ids, stored in the
+  smallest integer dtype that holds `num_experts - 1`.
+- `finish_reason` is "stop" (a stop / EOS token was sampled; it is the last
+  output token), "length" (max_new_tokens reached) or "abort" (the server
+  aborted the request, e.g. `pause_generation(mode="abort")`; the output is
+  partial and the caller decides whether to retry it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence, Union, runtime_checkable
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class RolloutError(RuntimeError):
+    """A rollout could not be produced; the message names the server (or engine) and the cause."""
+
+
+def smallest_int_dtype(num_experts: int) -> np.dtype:
+    """Smallest integer dtype that holds every expert id 0 .. num_experts - 1.
+
+    uint8 up to 256 experts, int16 up to 32768, int32 beyond. Ids are never
+    truncated: a model with 257 experts gets int16, not uint8.
+    """
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    top = num_experts - 1
+    for dt in (np.uint8, np.int16, np.int32):
+        if top <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    raise ValueError(f"num_experts={num_experts} does not fit in int32")
+
+
+def to_route_dtype(ids: Any, num_experts: int | None) -> np.ndarray:
+    """Expert ids as an array of `smallest_int_dtype(num_experts)`, range-checked.
+
+    Raises ValueError when an id lies outside [0, num_experts), instead of
+    letting a narrower dtype wrap it around silently.
+    """
+    arr = np.asarray(ids)
+    if num_experts is None:
+        return arr.astype(np.int32, copy=False)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert id out of range [0, {num_experts}): min {lo}, max {hi}")
+    return arr.astype(smallest_int_dtype(num_experts), copy=False)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (names follow SGLang's `SamplingParams`).
+
+    temperature 0 means greedy. top_k -1 means the whole vocabulary. `seed`
+    makes a request reproducible: sample j of a request with seed s is drawn
+    with seed s + j, so the n samples differ yet rerun identically.
+    `ignore_eos` keeps generating through EOS (stop_token_ids too), as in SGLang.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        self.validate()
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (whole vocabulary) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+
+    @property
+    def greedy(self) -> bool:
+        # SGLang: temperature < 1e-6 becomes top_k = 1 (sampling_params.py normalize()).
+        return self.temperature < 1e-6 or self.top_k == 1
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The `sampling_params` dict of SGLang's /generate (sglang/srt/sampling/sampling_params.py)."""
+        out: dict[str, Any] = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens, "n": self.n, "ignore_eos": self.ignore_eos,
+        }
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        return out
+
+    @classmethod
+    def from_sglang(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
+        """Parse SGLang's `sampling_params` dict; unknown keys that change sampling are refused."""
+        d = dict(d or {})
+        unsupported = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                       "repetition_penalty": 1.0, "min_new_tokens": 0, "logit_bias": None,
+                       "json_schema": None, "regex": None, "ebnf": None, "stop": None,
+                       "stop_regex": None, "structural_tag": None, "beam_width": None}
+        for key, neutral in unsupported.items():
+            if key in d and d[key] not in (neutral, None, [], {}):
+                raise ValueError(f"sampling_params.{key} is not supported by this engine")
+        top_k = d.get("top_k")
+        top_k = -1 if top_k is None or int(top_k) >= (1 << 30) else int(top_k)
+        seed = d.get("sampling_seed", d.get("seed"))
+        mnt = d.get("max_new_tokens")
+        return cls(
+            temperature=float(1.0 if d.get("temperature") is None else d["temperature"]),
+            top_p=float(1.0 if d.get("top_p") is None else d["top_p"]),
+            top_k=top_k,
+            max_new_tokens=int(128 if mnt is None else mnt),
+            stop_token_ids=tuple(int(t) for t in (d.get("stop_token_ids") or ())),
+            seed=None if seed is None else int(seed),
+            n=int(1 if d.get("n") is None else d["n"]),
+            ignore_eos=bool(d.get("ignore_eos") or False),
+        )
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt (token ids) to sample `sampling.n` completions for."""
+
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_routed_experts: bool = True
+
+    def __post_init__(self) -> None:
+        ids = [int(t) for t in self.prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids must not be empty")
+        object.__setattr__(self, "prompt_ids", tuple(ids))
+
+    def single_samples(self) -> list["GenerateRequest"]:
+        """The n samples as n requests with n=1 (seeds s, s+1, ... when seeded)."""
+        sp = self.sampling
+        return [replace(self, sampling=replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j))
+                for j in range(sp.n)]
+
+
+@dataclass
+class GenerateResult:
+    """One completion. Shapes: output_logprobs [T_out] float32;
+    routed_experts [len(prompt + output) - 1, num_moe_layers, topk] or None."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: np.ndarray
+    finish_reason: str
+    routed_experts: np.ndarray | None = None
+    weight_version: str | None = None
+    server: str | None = None  # the URL that produced it (SGLangClient), or None
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        self.output_logprobs = np.asarray(self.output_logprobs, dtype=np.float32)
+        if self.output_logprobs.shape != (len(self.output_ids),):
+            raise ValueError(f"output_logprobs has shape {self.output_logprobs.shape}, "
+                             f"expected ({len(self.output_ids)},)")
+        if self.routed_experts is not None:
+            want = len(self.prompt_ids) + len(self.output_ids) - 1
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != want:
+                raise ValueError(f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
+                                 f"[{want}, num_moe_layers, topk] (len(prompt + output) - 1 rows)")
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self.prompt_ids) + list(self.output_ids)
+
+
+WeightsSource = Union[str, Path, Mapping[str, Any], Sequence[tuple[str, Any]]]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the RL loop needs from a rollout engine."""
+
+    def generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
+        """One list of `request.sampling.n` results per request, in request order."""
+        ...
+
+    def update_weights(self, path_or_tensors: WeightsSource, version: str | int | None = None) -> None:
+        """Load new policy weights (a HF checkpoint dir, or HF-named tensors); atomic."""
+        ...
+
+    def health(self) -> bool:
+        """True when the engine can serve `generate` now."""
+        ...
+
+
+def moe_layer_ids(config: Any) -> list[int] | None:
+    """Indices of the decoder layers that hold a routed-expert MoE block, from a HF config.
+
+    Covers the common HF conventions (Qwen2/3-MoE `mlp_only_layers` +
+    `decoder_sparse_step`, DeepSeek `first_k_dense_replace` + `moe_layer_freq`,
+    Mixtral / OLMoE / GPT-OSS: every layer). None when the config has no experts.
+    """
+    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
+        (lambda k, d=None: getattr(config, k, d))
+    num_experts = get("num_experts") or get("n_routed_experts") or get("num_local_experts")
+    if not num_experts:
+        return None
+    n_layers = int(get("num_hidden_layers"))
+    dense = set(get("mlp_only_layers") or [])
+    step = int(get("decoder_sparse_step") or 1)
+    first_dense = int(get("first_k_dense_replace") or 0)
+    freq = int(get("moe_layer_freq") or 1)
+    return [i for i in range(n_layers)
+            if i not in dense and (i + 1) % step == 0 and i >= first_dense and (i - first_dense) % freq == 0]
+
+
+def num_experts_of(config: Any) -> int | None:
+    get = (lambda k: config.get(k)) if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
+    n = get("num_experts") or get("n_routed_experts") or get("num_local_experts")
+    return int(n) if n else None
+
+
+def topk_of(config: Any) -> int | None:
+    get = (lambda k: config.get(k)) if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
+    k = get("num_experts_per_tok") or get("moe_topk") or get("top_k")
+    return int(k) if k else None

@@ -1,0 +1,544 @@
+"""Rollout engine on HF transformers: CPU by default, exact log-probs and routed experts.
+
+A hand-written sampling loop over the model's own `forward()` with its KV cache
+(`DynamicCache`), so every number it returns is visible here:
+
+  prefill   left-padded prompts [B, P] -> logits of the last position, routes of every prompt token
+  decode    one token per active row -> logits, routes of the fed token; finished rows are
+            dropped from the batch and the cache (`DynamicCache.batch_select_indices`)
+
+Log-probs: `output_logprobs[t] = log_softmax(raw_logits)[token]` (temperature 1,
+before top-k / top-p): the quantity the trainer recomputes. SGLang's default is
+different: its sampler returns log(softmax(logits / T)) (temperature-scaled,
+still before top-k/top-p truncation; sglang/srt/layers/sampler.py), and it returns
+the raw temperature-1 log-probs only when the server runs with
+`SGLANG_RETURN_ORIGINAL_LOGPROB=1`. For temperature 1 (the RL default) the two
+agree; `logprob_mode="scaled"` reproduces SGLang's default here.
+
+Routes: a forward hook on every router module (`Qwen3MoeTopKRouter`, which
+returns (router_logits, scores, indices)) records the indices the model itself
+used, so the top-k rule is the model's own. Routers that return only logits get
+softmax + top-k (`num_experts_per_tok`), the Qwen/Mixtral rule.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, SamplingParams,
+                                   WeightsSource, to_route_dtype)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _load_model(model_dir: str | Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """Load a HF causal LM and refuse anything that did not load completely."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, output_loading_info=True)
+    except Exception as e:  # corrupt file, bad config, unknown architecture
+        raise ValueError(f"cannot load weights from {str(path)!r}: {type(e).__name__}: {e}") from e
+    problems = []
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        vals = info.get(key) or []
+        if vals:
+            problems.append(f"{key}: {sorted(map(str, vals))[:5]}{' ...' if len(vals) > 5 else ''}")
+    if problems:
+        raise ValueError(f"incomplete checkpoint in {str(path)!r}: " + "; ".join(problems))
+    return model.to(device).eval()
+
+
+class _RouteRecorder:
+    """Forward hooks on the router modules; `take()` returns this forward's top-k ids.
+
+    `take()` gives an int64 tensor [num_tokens, num_moe_layers, topk] in layer order.
+    """
+
+    def __init__(self, model: torch.nn.Module, topk: int):
+        self.topk = topk
+        self.layer_ids: list[int] = []
+        self._handles = []
+        self._slots: list[torch.Tensor | None] = []
+        for name, mod in self._routers(model):
+            m = _LAYER_RE.search(name)
+            if m is None:
+                raise RolloutError(f"cannot tell the layer of router module {name!r}")
+            pos = len(self.layer_ids)
+            self.layer_ids.append(int(m.group(1)))
+            self._handles.append(mod.register_forward_hook(self._hook(pos)))
+        self._slots = [None] * len(self.layer_ids)
+        order = sorted(range(len(self.layer_ids)), key=lambda i: self.layer_ids[i])
+        if order != list(range(len(order))):
+            raise RolloutError("router modules are not registered in layer order")
+
+    @staticmethod
+    def _routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        rec = getattr(model, "_can_record_outputs", None) or {}
+        for m in model.modules():  # the inner PreTrainedModel holds the recorder spec
+            rec = rec or (getattr(m, "_can_record_outputs", None) or {})
+        spec = rec.get("router_logits")
+        cls = getattr(spec, "target_class", None)
+        if cls is not None:
+            return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
+        pat = re.compile(r"layers\.\d+\.(mlp|block_sparse_moe)\.(gate|router)$")
+        return [(n, m) for n, m in model.named_modules() if pat.search(n)]
+
+    def _hook(self, pos: int):
+        def hook(_mod, _inp, out):
+            if isinstance(out, tuple) and len(out) >= 3 and torch.is_tensor(out[2]) \
+                    and not out[2].is_floating_point():
+                idx = out[2]  # the router's own choice (Qwen3MoeTopKRouter)
+            else:
+                logits = out[0] if isinstance(out, tuple) else out
+                probs = torch.softmax(logits.float(), dim=-1)
+                idx = torch.topk(probs, self.topk, dim=-1).indices
+            self._slots[pos] = idx.reshape(-1, idx.shape[-1]).detach().to("cpu", torch.int64)
+        return hook
+
+    def take(self) -> torch.Tensor | None:
+        if not self._slots:
+            return None
+        if any(s is None for s in self._slots):
+            missing = [self.layer_ids[i] for i, s in enumerate(self._slots) if s is None]
+            raise RolloutError(f"no routes recorded for MoE layers {missing}")
+        out = torch.stack(self._slots, dim=1)  # [tokens, layers, k]
+        self._slots = [None] * len(self._slots)
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class _Row:
+    """One sample being generated."""
+
+    __slots__ = ("req", "sample", "prompt", "sp", "gen", "out", "lps", "routes", "finish", "want_routes",
+                 "version")
+
+    def __init__(self, req: int, sample: int, prompt: list[int], sp: SamplingParams, seed: int,
+                 want_routes: bool):
+        self.req, self.sample, self.prompt, self.sp = req, sample, prompt, sp
+        self.gen = torch.Generator(device="cpu").manual_seed(seed % (1 << 63))
+        self.out: list[int] = []
+        self.lps: list[float] = []
+        self.routes: list[torch.Tensor] = []
+        self.finish: str | None = None
+        self.want_routes = want_routes
+        self.version: str | None = None  # weight version of the forward that produced the last token
+
+
+class LocalEngine:
+    """`RolloutEngine` on a HF transformers model in this process.
+
+    Thread-safe: `generate` calls are serialized; `update_weights*` load and
+    validate outside the lock and swap between two decode steps.
+    """
+
+    def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: str = "float32",
+                 device: str = "cpu", max_batch: int = 64, logprob_mode: str = "raw",
+                 weight_version: str = "default"):
+        if logprob_mode not in ("raw", "scaled"):
+            raise ValueError(f"logprob_mode must be 'raw' or 'scaled', got {logprob_mode!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.dtype = _DTYPES[dtype]
+        self.device = device
+        self.max_batch = int(max_batch)
+        self.logprob_mode = logprob_mode
+        self.weight_version = str(weight_version)
+        self._lock = threading.RLock()          # model swaps vs forward steps
+        self._gen_lock = threading.Lock()       # one generate() at a time
+        self._running = threading.Event()       # cleared while paused
+        self._running.set()
+        self._abort_epoch = 0                   # bumped by pause_generation(mode="abort")
+        self._seed_gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        self._closed = False
+        model = _load_model(model_dir, self.dtype, device)
+        self._install(model, Path(model_dir))
+        self._tokenizer: Any = None
+        self._tokenizer_loaded = False
+
+    # ----------------------------------------------------------------- model facts
+    def _install(self, model: torch.nn.Module, path: Path) -> None:
+        cfg = model.config
+        topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        recorder = _RouteRecorder(model, topk) if topk else None
+        if recorder is not None and not recorder.layer_ids:
+            recorder.remove()
+            recorder = None
+        old = getattr(self, "_recorder", None)
+        # transformers >= 5.x names the KV-cache argument `cache`; earlier releases `past_key_values`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.model, self.config, self._recorder, self.model_path = model, cfg, recorder, str(path)
+        if old is not None:
+            old.remove()
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """Decoder-layer indices that have routed experts (empty for a dense model)."""
+        return list(self._recorder.layer_ids) if self._recorder else []
+
+    @property
+    def topk(self) -> int:
+        return self._recorder.topk if self._recorder else 0
+
+    @property
+    def num_experts(self) -> int | None:
+        cfg = self.config
+        n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) \
+            or getattr(cfg, "n_routed_experts", None)
+        return int(n) if n and self._recorder else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.config, getattr(self.model, "generation_config", None)):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if e is None:
+                continue
+            ids.update(int(x) for x in (e if isinstance(e, (list, tuple)) else [e]))
+        return ids
+
+    @property
+    def max_positions(self) -> int | None:
+        n = getattr(self.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model dir's tokenizer, or None when it has no tokenizer files."""
+        if not self._tokenizer_loaded:
+            self._tokenizer_loaded = True
+            # transformers 5 builds an empty tokenizer for a dir without tokenizer files: look first.
+            files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+            if not any((Path(self.model_path) / f).is_file() for f in files):
+                return None
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+            except Exception:
+                self._tokenizer = None
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ protocol
+    def health(self) -> bool:
+        return not self._closed and self.model is not None
+
+    def validate(self, req: GenerateRequest) -> None:
+        """Raise ValueError for a request this engine cannot serve."""
+        V = self.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+        if self.max_positions and len(req.prompt_ids) >= self.max_positions:
+            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the model holds at most "
+                             f"{self.max_positions} positions")
+        bad = [t for t in req.sampling.stop_token_ids if t >= V]
+        if bad:
+            raise ValueError(f"stop_token_ids out of range [0, {V}): {bad[:5]}")
+
+    def generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
+        for r in requests:
+            self.validate(r)
+        rows: list[_Row] = []
+        for i, r in enumerate(requests):
+            for j, one in enumerate(r.single_samples()):
+                seed = one.sampling.seed
+                if seed is None:
+                    seed = int(torch.randint(0, 1 << 62, (1,), generator=self._seed_gen))
+                rows.append(_Row(i, j, list(one.prompt_ids), one.sampling, seed, r.return_routed_experts))
+        with self._gen_lock:
+            self._running.wait()  # requests that arrive while paused wait for continue_generation()
+            epoch = self._abort_epoch
+            # Similar prompt lengths together: less padding.
+            order = sorted(range(len(rows)), key=lambda k: len(rows[k].prompt))
+            for s in range(0, len(order), self.max_batch):
+                self._generate_chunk([rows[k] for k in order[s:s + self.max_batch]], epoch)
+        out: list[list[GenerateResult]] = [[] for _ in requests]
+        for row in rows:  # rows are in (request, sample) order
+            out[row.req].append(self._result(row))
+        return out
+
+    def _result(self, row: _Row) -> GenerateResult:
+        routes = None
+        # A sample aborted before its prefill ran has no routes (and no output).
+        if row.want_routes and self._recorder is not None and row.routes:
+            n = len(row.prompt) + len(row.out) - 1
+            r = torch.cat(row.routes, 0)[:n]
+            if r.shape[0] != n:
+                raise RolloutError(f"internal: recorded {r.shape[0]} route rows, expected {n}")
+            routes = to_route_dtype(r.numpy(), self.num_experts)
+        return GenerateResult(prompt_ids=list(row.prompt), output_ids=list(row.out),
+                              output_logprobs=np.asarray(row.lps, dtype=np.float32),
+                              finish_reason=row.finish or "length", routed_experts=routes,
+                              weight_version=row.version or self.weight_version)
+
+    # ------------------------------------------------------------- the sampler
+    @torch.no_grad()
+    def _generate_chunk(self, rows: list[_Row], epoch: int) -> None:
+        from transformers.cache_utils import DynamicCache
+
+        if self._abort_epoch != epoch:  # aborted before this chunk started
+            for r in rows:
+                r.finish = "abort"
+            return
+        dev = self.device
+        B = len(rows)
+        P = max(len(r.prompt) for r in rows)
+        pad = int(getattr(self.config, "pad_token_id", None) or 0)
+        ids = torch.full((B, P), pad, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, P - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, P - len(r.prompt):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        with self._lock:
+            cache = DynamicCache(config=self.config)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **{self._cache_kw: cache})
+            routes = self._recorder.take() if self._recorder else None
+            version = self.weight_version
+        if routes is not None:
+            routes = routes.view(B, P, *routes.shape[1:])
+            for i, r in enumerate(rows):
+                r.routes.append(routes[i, P - len(r.prompt):])
+        logits = out.logits[:, -1, :]
+        for name in ("cache", "past_key_values"):  # the output field follows the argument's name
+            if getattr(out, name, None) is not None:
+                cache = getattr(out, name)
+                break
+        active = list(range(B))  # rows[active[b]] is batch row b
+        eos = self.eos_token_ids
+        maxpos = self.max_positions
+        for r in rows:
+            if r.sp.max_new_tokens == 0:
+                r.finish = "length"
+        while True:
+            live = [b for b, k in enumerate(active) if rows[k].finish is None]
+            if len(live) < len(active):  # drop finished rows from batch and cache
+                if not live:
+                    break
+                sel = torch.tensor(live, device=dev)
+                cache.batch_select_indices(sel)
+                logits, mask, pos = logits[sel], mask[sel], pos[sel]
+                active = [active[b] for b in live]
+            toks, lps = self._sample(logits, [rows[k] for k in active])
+            feed = []
+            for b, k in enumerate(active):
+                r = rows[k]
+                t = toks[b]
+                r.out.append(t)
+                r.lps.append(lps[b])
+                r.version = version
+                if not r.sp.ignore_eos and (t in eos or t in r.sp.stop_token_ids):
+                    r.finish = "stop"  # SGLang checks stop tokens before the length cap
+                elif len(r.out) >= r.sp.max_new_tokens or \
+                        (maxpos is not None and len(r.prompt) + len(r.out) >= maxpos):
+                    r.finish = "length"
+                else:
+                    feed.append(b)
+            if not feed:
+                break
+            while not self._running.wait(0.05) and self._abort_epoch == epoch:
+                pass  # parked by pause_generation(mode="in_place" / "retract")
+            if self._abort_epoch != epoch:  # pause_generation(mode="abort"), also while parked
+                for k in active:
+                    if rows[k].finish is None:
+                        rows[k].finish = "abort"
+                break
+            if len(feed) < len(active):
+                sel = torch.tensor(feed, device=dev)
+                cache.batch_select_indices(sel)
+                mask, pos = mask[sel], pos[sel]
+                toks = [toks[b] for b in feed]
+                active = [active[b] for b in feed]
+            nxt = torch.tensor(toks, dtype=torch.long, device=dev).view(-1, 1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            pos = pos[:, -1:] + 1
+            with self._lock:
+                out = self.model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True,
+                                 **{self._cache_kw: cache})
+                routes = self._recorder.take() if self._recorder else None
+                version = self.weight_version
+            if routes is not None:
+                for b, k in enumerate(active):
+                    rows[k].routes.append(routes[b:b + 1])
+            logits = out.logits[:, -1, :]
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[float]]:
+        """Sample one token per row; return tokens and their log-probs (see module doc)."""
+        logits = logits.float().cpu()
+        B, V = logits.shape
+        # greedy rows count as temperature 1, as SGLang's normalize() turns temperature 0 into top_k=1, T=1
+        temps = torch.tensor([1.0 if r.sp.greedy else r.sp.temperature for r in rows]).view(B, 1)
+        scaled = logits / temps
+        if self.logprob_mode == "raw":
+            logp = torch.log_softmax(logits, dim=-1)
+        else:
+            logp = torch.log_softmax(scaled, dim=-1)
+        greedy = torch.tensor([r.sp.greedy for r in rows])
+        u = torch.stack([torch.rand((), generator=r.gen) for r in rows]).view(B, 1)
+        # Inverse-CDF sampling over the tokens sorted by probability, for every row alike, so a
+        # row's token depends only on its logits and its own generator (not on its batch company).
+        # top-k keeps ranks < k; top-p keeps the smallest prefix whose mass reaches top_p (a token
+        # is dropped when the mass before it already exceeds top_p).
+        srt, index = scaled.sort(dim=-1, descending=True, stable=True)
+        ks = torch.tensor([V if r.sp.top_k == -1 else min(r.sp.top_k, V) for r in rows]).view(B, 1)
+        srt = srt.masked_fill(torch.arange(V).view(1, V) >= ks, -math.inf)
+        probs = torch.softmax(srt, dim=-1)
+        tps = torch.tensor([r.sp.top_p for r in rows]).view(B, 1)
+        probs = probs.masked_fill((probs.cumsum(-1) - probs) > tps, 0.0)
+        cdf = probs.cumsum(-1)
+        choice = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp(max=V - 1).view(B)
+        tok = index.gather(1, choice.view(B, 1)).view(B)
+        tok = torch.where(greedy, logits.argmax(-1), tok)
+        lp = logp.gather(1, tok.view(B, 1)).view(B)
+        return tok.tolist(), lp.tolist()
+
+    # ----------------------------------------------------------- weight updates
+    def update_weights(self, path_or_tensors: WeightsSource, version: str | int | None = None) -> None:
+        """A HF checkpoint dir (str / Path) or HF-named tensors; see the two methods below."""
+        if isinstance(path_or_tensors, (str, Path)):
+            self.update_weights_from_disk(path_or_tensors, version)
+        else:
+            self.update_weights_from_tensors(path_or_tensors, version)
+
+    def update_weights_from_disk(self, path: str | Path, version: str | int | None = None) -> None:
+        """Load a HF checkpoint dir into a fresh model, validate it, then swap it in.
+
+        A missing, corrupt or mismatched checkpoint raises ValueError and the old
+        weights keep serving. `version` None keeps the current weight_version (as SGLang does).
+        """
+        new = _load_model(path, self.dtype, self.device)
+        old_sd = self.model.state_dict()
+        new_sd = new.state_dict()
+        if type(new) is not type(self.model):
+            raise ValueError(f"{str(path)!r} holds a {type(new).__name__}, the engine serves "
+                             f"{type(self.model).__name__}")
+        if set(old_sd) != set(new_sd):
+            diff = sorted(set(old_sd) ^ set(new_sd))
+            raise ValueError(f"{str(path)!r} has different parameter names: {diff[:5]}")
+        for k, v in new_sd.items():
+            if v.shape != old_sd[k].shape:
+                raise ValueError(f"{str(path)!r}: {k} has shape {tuple(v.shape)}, "
+                                 f"the served model has {tuple(old_sd[k].shape)}")
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise ValueError(f"{str(path)!r}: {k} holds NaN or inf")
+        with self._lock:
+            self._install(new, Path(path))
+            if version is not None:
+                self.weight_version = str(version)
+
+    def update_weights_from_tensors(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                                    version: str | int | None = None) -> None:
+        """Copy HF-named tensors into the served model (in-process weight sync).
+
+        Names are the model's own (`named_parameters()` / buffers), or the
+        checkpoint's per-expert names (`...experts.<e>.gate_proj.weight`, `up_proj`,
+        `down_proj`), which are written into the fused `gate_up_proj` / `down_proj`
+        tensors transformers keeps at runtime. A subset is fine. Every name and
+        shape is checked before anything is copied: a bad batch changes nothing.
+        """
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        state = dict(self.model.named_parameters())
+        state.update(dict(self.model.named_buffers()))
+        plan: list[tuple[torch.Tensor, tuple, torch.Tensor, str]] = []
+        errors: list[str] = []
+        for name, value in items:
+            value = torch.as_tensor(value)
+            target, index = self._resolve(name, state)
+            if target is None:
+                errors.append(f"unknown parameter {name!r}")
+                continue
+            want = target[index].shape if index else target.shape
+            if tuple(value.shape) != tuple(want):
+                errors.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(want)}")
+                continue
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                errors.append(f"{name}: holds NaN or inf")
+                continue
+            plan.append((target, index, value, name))
+        if errors:
+            raise ValueError("weight update refused, nothing was changed: " + "; ".join(errors[:5])
+                             + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
+        with self._lock, torch.no_grad():
+            for target, index, value, _ in plan:
+                dst = target[index] if index else target
+                dst.copy_(value.to(device=dst.device, dtype=dst.dtype))
+            if version is not None:
+                self.weight_version = str(version)
+
+    @staticmethod
+    def _resolve(name: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, tuple]:
+        if name in state:
+            return state[name], ()
+        m = _EXPERT_RE.match(name)
+        if m is None:
+            return None, ()
+        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        if kind == "down_proj" and f"{prefix}.down_proj" in state:
+            t = state[f"{prefix}.down_proj"]
+            return (t, (e,)) if e < t.shape[0] else (None, ())
+        fused = state.get(f"{prefix}.gate_up_proj")
+        if fused is None or e >= fused.shape[0]:
+            return None, ()
+        half = fused.shape[1] // 2  # rows [0, I) are gate_proj, [I, 2I) up_proj
+        rows = slice(0, half) if kind == "gate_proj" else slice(half, 2 * half)
+        return fused, (e, rows)
+
+    # ------------------------------------------------------------ pause / resume
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating. "abort": in-flight samples end now with finish_reason "abort";
+        "in_place" / "retract": in-flight samples wait at their next step. New
+        `generate` calls wait until `continue_generation()`."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise ValueError(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
+        self._running.clear()
+        if mode == "abort":
+            self._abort_epoch += 1
+
+    def continue_generation(self) -> None:
+        self._running.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def flush_cache(self) -> bool:
+        """No prefix cache is kept between calls: nothing to flush."""
+        return True
+
+    def close(self) -> None:
+        self._closed = True
+        self._running.set()
+        if self._recorder is not None:
+            self._recorder.remove()
+

@@ -1,0 +1,590 @@
+"""`RolloutEngine` over SGLang's native HTTP API: one or many servers, or one sglang-router.
+
+Works the same against `python -m sglang.launch_server ... --enable-return-routed-experts`
+and against `moe-rl serve` (which speaks the same API on CPU).
+
+What it does for robustness:
+- async aiohttp core with bounded concurrency (`max_concurrency` requests in flight);
+- a per-request timeout (`request_timeout`): a hung server costs a timeout, never a hang;
+- retries with exponential backoff and jitter, each attempt on the least-loaded
+  healthy server; a server that fails (connection error, timeout, HTTP 5xx / 429)
+  is marked unhealthy and re-probed via GET /health every `probe_interval` s;
+  a recovered server first gets the latest weights (`update_weights_from_disk`)
+  when it missed an update;
+- a sample is never dropped: it is retried elsewhere, or the call fails with a
+  `RolloutError` naming the server URL and the error. Protocol errors (HTTP 4xx,
+  a body that is not the expected JSON, routed experts of the wrong shape) are
+  not retried: they fail at once, naming the server.
+
+Request / response shapes (sglang/srt/managers/io_struct.py `GenerateReqInput`,
+sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
+{"input_ids": [...], "sampling_params": {..., "n": n}, "return_logprob": true,
+"return_routed_experts": bool} and get one dict (n == 1) or a list of n dicts
+{"output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
+"output_token_logprobs": [[logprob, token_id, text_or_None], ...], "prompt_tokens",
+"weight_version", "routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
+The routes are decoded as `extract_routed_experts_from_meta_info` does
+(sglang/srt/state_capturer/routed_experts.py: frombuffer int32), shape-checked,
+restricted to the MoE layers and stored in the smallest integer dtype.
+
+Seeds: a request with `seed` s and n > 1 is sent as n requests with
+`sampling_seed` s, s+1, ..., so the samples differ and rerun identically
+(SGLang applies one sampling_seed to all n copies, and honours it only when
+launched with --enable-deterministic-inference).
+
+Log-probs: SGLang returns log(softmax(logits / T)) unless the server runs with
+SGLANG_RETURN_ORIGINAL_LOGPROB=1, which gives the temperature-1 log-probs this
+framework's convention asks for (see engine.py); for temperature 1 both agree.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import random
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Coroutine, Sequence
+
+import aiohttp
+import numpy as np
+
+from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, WeightsSource,
+                                   moe_layer_ids, num_experts_of, to_route_dtype, topk_of)
+
+log = logging.getLogger(__name__)
+
+
+class _Retryable(Exception):
+    """A failure of one server that another server (or a later try) may not have."""
+
+
+@dataclass
+class _Server:
+    url: str
+    healthy: bool = True
+    inflight: int = 0
+    next_probe: float = 0.0
+    last_error: str | None = None
+    probing: bool = False
+
+
+@dataclass
+class _Geometry:
+    num_layers: int
+    topk: int
+    num_experts: int | None
+    moe_layers: list[int]
+
+
+class _LoopThread:
+    """A private asyncio loop in a daemon thread: sync callers submit coroutines to it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-client", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+        if not self.loop.is_running() and not self.loop.is_closed():
+            self.loop.close()
+
+
+class SGLangClient:
+    """RolloutEngine over SGLang servers (or `moe-rl serve`).
+
+    urls: server base URLs (`http://host:port`), or one sglang-router URL.
+    admin_urls: where weight updates / pause / flush go (default: `urls`); behind a
+        router, pass the worker URLs here.
+    num_layers / topk / num_experts / moe_layer_ids: the model's geometry for the
+        routed-experts checks. Left None, they come from the server's /get_model_info
+        (moe-rl serve reports them) or from `<model_path>/config.json` when readable.
+    retry_aborted: resubmit samples that came back with finish_reason "abort"
+        (e.g. from pause_generation) instead of returning them.
+    """
+
+    def __init__(self, urls: Sequence[str] | str, *, admin_urls: Sequence[str] | None = None,
+                 max_concurrency: int = 64, request_timeout: float = 600.0, connect_timeout: float = 10.0,
+                 max_attempts: int = 4, backoff_base: float = 0.5, backoff_max: float = 10.0,
+                 probe_interval: float = 5.0, probe_timeout: float = 5.0, no_server_timeout: float = 60.0,
+                 num_layers: int | None = None, topk: int | None = None, num_experts: int | None = None,
+                 moe_layer_ids: Sequence[int] | None = None, retry_aborted: bool = False):
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("SGLangClient needs at least one server URL")
+        self._servers = [_Server(u.rstrip("/")) for u in urls]
+        self._admin = [_Server(u.rstrip("/")) for u in (admin_urls or [])] or self._servers
+        self.max_concurrency = int(max_concurrency)
+        self.request_timeout = float(request_timeout)
+        self.connect_timeout = float(connect_timeout)
+        self.max_attempts = max(1, int(max_attempts))
+        self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
+        self.probe_interval, self.probe_timeout = float(probe_interval), float(probe_timeout)
+        self.no_server_timeout = float(no_server_timeout)
+        self.retry_aborted = retry_aborted
+        self._geo_args = (num_layers, topk, num_experts, None if moe_layer_ids is None else list(moe_layer_ids))
+        self._geometry: _Geometry | None = None
+        self._target_weights: tuple[str, str | None] | None = None  # last (path, version) applied
+        self._rr = 0
+        self._lt: _LoopThread | None = None
+        self._lt_lock = threading.Lock()
+        self._session: aiohttp.ClientSession | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._health_changed: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------ plumbing
+    def _loop_thread(self) -> _LoopThread:
+        with self._lt_lock:
+            if self._lt is None:
+                self._lt = _LoopThread()
+            return self._lt
+
+    def _run(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        fut = self._loop_thread().submit(coro)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            fut.cancel()
+            raise RolloutError(f"no result within {timeout:g} s (servers: {', '.join(self.urls)})") from None
+        except KeyboardInterrupt:
+            fut.cancel()
+            raise
+
+    async def _on_loop(self, coro: Coroutine) -> Any:
+        """Await `coro` on the client's loop from any other loop."""
+        return await asyncio.wrap_future(self._loop_thread().submit(coro))
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 2 * len(self._servers)))
+            self._sem = asyncio.Semaphore(self.max_concurrency)
+            self._health_changed = asyncio.Event()
+        return self._session
+
+    def close(self) -> None:
+        if self._lt is None:
+            return
+        async def shutdown() -> None:
+            me = asyncio.current_task()
+            pending = [t for t in asyncio.all_tasks() if t is not me]
+            for t in pending:  # probes still running
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            if self._session is not None:
+                await self._session.close()
+
+        try:
+            self._run(shutdown(), timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+        self._lt.stop()
+        self._lt, self._session = None, None
+
+    def __enter__(self) -> "SGLangClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self._servers]
+
+    def server_states(self) -> dict[str, dict[str, Any]]:
+        return {s.url: {"healthy": s.healthy, "inflight": s.inflight, "last_error": s.last_error}
+                for s in self._servers}
+
+    async def _request(self, server: _Server, method: str, path: str, payload: Any = None,
+                       timeout: float | None = None) -> tuple[int, bytes]:
+        """One HTTP call; connection problems and timeouts become `_Retryable`."""
+        session = self._ensure_session()
+        t = self.request_timeout if timeout is None else timeout
+        to = aiohttp.ClientTimeout(total=t, sock_connect=min(self.connect_timeout, t))
+        try:
+            async with session.request(method, server.url + path, json=payload, timeout=to) as resp:
+                return resp.status, await resp.read()
+        except asyncio.TimeoutError:
+            raise _Retryable(f"no answer to {method} {path} within {t:g} s") from None
+        except aiohttp.ClientError as e:
+            raise _Retryable(f"{method} {path} failed: {type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def _error_text(body: bytes) -> str:
+        try:
+            d = json.loads(body)
+            if isinstance(d, dict):
+                err = d.get("error", d.get("message", d))
+                if isinstance(err, dict):
+                    err = err.get("message", err)
+                return str(err)[:500]
+        except ValueError:
+            pass
+        return body[:500].decode("utf-8", "replace")
+
+    async def _json(self, server: _Server, method: str, path: str, payload: Any = None,
+                    timeout: float | None = None, ok_statuses: tuple[int, ...] = (200,)) -> Any:
+        status, body = await self._request(server, method, path, payload, timeout)
+        if status >= 500 or status in (408, 429):
+            raise _Retryable(f"HTTP {status} from {path}: {self._error_text(body)}")
+        if status not in ok_statuses:
+            raise RolloutError(f"server {server.url} refused {path} (HTTP {status}): {self._error_text(body)}")
+        try:
+            return json.loads(body)
+        except ValueError as e:
+            raise RolloutError(f"server {server.url} answered {path} with invalid JSON ({e}): "
+                               f"{body[:200]!r}") from None
+
+    # ------------------------------------------------------------- server health
+    def _mark_unhealthy(self, server: _Server, why: str) -> None:
+        if server.healthy:
+            log.warning("server %s marked unhealthy: %s", server.url, why)
+        server.healthy = False
+        server.last_error = why
+        server.next_probe = time.monotonic() + self.probe_interval
+
+    async def _probe(self, server: _Server) -> bool:
+        """GET /health; on success bring the server's weights up to date, then mark it healthy."""
+        if server.probing:
+            return server.healthy
+        server.probing = True
+        try:
+            status, body = await self._request(server, "GET", "/health", timeout=self.probe_timeout)
+            if status != 200:
+                raise _Retryable(f"/health answered HTTP {status}")
+            target = self._target_weights
+            # Bring a recovered server up to date (only when it is one we update directly).
+            if target is not None and not server.healthy and server in self._admin:
+                info = await self._json(server, "GET", "/get_model_info", timeout=self.probe_timeout)
+                if target[1] is None or str(info.get("weight_version")) != target[1]:
+                    log.info("server %s missed a weight update; applying %s", server.url, target[0])
+                    await self._update_one(server, target[0], target[1])
+            if not server.healthy:
+                log.info("server %s is healthy again", server.url)
+            server.healthy, server.last_error = True, None
+            return True
+        except (_Retryable, RolloutError) as e:
+            self._mark_unhealthy(server, str(e))
+            return False
+        finally:
+            server.probing = False
+            server.next_probe = time.monotonic() + self.probe_interval
+            if self._health_changed is not None:
+                self._health_changed.set()
+
+    def _schedule_probes(self) -> None:
+        now = time.monotonic()
+        for s in self._servers:
+            if not s.healthy and not s.probing and s.next_probe <= now:
+                asyncio.get_running_loop().create_task(self._probe(s))
+
+    async def _pick(self) -> _Server:
+        """The least-loaded healthy server; waits (probing) up to `no_server_timeout` for one."""
+        deadline = time.monotonic() + self.no_server_timeout
+        while True:
+            self._schedule_probes()
+            healthy = [s for s in self._servers if s.healthy]
+            if healthy:
+                low = min(s.inflight for s in healthy)
+                best = [s for s in healthy if s.inflight == low]
+                self._rr += 1
+                return best[self._rr % len(best)]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = "; ".join(f"{s.url}: {s.last_error}" for s in self._servers)
+                raise RolloutError(f"no healthy SGLang server for {self.no_server_timeout:g} s ({why})")
+            assert self._health_changed is not None
+            self._health_changed.clear()
+            try:
+                await asyncio.wait_for(self._health_changed.wait(),
+                                       timeout=min(left, max(0.05, self.probe_interval / 2)))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _ahealth(self) -> bool:
+        self._ensure_session()
+        res = await asyncio.gather(*(self._probe(s) for s in self._servers))
+        return any(res)
+
+    def health(self) -> bool:
+        """Probe every server now; True when at least one answers /health."""
+        return bool(self._run(self._ahealth()))
+
+    # ------------------------------------------------------------------ geometry
+    async def _resolve_geometry(self) -> _Geometry:
+        if self._geometry is not None:
+            return self._geometry
+        n_layers, topk, n_exp, moe = self._geo_args
+        info: dict[str, Any] = {}
+        if n_layers is None or (topk is None and moe != []):
+            server = await self._pick()
+            try:
+                info = await self._json(server, "GET", "/get_model_info", timeout=self.probe_timeout)
+            except _Retryable as e:
+                self._mark_unhealthy(server, str(e))
+                raise RolloutError(f"server {server.url}: cannot read /get_model_info: {e}") from None
+            cfg: dict[str, Any] = {}
+            if "moe_layer_ids" not in info or info.get("num_hidden_layers") is None:
+                cfg = _read_hf_config(info.get("model_path"))
+            n_layers = n_layers or info.get("num_hidden_layers") or cfg.get("num_hidden_layers")
+            topk = topk or info.get("num_experts_per_tok") or (topk_of(cfg) if cfg else None)
+            n_exp = n_exp or info.get("num_experts") or (num_experts_of(cfg) if cfg else None)
+            if moe is None:
+                if "moe_layer_ids" in info:
+                    moe = info["moe_layer_ids"]
+                elif cfg:
+                    moe = moe_layer_ids(cfg) or []  # None: a dense model
+        if moe == [] and n_layers:  # dense model: no routes to decode
+            self._geometry = _Geometry(int(n_layers), int(topk or 0), None, [])
+            return self._geometry
+        if not n_layers or not topk:
+            raise RolloutError(
+                "cannot tell the model's number of layers / top-k to decode routed_experts: the servers' "
+                f"/get_model_info does not report them and {info.get('model_path')!r} has no readable "
+                "config.json here; pass SGLangClient(num_layers=..., topk=..., num_experts=...)")
+        moe = list(range(int(n_layers))) if moe is None else [int(x) for x in moe]
+        self._geometry = _Geometry(int(n_layers), int(topk), None if n_exp is None else int(n_exp), moe)
+        return self._geometry
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, requests: list[GenerateRequest], timeout: float | None = None) -> list[list[GenerateResult]]:
+        """Sync: one list of n results per request, in order. Raises RolloutError."""
+        return self._run(self._generate(requests), timeout)
+
+    async def agenerate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
+        """Async variant, awaitable from any event loop."""
+        return await self._on_loop(self._generate(requests))
+
+    async def _generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
+        self._ensure_session()
+        geo = await self._resolve_geometry() if any(r.return_routed_experts for r in requests) else None
+        jobs: list[tuple[int, GenerateRequest]] = []
+        for i, r in enumerate(requests):
+            if r.sampling.seed is not None and r.sampling.n > 1:
+                jobs.extend((i, one) for one in r.single_samples())
+            else:
+                jobs.append((i, r))
+        tasks = [asyncio.ensure_future(self._run_job(req, geo)) for _, req in jobs]
+        try:
+            done = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        out: list[list[GenerateResult]] = [[] for _ in requests]
+        for (i, _), res in zip(jobs, done):
+            out[i].extend(res)
+        return out
+
+    @staticmethod
+    def _payload(req: GenerateRequest) -> dict[str, Any]:
+        # SGLang GenerateReqInput (sglang/srt/managers/io_struct.py)
+        return {"input_ids": list(req.prompt_ids), "sampling_params": req.sampling.to_sglang(),
+                "return_logprob": True, "return_routed_experts": bool(req.return_routed_experts)}
+
+    async def _run_job(self, req: GenerateRequest, geo: _Geometry | None) -> list[GenerateResult]:
+        payload = self._payload(req)
+        errors: list[str] = []
+        for attempt in range(1, self.max_attempts + 1):
+            server = await self._pick()
+            assert self._sem is not None
+            async with self._sem:
+                server.inflight += 1
+                try:
+                    data = await self._json(server, "POST", "/generate", payload)
+                    results = self._parse(server.url, req, data, geo)
+                    if self.retry_aborted and any(r.finish_reason == "abort" for r in results) \
+                            and attempt < self.max_attempts:
+                        errors.append(f"{server.url}: sample aborted by the server")
+                        await asyncio.sleep(self._backoff(attempt))
+                        continue
+                    return results
+                except _Retryable as e:
+                    self._mark_unhealthy(server, str(e))
+                    errors.append(f"{server.url}: {e}")
+                finally:
+                    server.inflight -= 1
+            if attempt < self.max_attempts:
+                await asyncio.sleep(self._backoff(attempt))
+        raise RolloutError(f"generate failed after {self.max_attempts} attempts: " + " | ".join(errors[-4:]))
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+
+    def _parse(self, url: str, req: GenerateRequest, data: Any, geo: _Geometry | None) -> list[GenerateResult]:
+        """SGLang /generate JSON -> results, with every shape checked (errors name the server)."""
+        n = req.sampling.n
+        items = data if isinstance(data, list) else [data]
+        if len(items) != n:
+            raise RolloutError(f"server {url}: /generate returned {len(items)} samples, expected n={n}")
+        P = len(req.prompt_ids)
+        out = []
+        for k, item in enumerate(items):
+            where = f"server {url}: /generate sample {k}"
+            if not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict) \
+                    or not isinstance(item.get("output_ids"), list):
+                raise RolloutError(f"{where}: expected an object with output_ids and meta_info, got "
+                                   f"{str(item)[:200]}")
+            meta = item["meta_info"]
+            output_ids = [int(t) for t in item["output_ids"]]
+            T = len(output_ids)
+            fr = meta.get("finish_reason")
+            ftype = fr.get("type") if isinstance(fr, dict) else fr
+            if ftype not in ("stop", "length", "abort"):
+                raise RolloutError(f"{where}: unexpected finish_reason {fr!r}")
+            if meta.get("prompt_tokens") is not None and int(meta["prompt_tokens"]) != P:
+                raise RolloutError(f"{where}: prompt_tokens {meta['prompt_tokens']} != len(prompt_ids) {P}")
+            lps = meta.get("output_token_logprobs")
+            if not isinstance(lps, list) or len(lps) != T:
+                raise RolloutError(f"{where}: output_token_logprobs has "
+                                   f"{len(lps) if isinstance(lps, list) else lps!r} entries, expected {T}")
+            try:
+                vals = [float(e[0]) for e in lps]
+                ids = [int(e[1]) for e in lps]
+            except (TypeError, ValueError, IndexError):
+                raise RolloutError(f"{where}: output_token_logprobs entries must be "
+                                   f"[logprob, token_id, text]; got {str(lps[:2])[:200]}") from None
+            if ids != output_ids:
+                raise RolloutError(f"{where}: output_token_logprobs token ids differ from output_ids")
+            routes = None
+            if req.return_routed_experts and geo is not None and geo.moe_layers \
+                    and not (ftype == "abort" and meta.get("routed_experts") is None):
+                routes = self._decode_routes(where, meta.get("routed_experts"), P + T - 1, geo)
+            wv = meta.get("weight_version")
+            out.append(GenerateResult(prompt_ids=list(req.prompt_ids), output_ids=output_ids,
+                                      output_logprobs=np.asarray(vals, dtype=np.float32), finish_reason=ftype,
+                                      routed_experts=routes, weight_version=None if wv is None else str(wv),
+                                      server=url))
+        return out
+
+    @staticmethod
+    def _decode_routes(where: str, b64: Any, rows: int, geo: _Geometry) -> np.ndarray:
+        if not isinstance(b64, str):
+            raise RolloutError(f"{where}: meta_info.routed_experts is missing (launch SGLang with "
+                               f"--enable-return-routed-experts)")
+        try:
+            raw = base64.b64decode(b64.encode("ascii"), validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise RolloutError(f"{where}: routed_experts is not valid base64: {e}") from None
+        L, k = geo.num_layers, geo.topk
+        if len(raw) % 4:
+            raise RolloutError(f"{where}: routed_experts has {len(raw)} bytes, not a whole number of int32")
+        arr = np.frombuffer(raw, dtype="<i4")
+        want = rows * L * k
+        if arr.size != want:
+            got = f"{arr.size // (L * k)} rows" if arr.size % (L * k) == 0 else f"{arr.size} int32 values"
+            raise RolloutError(f"{where}: routed_experts has {got}, expected [len(prompt + output) - 1 = {rows}, "
+                               f"num_layers = {L}, topk = {k}] ({want} int32 values)")
+        arr = arr.reshape(rows, L, k)[:, geo.moe_layers, :]
+        try:
+            return to_route_dtype(arr, geo.num_experts)
+        except ValueError as e:
+            raise RolloutError(f"{where}: routed_experts: {e}") from None
+
+    # -------------------------------------------------------------- weight updates
+    async def _update_one(self, server: _Server, path: str, version: str | None) -> None:
+        payload: dict[str, Any] = {"model_path": path}
+        if version is not None:
+            payload["weight_version"] = version
+        d = await self._json(server, "POST", "/update_weights_from_disk", payload, ok_statuses=(200, 400))
+        if not isinstance(d, dict) or not d.get("success"):
+            msg = d.get("message") if isinstance(d, dict) else d
+            raise RolloutError(f"server {server.url} refused the weights in {path!r}: {msg}")
+
+    async def _aupdate_weights_from_disk(self, path: str, version: str | None) -> None:
+        self._ensure_session()
+        servers = self._admin
+        res = await asyncio.gather(*(self._update_one(s, path, version) for s in servers),
+                                   return_exceptions=True)
+        ok = [s for s, r in zip(servers, res) if r is None]
+        failed = [(s, r) for s, r in zip(servers, res) if r is not None]
+        for s, r in failed:
+            if isinstance(r, BaseException) and not isinstance(r, (_Retryable, RolloutError)):
+                raise r
+        if not ok:
+            raise RolloutError("weight update failed on every server: "
+                               + " | ".join(f"{s.url}: {r}" for s, r in failed))
+        self._target_weights = (path, version)
+        for s, r in failed:  # stale now: kept out of rotation until a probe re-applies the update
+            self._mark_unhealthy(s, f"missed weight update {version}: {r}")
+        if failed:
+            log.warning("weights %s applied on %d of %d servers; the others are re-tried when probed",
+                        path, len(ok), len(servers))
+
+    def update_weights_from_disk(self, path: str | Path, version: str | int | None = None) -> None:
+        """POST /update_weights_from_disk to every (admin) server.
+
+        Raises RolloutError when no server took the weights (then nothing changed).
+        Servers that refused or were unreachable are kept out of rotation and get the
+        update again when their /health answers.
+        """
+        self._run(self._aupdate_weights_from_disk(str(path), None if version is None else str(version)))
+
+    def update_weights(self, path_or_tensors: WeightsSource, version: str | int | None = None) -> None:
+        if isinstance(path_or_tensors, (str, Path)):
+            return self.update_weights_from_disk(path_or_tensors, version)
+        raise NotImplementedError("SGLangClient loads weights from disk: save the tensors as a HF checkpoint "
+                                  "and call update_weights_from_disk(path, version)")
+
+    # --------------------------------------------------------------- admin calls
+    async def _broadcast(self, method: str, path: str, payload: Any = None, json_reply: bool = True) -> list[Any]:
+        self._ensure_session()
+
+        async def one(s: _Server) -> Any:
+            try:
+                if json_reply:
+                    return await self._json(s, method, path, payload)
+                status, body = await self._request(s, method, path, payload)
+                if status != 200:
+                    raise RolloutError(f"server {s.url} refused {path} (HTTP {status}): {self._error_text(body)}")
+                return body.decode("utf-8", "replace")
+            except _Retryable as e:
+                raise RolloutError(f"server {s.url}: {e}") from None
+
+        return list(await asyncio.gather(*(one(s) for s in self._admin)))
+
+    def flush_cache(self) -> None:
+        self._run(self._broadcast("POST", "/flush_cache", json_reply=False))
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang PauseGenerationReqInput: mode "abort" | "retract" | "in_place"."""
+        self._run(self._broadcast("POST", "/pause_generation", {"mode": mode}))
+
+    def continue_generation(self) -> None:
+        self._run(self._broadcast("POST", "/continue_generation", {}))
+
+    def get_model_info(self) -> dict[str, Any]:
+        async def go() -> Any:
+            self._ensure_session()
+            server = await self._pick()
+            try:
+                return await self._json(server, "GET", "/get_model_info", timeout=self.probe_timeout)
+            except _Retryable as e:
+                self._mark_unhealthy(server, str(e))
+                raise RolloutError(f"server {server.url}: {e}") from None
+        return self._run(go())
+
+
+def _read_hf_config(model_path: Any) -> dict[str, Any]:
+    """config.json of a local HF checkpoint dir (the text config for multimodal models), or {}."""
+    if not isinstance(model_path, str):
+        return {}
+    p = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg.get("text_config") or cfg if isinstance(cfg, dict) else {}

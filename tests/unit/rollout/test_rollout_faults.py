@@ -1,0 +1,199 @@
+"""SGLangClient against misbehaving servers: every failure is a clear RolloutError, never a hang."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+import time
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from moe_rl.rollout.engine import GenerateRequest, RolloutError, SamplingParams
+from moe_rl.rollout.sglang_client import SGLangClient
+
+LAYERS, TOPK, EXPERTS = 2, 2, 4
+
+
+def _sample(prompt: list[int], n_out: int, route_rows: int | None = None) -> dict:
+    """One /generate sample as SGLang shapes it (tokenizer_manager._handle_batch_output)."""
+    out = list(range(10, 10 + n_out))
+    rows = len(prompt) + n_out - 1 if route_rows is None else route_rows
+    routes = np.tile(np.arange(TOPK, dtype=np.int32), (rows, LAYERS, 1))
+    return {"output_ids": out, "meta_info": {
+        "id": "x", "finish_reason": {"type": "length", "length": n_out}, "prompt_tokens": len(prompt),
+        "weight_version": "default", "output_token_logprobs": [[-1.0, t, None] for t in out],
+        "completion_tokens": n_out, "routed_experts": base64.b64encode(routes.tobytes()).decode()}}
+
+
+class FakeServer:
+    """A tiny aiohttp server in a thread; `mode` picks how /generate misbehaves."""
+
+    def __init__(self, mode: str):
+        self.mode, self.calls = mode, 0
+        self.version, self.updates, self.update_status = "default", [], 200
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _main(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self._start())
+        self.loop.run_forever()
+
+    async def _start(self) -> None:
+        self.release = asyncio.Event()
+        app = web.Application()
+        app.router.add_get("/health", lambda r: web.Response())
+        app.router.add_get("/get_model_info", lambda r: web.json_response(
+            {"model_path": "fake", "num_hidden_layers": LAYERS, "num_experts_per_tok": TOPK,
+             "num_experts": EXPERTS, "moe_layer_ids": list(range(LAYERS)), "weight_version": self.version}))
+        app.router.add_post("/generate", self._generate)
+        app.router.add_post("/update_weights_from_disk", self._update)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self._ready.set()
+
+    async def _update(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.updates.append(body)
+        if self.update_status != 200:
+            return web.Response(status=self.update_status, text="Service Unavailable")
+        self.version = body.get("weight_version", self.version)
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        self.calls += 1
+        body = await request.json()
+        prompt = body["input_ids"]
+        n_out = body["sampling_params"]["max_new_tokens"]
+        if self.mode == "ok":
+            sample = _sample(prompt, n_out)
+            sample["meta_info"]["weight_version"] = self.version
+            return web.json_response(sample)
+        if self.mode == "500":
+            return web.json_response({"error": {"message": "CUDA error: an illegal memory access"}}, status=500)
+        if self.mode == "400":
+            return web.json_response({"error": {"message": "max_new_tokens is too large"}}, status=400)
+        if self.mode == "badjson":
+            return web.Response(text="{not json", content_type="application/json")
+        if self.mode == "routes":
+            return web.json_response(_sample(prompt, n_out, route_rows=len(prompt) + n_out))
+        if self.mode == "hang":
+            try:
+                await asyncio.wait_for(self.release.wait(), 60)
+            except asyncio.TimeoutError:
+                pass
+            return web.Response(status=503)
+        raise AssertionError(self.mode)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.release.set)
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def fake(request):
+    servers = []
+
+    def make(mode):
+        servers.append(FakeServer(mode))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def _client(urls, **kw) -> SGLangClient:
+    kw = {"request_timeout": 5.0, "max_attempts": 2, "backoff_base": 0.01, "probe_interval": 0.05,
+          "no_server_timeout": 5.0, **kw}
+    return SGLangClient(urls, **kw)
+
+
+REQ = [GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4))]
+
+
+def test_fake_server_ok_shapes(fake):
+    s = fake("ok")
+    with _client([s.url]) as c:
+        (res,), = c.generate(REQ)
+    assert res.output_ids == [10, 11, 12, 13] and res.routed_experts.shape == (6, LAYERS, TOPK)
+    assert res.routed_experts.dtype == np.uint8 and res.server == s.url
+
+
+@pytest.mark.parametrize("mode, pattern", [
+    ("500", r"HTTP 500.*illegal memory access"),
+    ("badjson", r"invalid JSON"),
+    ("routes", r"routed_experts has 7 rows, expected \[len\(prompt \+ output\) - 1 = 6"),
+    ("400", r"refused /generate \(HTTP 400\): max_new_tokens is too large"),
+])
+def test_misbehaving_server_gives_clear_error(fake, mode, pattern):
+    s = fake(mode)
+    with _client([s.url]) as c, pytest.raises(RolloutError, match=pattern) as ei:
+        c.generate(REQ)
+    assert s.url in str(ei.value)
+    # 5xx is retried (max_attempts=2); protocol errors fail at once
+    assert s.calls == (2 if mode == "500" else 1)
+
+
+def test_hung_server_times_out(fake):
+    s = fake("hang")
+    t0 = time.monotonic()
+    with _client([s.url], request_timeout=0.5) as c, pytest.raises(RolloutError, match="within 0.5 s") as ei:
+        c.generate(REQ)
+    assert time.monotonic() - t0 < 10
+    assert s.url in str(ei.value)
+
+
+def test_failover_from_failing_server(fake):
+    bad, good = fake("500"), fake("ok")
+    reqs = [GenerateRequest([1, 2, k], SamplingParams(max_new_tokens=3)) for k in range(8)]
+    with _client([bad.url, good.url], max_attempts=3) as c:
+        out = c.generate(reqs)
+        assert not c.server_states()[bad.url]["healthy"] or bad.calls >= 1
+    assert all(len(r) == 1 and r[0].server == good.url for r in out)
+
+
+def test_unreachable_server_is_reported():
+    from moe_rl.testing import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with _client([url], no_server_timeout=0.5) as c, pytest.raises(RolloutError) as ei:
+        c.generate(REQ)
+    assert url in str(ei.value)
+
+
+def test_server_that_missed_a_weight_update_is_resynced_before_use(fake):
+    a, b = fake("ok"), fake("ok")
+    b.update_status = 503                      # b cannot take the update now
+    with _client([a.url, b.url]) as c:
+        c.update_weights_from_disk("/ckpt/step1", version="v1")
+        assert not c.server_states()[b.url]["healthy"]
+        out = c.generate(REQ * 4)
+        assert {r[0].weight_version for r in out} == {"v1"} and {r[0].server for r in out} == {a.url}
+        b.update_status = 200                  # b is back: the next probe re-applies the update
+        deadline = time.monotonic() + 5
+        while not c.server_states()[b.url]["healthy"] and time.monotonic() < deadline:
+            c.generate(REQ)
+            time.sleep(0.05)
+        assert c.server_states()[b.url]["healthy"]
+        assert b.version == "v1" and [u["model_path"] for u in b.updates] == ["/ckpt/step1"] * 2
+        out = c.generate(REQ * 8)
+    assert {r[0].weight_version for r in out} == {"v1"}
+    assert {r[0].server for r in out} == {a.url, b.url}
+
+
+def test_weight_update_refused_everywhere_raises(fake):
+    a = fake("ok")
+    a.update_status = 503
+    with _client([a.url]) as c, pytest.raises(RolloutError, match="failed on every server") as ei:
+        c.update_weights_from_disk("/ckpt/bad", version="v9")
+    assert a.url in str(ei.value) and a.version == "default"

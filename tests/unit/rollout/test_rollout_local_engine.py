@@ -1,0 +1,184 @@
+"""LocalEngine against a plain HF forward: exact log-probs and routes, seeds, stops, weight updates."""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from moe_rl.rollout.engine import GenerateRequest, SamplingParams
+from moe_rl.rollout.local_engine import LocalEngine
+
+
+def hf_reference(model, prompt: list[int], output: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Log-probs of `output` and top-k routes of every token but the last, from one HF forward."""
+    seq = torch.tensor([list(prompt) + list(output)])
+    with torch.no_grad():
+        out = model(seq, output_router_logits=True)
+    lp = torch.log_softmax(out.logits[0].float(), dim=-1)
+    P = len(prompt)
+    logprobs = lp[P - 1:-1].gather(1, torch.tensor(output).view(-1, 1)).view(-1).numpy()
+    k = model.config.num_experts_per_tok
+    routes = torch.stack([torch.topk(torch.softmax(r.float(), -1), k, dim=-1).indices
+                          for r in out.router_logits], dim=1)[:-1]
+    return logprobs, routes.numpy()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf_dir):
+    eng = LocalEngine(tiny_hf_dir, seed=0, max_batch=8)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).eval()
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
+
+
+def test_logprobs_and_routes_match_hf_forward(engine, hf_model):
+    reqs = [GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=12, n=2, seed=1)),
+            GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=9, top_k=8, top_p=0.9, temperature=0.8)),
+            GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=0.0))]
+    out = engine.generate(reqs)
+    assert [len(r) for r in out] == [2, 1, 1]
+    for req, results in zip(reqs, out):
+        for res in results:
+            assert res.prompt_ids == list(req.prompt_ids) and res.finish_reason in ("length", "stop")
+            lp, routes = hf_reference(hf_model, res.prompt_ids, res.output_ids)
+            assert res.output_logprobs.dtype == np.float32
+            np.testing.assert_allclose(res.output_logprobs, lp, atol=1e-4, rtol=0)
+            assert res.routed_experts.shape == (len(res.token_ids) - 1, 4, 2)
+            assert res.routed_experts.dtype == np.uint8
+            np.testing.assert_array_equal(res.routed_experts.astype(np.int64), routes)
+
+
+def test_greedy_is_argmax(engine, hf_model):
+    (res,), = engine.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=5, temperature=0,
+                                                                           ignore_eos=True))])
+    seq = list(PROMPTS[0])
+    for t in res.output_ids:
+        with torch.no_grad():
+            nxt = int(hf_model(torch.tensor([seq])).logits[0, -1].argmax())
+        assert t == nxt
+        seq.append(t)
+
+
+def test_seeds_reproduce_and_samples_differ(engine):
+    sp = SamplingParams(max_new_tokens=10, n=3, seed=123, ignore_eos=True)
+    a = engine.generate([GenerateRequest(PROMPTS[1], sp)])[0]
+    # same seed, other batch company -> same samples; sample j == a single request with seed + j
+    b = engine.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=4)),
+                         GenerateRequest(PROMPTS[1], sp)])[1]
+    c = engine.generate([GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=10, seed=125, ignore_eos=True))])[0]
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert c[0].output_ids == a[2].output_ids
+    assert len({tuple(r.output_ids) for r in a}) == 3
+
+
+def test_stop_tokens_and_lengths(engine):
+    (free,), = engine.generate([GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=8, seed=7,
+                                                                            ignore_eos=True))])
+    assert free.finish_reason == "length" and len(free.output_ids) == 8
+    stop = free.output_ids[3]
+    first = free.output_ids.index(stop)
+    (res,), = engine.generate([GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=8, seed=7,
+                                                                           stop_token_ids=[stop]))])
+    # the stop token ends the sample and is its last token (SGLang keeps it in output_ids)
+    if 2 not in free.output_ids[:first + 1]:  # EOS (id 2) would have stopped it earlier
+        assert res.finish_reason == "stop" and res.output_ids == free.output_ids[:first + 1]
+    (zero,), = engine.generate([GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=0))])
+    assert zero.output_ids == [] and zero.finish_reason == "length"
+    assert zero.routed_experts.shape == (len(PROMPTS[2]) - 1, 4, 2)
+
+
+def test_pause_abort_ends_inflight_samples(engine):
+    results = {}
+    t = threading.Thread(target=lambda: results.update(
+        out=engine.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=400, ignore_eos=True))])))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not engine._gen_lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    engine.pause_generation("abort")
+    t.join(60)
+    engine.continue_generation()
+    (res,), = results["out"]
+    assert res.finish_reason == "abort" and 0 < len(res.output_ids) < 400
+    assert res.routed_experts.shape[0] == len(res.token_ids) - 1
+    (again,), = engine.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=3))])
+    assert again.finish_reason in ("length", "stop")
+
+
+def test_update_weights_from_tensors(engine, hf_model, tiny_hf_dir):
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tiny_hf_dir / "model.safetensors"))
+    gate = "model.layers.1.mlp.experts.2.gate_proj.weight"   # checkpoint (per-expert) name
+    router = "model.layers.1.mlp.gate.weight"                # runtime name
+    new = {gate: sd[gate] * -1.0, router: sd[router].flip(0)}
+    with pytest.raises(ValueError, match="unknown parameter"):
+        engine.update_weights_from_tensors({**new, "model.layers.9.nope": torch.zeros(1)})
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights_from_tensors({router: torch.zeros(3, 3)})
+    try:
+        engine.update_weights_from_tensors(new, version="t1")
+        fused = dict(engine.model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"]
+        I = sd[gate].shape[0]
+        torch.testing.assert_close(fused[2, :I], new[gate])
+        (res,), = engine.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=6, seed=3))])
+        assert res.weight_version == "t1"
+        ref_model = type(hf_model)(hf_model.config).eval()
+        ref_model.load_state_dict(engine.model.state_dict())
+        lp, routes = hf_reference(ref_model, res.prompt_ids, res.output_ids)
+        np.testing.assert_allclose(res.output_logprobs, lp, atol=1e-4, rtol=0)
+        np.testing.assert_array_equal(res.routed_experts.astype(np.int64), routes)
+    finally:
+        engine.update_weights_from_tensors({gate: sd[gate], router: sd[router]}, version="default")
+
+
+def test_update_weights_refuses_incomplete_checkpoint(engine, tiny_hf_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "missing"
+    shutil.copytree(tiny_hf_dir, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    sd.pop("model.layers.2.mlp.gate.weight")
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    before = engine.generate([GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=5, seed=9))])[0][0]
+    with pytest.raises(ValueError, match="missing_keys"):
+        engine.update_weights(str(bad), version="bad")
+    after = engine.generate([GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=5, seed=9))])[0][0]
+    assert after.output_ids == before.output_ids and after.weight_version == before.weight_version
+    np.testing.assert_array_equal(after.output_logprobs, before.output_logprobs)
+
+
+def test_dense_layers_are_skipped_and_dense_models_have_no_routes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.testing import TinyMoEConfig, make_tiny_qwen3_moe
+
+    mixed = make_tiny_qwen3_moe(tmp_path / "mixed", config=TinyMoEConfig(mlp_only_layers=[1]))
+    eng = LocalEngine(mixed)
+    assert eng.moe_layer_ids == [0, 2, 3] and eng.num_hidden_layers == 4
+    (res,), = eng.generate([GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=5, seed=1))])
+    model = AutoModelForCausalLM.from_pretrained(mixed, dtype=torch.float32).eval()
+    lp, routes = hf_reference(model, res.prompt_ids, res.output_ids)  # router_logits: MoE layers only
+    assert res.routed_experts.shape == (len(res.token_ids) - 1, 3, 2)
+    np.testing.assert_array_equal(res.routed_experts.astype(np.int64), routes)
+    np.testing.assert_allclose(res.output_logprobs, lp, atol=1e-4, rtol=0)
+    eng.close()
+    dense = make_tiny_qwen3_moe(tmp_path / "dense", config=TinyMoEConfig(mlp_only_layers=[0, 1, 2, 3]))
+    eng = LocalEngine(dense)
+    (res,), = eng.generate([GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=3))])
+    assert eng.moe_layer_ids == [] and res.routed_experts is None and len(res.output_ids) == 3
+    eng.close()

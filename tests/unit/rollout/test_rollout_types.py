@@ -1,0 +1,74 @@
+"""Engine contract: dtypes for expert ids, sampling-param translation, result shape checks."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutEngine, SamplingParams,
+                                   moe_layer_ids, smallest_int_dtype, to_route_dtype)
+from moe_rl.rollout.server import encode_routes
+from moe_rl.rollout.sglang_client import SGLangClient, _Geometry
+
+
+def test_smallest_int_dtype_boundaries():
+    assert smallest_int_dtype(1) == np.uint8
+    assert smallest_int_dtype(256) == np.uint8      # ids 0..255
+    assert smallest_int_dtype(257) == np.int16      # id 256 does not fit in uint8
+    assert smallest_int_dtype(32768) == np.int16
+    assert smallest_int_dtype(32769) == np.int32
+    with pytest.raises(ValueError):
+        smallest_int_dtype(0)
+
+
+def test_ids_above_255_survive_server_encoding_and_client_decoding():
+    rng = np.random.default_rng(0)
+    num_experts, rows, k = 384, 7, 8
+    routes = np.stack([np.stack([rng.choice(num_experts, k, replace=False) for _ in range(3)])
+                       for _ in range(rows)])              # [rows, 3 moe layers, k]
+    assert routes.max() > 255
+    # 4 hidden layers, layer 1 dense: SGLang leaves its rows 0
+    b64 = encode_routes(routes, [0, 2, 3], 4)
+    flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32).reshape(rows, 4, k)
+    assert (flat[:, 1] == 0).all()
+    geo = _Geometry(num_layers=4, topk=k, num_experts=num_experts, moe_layers=[0, 2, 3])
+    got = SGLangClient._decode_routes("test", b64, rows, geo)
+    assert got.dtype == np.int16
+    np.testing.assert_array_equal(got, routes)
+    with pytest.raises(ValueError, match="out of range"):
+        to_route_dtype(routes, 300)  # ids >= 300 must not be wrapped silently
+
+
+def test_sampling_params_roundtrip_and_validation():
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=5, stop_token_ids=[3, 4],
+                        seed=11, n=2)
+    d = sp.to_sglang()
+    assert d["sampling_seed"] == 11 and d["stop_token_ids"] == [3, 4] and d["n"] == 2
+    assert SamplingParams.from_sglang(d) == sp
+    assert SamplingParams.from_sglang({"top_k": 1 << 30}).top_k == -1   # SGLang's TOP_K_ALL
+    assert SamplingParams.from_sglang({"temperature": 0}).greedy
+    for bad in ({"top_p": 0}, {"top_k": 0}, {"n": 0}, {"max_new_tokens": -1}, {"min_p": 0.1}):
+        with pytest.raises(ValueError):
+            SamplingParams.from_sglang(bad)
+    reqs = GenerateRequest([1, 2], SamplingParams(n=3, seed=5)).single_samples()
+    assert [r.sampling.seed for r in reqs] == [5, 6, 7] and all(r.sampling.n == 1 for r in reqs)
+
+
+def test_result_shape_checks():
+    ok = GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", np.zeros((4, 2, 2), np.uint8))
+    assert ok.token_ids == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="len\\(prompt \\+ output\\) - 1"):
+        GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", np.zeros((5, 2, 2), np.uint8))
+    with pytest.raises(ValueError, match="finish_reason"):
+        GenerateResult([1], [4], np.zeros(1), "eos")
+
+
+def test_moe_layer_ids_from_configs():
+    assert moe_layer_ids({"num_experts": 8, "num_hidden_layers": 4, "mlp_only_layers": [1]}) == [0, 2, 3]
+    assert moe_layer_ids({"n_routed_experts": 8, "num_hidden_layers": 4, "first_k_dense_replace": 1}) == [1, 2, 3]
+    assert moe_layer_ids({"num_hidden_layers": 4}) is None
+
+
+def test_engines_satisfy_protocol():
+    assert isinstance(SGLangClient(["http://127.0.0.1:9"]), RolloutEngine)
