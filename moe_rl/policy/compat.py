@@ -5,14 +5,14 @@ places (buffer allocation, RNG trackers, stream sync, optimizer type checks). No
 those assumptions matter for the maths, so on a machine without CUDA we redirect them
 to the CPU. Nothing here edits megatron's source files; everything is a runtime
 redirection that is active only when `torch.cuda.is_available()` is False. On a GPU
-`activate()` does nothing.
+`activate()` does nothing; only `define_missing_te_gemm` (a megatron bug without
+transformer-engine, not a CPU matter) is applied there too.
 
 Each piece below says which megatron call site needs it. The list was established
 against megatron-core 0.16.1 by running TP/PP/EP/DP layouts with DDP and the optimizer.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -130,16 +130,20 @@ def activate() -> bool:
     torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     torch.cuda.empty_cache = _noop("empty_cache")  # type: ignore[assignment]
 
-    # megatron-core 0.16.x references `te_general_gemm` in the router's fp32 GEMM
-    # even when transformer-engine is not installed (NameError). None selects the
-    # plain torch path that the same function already has.
+    define_missing_te_gemm()
+    _ACTIVE = True
+    return True
+
+
+def define_missing_te_gemm() -> None:
+    """megatron-core 0.16.x references `te_general_gemm` in the router's fp32 GEMM even
+    when transformer-engine is not installed (NameError, on CPU and GPU alike). None
+    selects the plain torch path that the same function already has. Needed on any
+    machine without transformer-engine, so it is applied on GPU too."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
-    _ACTIVE = True
-    return True
 
 
 def is_active() -> bool:
@@ -147,7 +151,6 @@ def is_active() -> bool:
     return _ACTIVE
 
 
-@functools.cache
 def device() -> torch.device:
     """The device the policy lives on: the local CUDA device, or the CPU."""
     if torch.cuda.is_available():

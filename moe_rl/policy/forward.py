@@ -36,7 +36,12 @@ class Microbatch:
     def loss_mask(self) -> torch.Tensor:
         """`[b, s - 1]`: 1 where position t predicts a real token t + 1."""
         s = self.tokens.shape[1]
-        return (torch.arange(s - 1).unsqueeze(0) < (self.lengths - 1).unsqueeze(1)).float()
+        pos = torch.arange(s - 1, device=self.lengths.device)
+        return (pos.unsqueeze(0) < (self.lengths - 1).unsqueeze(1)).float()
+
+    def to(self, device: torch.device) -> "Microbatch":
+        return Microbatch(tokens=self.tokens.to(device), lengths=self.lengths.to(device),
+                          index=self.index.to(device), extras={k: v.to(device) for k, v in self.extras.items()})
 
 
 def pad_length(max_len: int, multiple: int) -> int:
@@ -114,9 +119,9 @@ def run_schedule(chunks: list[Any], microbatches: list[Microbatch], loss_fn: Los
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator: Iterator[Microbatch], model: Any):
-        mb = next(data_iterator)
-        pos = torch.arange(mb.tokens.shape[1]).unsqueeze(0).expand_as(mb.tokens)
-        output = model(mb.tokens.to(_device()), pos.to(_device()), attention_mask=None)
+        mb = next(data_iterator).to(_device())
+        pos = torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
+        output = model(mb.tokens, pos, attention_mask=None)
 
         def loss_func(logits: torch.Tensor):
             loss, out = loss_fn(logits, mb)
@@ -214,10 +219,11 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
     ent = torch.zeros(n, s - 1) if with_entropy else None
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for out in outputs:
-            rows = out["index"] >= 0
-            logp[out["index"][rows]] = out["logp"][rows].float().cpu()
+            index = out["index"].cpu()
+            rows = index >= 0
+            logp[index[rows]] = out["logp"].float().cpu()[rows]
             if ent is not None:
-                ent[out["index"][rows]] = out["entropy"][rows].float().cpu()
+                ent[index[rows]] = out["entropy"].float().cpu()[rows]
     _broadcast_from_last_stage(logp)
     if ent is not None:
         _broadcast_from_last_stage(ent)

@@ -139,7 +139,8 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -183,6 +183,7 @@ def init_distributed(layout: ParallelLayout, timeout_minutes: int = 30, seed: in
         torch.cuda.set_device(env.local_rank)
     else:
         compat.activate()
+    compat.define_missing_te_gemm()
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if cuda else "gloo",
                                 init_method=f"tcp://{env.master_addr}:{env.master_port}",
