@@ -24,7 +24,9 @@ Usage across microbatches and DP ranks (one sequence never spans two pieces)::
     counts = torch.stack([norm.num_tokens, norm.num_seqs]); dist.all_reduce(counts)
     for mb in my_microbatches:
         loss, _ = compute_loss(..., global_num_tokens=counts[0], global_num_seqs=counts[1], max_len=L)
-        (loss * dp_size).backward()   # DDP *averages* gradients over DP ranks; undo it
+        loss.backward()   # moe_rl's DDP sums gradients over DP ranks (calculate_per_token_loss)
+
+With a DDP that averages over DP ranks instead, multiply each loss by the DP size.
 
 A sequence counts towards N_seq when it has at least one valid token, so
 all-zero padding rows neither add to nor dilute the loss. Without explicit
