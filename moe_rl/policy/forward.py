@@ -11,6 +11,7 @@ Shapes: B sequences, T = longest length, V/tp = this rank's vocabulary shard.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -107,6 +108,11 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 # (scalar loss to backpropagate, dict of outputs to keep).
 LossFn = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, Any]]]
 
+# Routing around a schedule run: given the microbatches, a context manager to run
+# the schedule in (`RouteReplay.record` / `RouteReplay.replay` bound to their routes).
+# A context that yields an object with `.routes` hands recorded routes back.
+Routing = Callable[[list[Microbatch]], AbstractContextManager]
+
 
 def run_schedule(chunks: list[Any], microbatches: list[Microbatch], loss_fn: LossFn,
                  forward_only: bool) -> list[dict[str, Any]]:
@@ -192,12 +198,17 @@ class LogProbs:
     logp: torch.Tensor
     mask: torch.Tensor
     entropy: torch.Tensor | None = None
+    routes: torch.Tensor | None = None  # [B, T - 1, L, K] when recorded
 
 
 @torch.no_grad()
 def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_batch_size: int,
-                     with_entropy: bool = False, seq_len: int | None = None) -> LogProbs:
-    """Log-probs (and entropy) of each sequence's tokens, on every rank of the model-parallel group."""
+                     with_entropy: bool = False, seq_len: int | None = None,
+                     routing: Routing | None = None) -> LogProbs:
+    """Log-probs (and entropy) of each sequence's tokens, on every rank of the model-parallel group.
+
+    `routing` wraps the schedule run, e.g. to record routes (R2) or replay given ones (R3).
+    """
     from megatron.core import parallel_state as ps
 
     for c in chunks:
@@ -212,7 +223,8 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
             out["entropy"] = token_entropy(logits)
         return logits.new_zeros(()), out
 
-    outputs = run_schedule(chunks, mbs, keep, forward_only=True)
+    with (routing(mbs) if routing else nullcontext()) as recording:
+        outputs = run_schedule(chunks, mbs, keep, forward_only=True)
     s = mbs[0].tokens.shape[1]
     n = len(sequences)
     logp = torch.zeros(n, s - 1)
@@ -229,7 +241,8 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
         _broadcast_from_last_stage(ent)
     lengths = torch.tensor([len(x) for x in sequences])
     mask = (torch.arange(s - 1).unsqueeze(0) < (lengths - 1).unsqueeze(1)).float()
-    return LogProbs(logp=logp * mask, mask=mask, entropy=None if ent is None else ent * mask)
+    return LogProbs(logp=logp * mask, mask=mask, entropy=None if ent is None else ent * mask,
+                    routes=getattr(recording, "routes", None))
 
 
 def _broadcast_from_last_stage(t: torch.Tensor) -> None:

@@ -208,3 +208,12 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def data_parallel_rank_and_size() -> tuple[int, int]:
+    """(rank, size) of this process in the data-parallel group (0, 1 when not distributed)."""
+    if not dist.is_initialized():
+        return 0, 1
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from moe_rl.policy.forward import LossFn, Microbatch, run_schedule
+from moe_rl.policy.forward import LossFn, Microbatch, Routing, run_schedule
 
 
 @dataclass(frozen=True)
@@ -87,25 +88,31 @@ class PolicyOptimizer:
         for c in self.chunks:
             c.train()
 
-    def backward(self, microbatches: list[Microbatch], loss_fn: LossFn) -> list[dict[str, Any]]:
-        """Zero grads, forward + backward over the microbatches, reduce grads. No optimizer step."""
+    def backward(self, microbatches: list[Microbatch], loss_fn: LossFn,
+                 routing: Routing | None = None) -> list[dict[str, Any]]:
+        """Zero grads, forward + backward over the microbatches, reduce grads. No optimizer step.
+
+        `routing` wraps the schedule run (route replay for R2/R3).
+        """
         from megatron.core.distributed import finalize_model_grads
 
         self.train()
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = run_schedule(self.chunks, microbatches, loss_fn, forward_only=False)
+        with routing(microbatches) if routing else nullcontext():
+            outputs = run_schedule(self.chunks, microbatches, loss_fn, forward_only=False)
         finalize_model_grads(self.chunks)
         return outputs
 
-    def step(self, microbatches: list[Microbatch], loss_fn: LossFn) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    def step(self, microbatches: list[Microbatch], loss_fn: LossFn,
+             routing: Routing | None = None) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """One optimizer update on `microbatches`; returns the loss outputs and step metrics.
 
         A non-finite gradient norm skips the update and raises NonFiniteLoss, leaving
         the weights as they were.
         """
-        outputs = self.backward(microbatches, loss_fn)
+        outputs = self.backward(microbatches, loss_fn, routing)
         ok, grad_norm, _ = self.optimizer.step()
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         if not ok or not math.isfinite(grad_norm):

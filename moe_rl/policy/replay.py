@@ -1,0 +1,307 @@
+"""Routing replay (R2, R3) over megatron-core's `RouterReplay`.
+
+Routes travel between stages as one tensor per data-parallel shard:
+`routes[b, t, l, k]` = the k-th expert chosen for token t of sequence b in the
+l-th MoE layer, for t < len_b - 1 (the last token of a sequence is never routed by
+the engine, as in SGLang's `routed_experts`). Shape `[B, T - 1, L, K]`, ids global.
+
+`RouteReplay` turns that into what each router sees: per MoE layer and per
+microbatch a `[s_local * b, K]` target in the router's token order (sequence-major,
+`[s, b]` flattened), sliced to this TP rank's sequence-parallel shard, for the
+layers of this rank's pipeline stage and virtual stages (routers know their global
+layer number). The last token of each sequence and padding get a filler row of
+distinct expert ids. EP needs nothing: ids are global and routing happens before
+dispatch.
+
+Each router is fed by a forward pre-hook that takes the next target from its own
+queue, so any pipeline schedule works: every layer sees microbatches in order.
+With activation recompute the layer runs again inside backward; those calls take
+the targets of the forwards they repeat (`REPLAY_BACKWARD` order). Every target
+must be consumed exactly once, or the context fails naming the layer and
+microbatch.
+"""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.policy.forward import Microbatch
+from moe_rl.policy.model import MoEArch
+
+
+class ReplayError(RuntimeError):
+    """Routes that do not fit the model, or targets not consumed exactly once."""
+
+
+def filler_row(top_k: int) -> torch.Tensor:
+    """Distinct expert ids `[K]` for tokens that have no recorded route (never duplicates)."""
+    return torch.arange(top_k)
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """Smallest integer type that holds ids 0..num_experts-1 (never truncates ids > 255)."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    return torch.int32
+
+
+def check_routes(routes: torch.Tensor, lengths: torch.Tensor, arch: MoEArch) -> None:
+    """Fail with what was expected when routes do not fit `[B, >= max(len) - 1, L, K]` and the expert range."""
+    L, K, E = arch.num_moe_layers, arch.moe_router_topk, arch.num_moe_experts
+    need_t = int(lengths.max()) - 1
+    if routes.dim() != 4 or routes.shape[0] != len(lengths) or routes.shape[2] != L or routes.shape[3] != K \
+            or routes.shape[1] < need_t:
+        raise ReplayError(f"routes have shape {tuple(routes.shape)}; expected [B={len(lengths)}, T-1>={need_t}, "
+                          f"L={L} MoE layers, K={K}]")
+    if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= E):
+        bad = routes.long()
+        raise ReplayError(f"routes hold expert ids in [{int(bad.min())}, {int(bad.max())}]; "
+                          f"the model has experts 0..{E - 1}")
+
+
+@dataclass
+class _Router:
+    """One TopKRouter on this rank: its module and its MoE column in the routes tensor."""
+
+    module: Any
+    column: int
+
+
+def _find_routers(chunks: list[Any], arch: MoEArch) -> list[_Router]:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                if module.router_replay is None:
+                    raise ReplayError("the model was built without moe_enable_routing_replay")
+                layer = module.layer_number - 1  # megatron numbers layers from 1
+                if layer not in arch.moe_layers:
+                    raise ReplayError(f"router of layer {layer} is not an MoE layer of {arch.family}")
+                routers.append(_Router(module, arch.moe_layers.index(layer)))
+    return routers
+
+
+def _sp_slice(seq_len: int) -> slice:
+    """This TP rank's positions under sequence parallelism (the whole sequence without SP)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    cfg_sp = tp > 1  # TP > 1 with MoE implies SP (ParallelLayout enforces it)
+    if not cfg_sp:
+        return slice(0, seq_len)
+    per = seq_len // tp
+    r = ps.get_tensor_model_parallel_rank()
+    return slice(r * per, (r + 1) * per)
+
+
+def microbatch_targets(routes: torch.Tensor, mb: Microbatch, column: int, top_k: int,
+                       positions: slice) -> torch.Tensor:
+    """Router target `[s_local * b, K]` (sequence-major) for one layer and microbatch.
+
+    routes: `[B, T - 1, L, K]` for the caller's whole batch; `mb.index` picks rows
+    (-1 = a padding row added to fill the last microbatch).
+    """
+    b, s = mb.tokens.shape
+    target = filler_row(top_k).repeat(s, b, 1)  # [s, b, K]
+    for j in range(b):
+        row = int(mb.index[j])
+        if row < 0:
+            continue
+        n = min(int(mb.lengths[j]) - 1, routes.shape[1])
+        target[:n, j] = routes[row, :n, column].long()
+    return target[positions].reshape(-1, top_k)
+
+
+class RouteReplay:
+    """Record or replay expert routes on this rank's model chunks (R2 / R3)."""
+
+    def __init__(self, chunks: list[Any], arch: MoEArch) -> None:
+        if arch.num_moe_experts is None:
+            raise ReplayError("routing replay needs an MoE model")
+        self.arch = arch
+        self.routers = _find_routers([_unwrap(c) for c in chunks], arch)
+
+    # ------------------------------------------------------------ record
+
+    @contextmanager
+    def record(self, microbatches: list[Microbatch]) -> Iterator["Recording"]:
+        """Record the routes every router chooses while the schedule runs `microbatches` (R2).
+
+        After the block, `recording.routes` is `[B, T - 1, L, K]` on every rank of the
+        model-parallel group (gathered over TP and PP).
+        """
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for r in self.routers:
+            r.module.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+        try:
+            with self._collect(microbatches, from_routing_map=False) as rec:
+                yield rec
+        finally:
+            self._reset()
+
+    @contextmanager
+    def observe(self, microbatches: list[Microbatch]) -> Iterator["Recording"]:
+        """Collect the expert ids the routers actually use, in any mode (also under replay).
+
+        Ids come from each router's routing map, so they are sorted within a token.
+        """
+        with self._collect(microbatches, from_routing_map=True) as rec:
+            yield rec
+
+    @contextmanager
+    def _collect(self, microbatches: list[Microbatch], from_routing_map: bool) -> Iterator["Recording"]:
+        rec = Recording(self.arch, microbatches, from_routing_map)
+        handles = [r.module.register_forward_hook(rec.hook(r.column)) for r in self.routers]
+        try:
+            yield rec
+        finally:
+            for h in handles:
+                h.remove()
+        rec.finish()
+
+    # ------------------------------------------------------------ replay
+
+    @contextmanager
+    def replay(self, routes: torch.Tensor, microbatches: list[Microbatch]) -> Iterator[None]:
+        """Make every router use `routes` (`[B, T - 1, L, K]`) while the schedule runs `microbatches`."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        lengths = torch.cat([mb.lengths[mb.index >= 0] for mb in microbatches])
+        check_routes(routes, lengths, self.arch)
+        feeds = []
+        handles = []
+        for r in self.routers:
+            feed = _Feed(r.column, [microbatch_targets(routes, mb, r.column, self.arch.moe_router_topk,
+                                                       _sp_slice(mb.tokens.shape[1])) for mb in microbatches])
+            r.module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            handles.append(r.module.register_forward_pre_hook(feed.pre_hook))
+            feeds.append(feed)
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            for h in handles:
+                h.remove()
+            self._reset()
+            if not failed:
+                for f in feeds:
+                    f.check_consumed()
+
+    def _reset(self) -> None:
+        for r in self.routers:
+            r.module.router_replay.clear_indices()
+            r.module.router_replay.clear_router_replay_action()
+
+
+class _Feed:
+    """Targets for one router: forward queue in microbatch order, then the recompute queue."""
+
+    def __init__(self, column: int, targets: list[torch.Tensor]) -> None:
+        self.column = column
+        self.forward: deque[tuple[int, torch.Tensor]] = deque(enumerate(targets))
+        self.recompute: deque[tuple[int, torch.Tensor]] = deque()
+        self.total = len(targets)
+
+    def pre_hook(self, module: Any, args: tuple) -> None:
+        in_backward = torch._C._current_graph_task_id() != -1
+        queue = self.recompute if in_backward else self.forward
+        if not queue:
+            kind = "recompute" if in_backward else "forward"
+            raise ReplayError(f"MoE layer {self.column}: no route target left for a {kind} pass "
+                              f"({self.total} microbatches were given)")
+        mb, target = queue.popleft()
+        tokens = args[0].shape[0] * args[0].shape[1] if args[0].dim() == 3 else args[0].shape[0]
+        if target.shape[0] != tokens:
+            raise ReplayError(f"MoE layer {self.column}, microbatch {mb}: route target has {target.shape[0]} "
+                              f"tokens, the router sees {tokens}")
+        # A training forward of a recomputed layer runs under no_grad inside megatron's
+        # checkpoint function, so "training" (set by the train step) is the signal that
+        # this forward will be repeated during backward.
+        if not in_backward and module.training and module.config.recompute_granularity == "full":
+            self.recompute.append((mb, target))
+        module.router_replay.target_topk_idx = target.to(args[0].device)
+
+    def check_consumed(self) -> None:
+        left = [mb for mb, _ in self.forward] + [mb for mb, _ in self.recompute]
+        if left:
+            raise ReplayError(f"MoE layer {self.column}: route targets of microbatches {left} were never "
+                              f"consumed (each target must be used exactly once)")
+
+
+class Recording:
+    """Collects recorded top-k ids per router call and assembles `[B, T - 1, L, K]`."""
+
+    def __init__(self, arch: MoEArch, microbatches: list[Microbatch], from_routing_map: bool) -> None:
+        self.arch = arch
+        self.microbatches = microbatches
+        self.from_routing_map = from_routing_map
+        self.calls: dict[int, list[torch.Tensor]] = {}
+        num_sequences = max(int(mb.index.max()) for mb in microbatches) + 1
+        s = microbatches[0].tokens.shape[1]
+        self.buf = torch.full((num_sequences, s, arch.num_moe_layers, arch.moe_router_topk), -1,
+                              dtype=torch.int32)
+        self.routes: torch.Tensor | None = None
+
+    def hook(self, column: int):
+        def fn(module: Any, args: tuple, output: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return  # a recompute repeats a recorded forward
+            if self.from_routing_map:
+                routing_map = output[1]  # [tokens, E] bool
+                ids = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
+            else:
+                ids = module.router_replay.recorded_topk_idx
+            self.calls.setdefault(column, []).append(ids.detach().to("cpu", torch.int32))
+        return fn
+
+    def finish(self) -> None:
+        """Place each call's ids by microbatch and SP shard, then gather over TP and PP."""
+        from megatron.core import parallel_state as ps
+
+        K = self.arch.moe_router_topk
+        for column, calls in self.calls.items():
+            if len(calls) != len(self.microbatches):
+                raise ReplayError(f"MoE layer {column}: recorded {len(calls)} router calls for "
+                                  f"{len(self.microbatches)} microbatches")
+            for mb, ids in zip(self.microbatches, calls):
+                b, s = mb.tokens.shape
+                pos = _sp_slice(s)
+                local = ids.view(pos.stop - pos.start, b, K)
+                for j in range(b):
+                    row = int(mb.index[j])
+                    if row >= 0:
+                        self.buf[row, pos, column] = local[:, j]
+        if dist.is_initialized():
+            dist.all_reduce(self.buf, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
+        lengths = torch.full((self.buf.shape[0],), -1, dtype=torch.long)
+        for mb in self.microbatches:
+            for j in range(mb.tokens.shape[0]):
+                if int(mb.index[j]) >= 0:
+                    lengths[int(mb.index[j])] = int(mb.lengths[j])
+        routes = self.buf[:, :-1].clone()
+        # Positions past each sequence's routed tokens (its last token, padding) hold filler ids.
+        t = torch.arange(routes.shape[1]).view(1, -1)
+        pad = t >= (lengths.view(-1, 1) - 1)
+        routes[pad] = filler_row(K).to(torch.int32)
+        if int(routes.min()) < 0:
+            raise ReplayError("some routes were not recorded (a layer did not run on every token)")
+        self.routes = routes.to(route_dtype(self.arch.num_moe_experts))
+
+
+def _unwrap(module: Any) -> Any:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
