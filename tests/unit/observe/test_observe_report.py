@@ -1,0 +1,109 @@
+"""`moe-rl report`: figures from a synthetic metrics.jsonl, graceful skips, CLI exit codes."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from moe_rl.cli import main
+from moe_rl.observe.report import Metrics, write_report
+from moe_rl.observe.sinks import JsonlSink
+
+N_STEPS, N_LAYERS = 20, 4
+
+
+def _write_run(run_dir: Path, n_steps: int = N_STEPS, layers: int = N_LAYERS, full: bool = True) -> Path:
+    sink = JsonlSink(run_dir / "metrics.jsonl")
+    for step in range(1, n_steps + 1):
+        m = {"reward/mean": 0.2 + 0.03 * step, "reward/success_rate": min(1.0, 0.05 * step)}
+        if full:
+            m.update({"loss/clip_frac_high": 0.01, "loss/pg_loss": 0.02 * math.sin(step),
+                      "train/grad_norm": 1.0 + 0.1 * step, "drift/volatility": 0.1,
+                      "drift/rollout_mismatch": 0.05, "drift/volatility/exact_match": 0.7, "drift/logp_k3": 1e-4, "drift/logp_abs_diff": 0.01,
+                      "perf/tokens_per_s": 1000.0, "perf/step_s": 5.0})
+            m.update({f"drift/volatility/layer_{i:02d}": 0.02 * (i + 1) for i in range(layers)})
+            if step % 5 == 0:
+                m["eval/success_rate"] = 0.04 * step
+            if step == 7:
+                m["loss/pg_loss"] = float("nan")  # a bad step must not break the plot
+        sink.log(step, m)
+    sink.close()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def full_report(tmp_path_factory):
+    run_dir = _write_run(tmp_path_factory.mktemp("run"))
+    return run_dir, write_report(run_dir)
+
+
+def test_report_writes_every_figure(full_report):
+    import matplotlib.image
+
+    run_dir, paths = full_report
+    names = {p.name for p in paths}
+    assert {"reward.png", "volatility_heatmap.png", "drift.png", "loss.png", "perf.png", "index.md"} <= names
+    assert paths[-1].name == "index.md"
+    for p in paths:
+        assert p.parent == run_dir / "report" and p.stat().st_size > 0
+    image = matplotlib.image.imread(run_dir / "report" / "volatility_heatmap.png")
+    height, width, channels = image.shape
+    assert width > height > 100 and channels in (3, 4)  # a wide layer x step map
+
+
+def test_index_lists_figures_and_notes_skips(full_report):
+    run_dir, _ = full_report
+    index = (run_dir / "report" / "index.md").read_text()
+    assert "[volatility_heatmap.png](volatility_heatmap.png)" in index
+    assert "20 steps (1 to 20)" in index
+    # no per-layer rollout mismatch in this run: that heatmap is skipped with a reason
+    assert "rollout_mismatch_heatmap.png: no drift/rollout_mismatch/layer_NN metrics" in index
+
+
+def test_missing_keys_skip_plots(tmp_path):
+    run_dir = _write_run(tmp_path / "run", n_steps=5, full=False)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "loss.png").write_bytes(b"from an older report")
+    paths = write_report(run_dir, tmp_path / "out")
+    assert not (tmp_path / "out" / "loss.png").exists()  # a stale figure would not match the metrics
+    assert [p.name for p in paths] == ["reward.png", "index.md"]
+    index = (tmp_path / "out" / "index.md").read_text()
+    for skipped in ("volatility_heatmap.png", "drift.png", "loss.png", "perf.png"):
+        assert f"- {skipped}: no " in index
+
+
+def test_metrics_layers_and_resumed_steps():
+    records = [{"step": 1, "a": 1.0},
+               {"step": 2, "a": float("inf"), "drift/volatility/layer_10": 0.1, "drift/volatility/layer_2": 0.2},
+               {"step": 1, "a": 5.0}]  # step 1 redone after a resume: the later record wins
+    m = Metrics(records)
+    assert list(m.layers("drift/volatility")) == [2, 10]
+    steps, values = m.series("a")
+    assert steps.tolist() == [1.0, 2.0] and values[0] == 5.0 and math.isnan(values[1])
+
+
+def test_cli_report_exit_codes(tmp_path, capsys):
+    run_dir = _write_run(tmp_path / "run", n_steps=3, full=False)
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "rep")]) == 0
+    assert (tmp_path / "rep" / "reward.png").stat().st_size > 0
+    assert "skipped" in capsys.readouterr().out
+
+    assert main(["report", str(tmp_path / "missing")]) == 1
+    assert "run directory not found" in capsys.readouterr().err
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty)]) == 1
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    (empty / "metrics.jsonl").write_text("")
+    assert main(["report", str(empty)]) == 1
+    assert "no metric records" in capsys.readouterr().err
+
+
+def test_report_of_crashed_run_with_truncated_line(tmp_path):
+    run_dir = _write_run(tmp_path, n_steps=4, full=False)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "reward/mean": 0.9})[:12])
+    assert [p.name for p in write_report(run_dir)] == ["reward.png", "index.md"]
