@@ -118,7 +118,10 @@ class PolicyOptimizer:
         if not ok or not math.isfinite(grad_norm):
             raise NonFiniteLoss(f"gradient norm is {grad_norm}: the update was skipped and weights are unchanged")
         self.scheduler.step(increment=1)
-        return outputs, {"perf/grad_norm": grad_norm, "perf/lr": self.optimizer.param_groups[0]["lr"]}
+        from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+        lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
+        return outputs, {"perf/grad_norm": grad_norm, "perf/lr": float(lr if lr is not None else "nan")}
 
     @property
     def bare_chunks(self) -> list[Any]:

@@ -1,0 +1,382 @@
+"""One RL step, top to bottom.
+
+    prompts -> rollout engine -> rewards -> advantages and filters
+      -> old log-probs (routes recorded for R2, the engine's for R3)
+      -> minibatch updates under routing replay -> weight sync -> drift -> metrics
+
+`rl_step` is the algorithm; the helpers under it each do one stage. Every function
+runs on every trainer rank: rank 0 talks to the rollout engine and broadcasts
+what it got, each data-parallel rank trains on its share of the samples.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.algo.advantages import compute_advantages
+from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
+from moe_rl.algo.losses import compute_loss
+from moe_rl.config import RunConfig
+from moe_rl.data.dataset import Prompt, PromptDataset
+from moe_rl.data.sampler import PromptSampler
+from moe_rl.drift.metrics import (RouteStats, expert_load, load_change, logprob_mismatch, route_stats)
+from moe_rl.policy.policy import Policy, pad_tokens
+from moe_rl.reward.runner import RewardRunner
+from moe_rl.rollout.engine import GenerateRequest, SamplingParams
+
+
+@dataclass
+class Run:
+    """Everything a step needs, built once by the trainer."""
+
+    cfg: RunConfig
+    policy: Policy
+    dataset: PromptDataset
+    sampler: PromptSampler
+    rewards: RewardRunner
+    engine: Any  # RolloutEngine on rank 0, None elsewhere
+    weight_sync: Any
+    eos_id: int
+    rank: int = 0
+    weight_version: int = 0
+    drift_state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Samples:
+    """The step's samples in prompt-major order (G consecutive samples per prompt).
+
+    sequences: prompt + completion ids, each `[T_i]`; prompt_lens: `[N]`;
+    engine_logp: per completion token, each `[T_i - P_i]`; routes: engine routes,
+    each `[T_i - 1, L, K]` (None when the engine does not return them).
+    """
+
+    prompts: list[Prompt]
+    sequences: list[torch.Tensor]
+    prompt_lens: torch.Tensor
+    engine_logp: list[torch.Tensor]
+    routes: list[torch.Tensor] | None
+    completions: list[str]
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+    def select(self, idx: list[int]) -> "Samples":
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        return Samples([self.prompts[i] for i in idx], pick(self.sequences), self.prompt_lens[idx],
+                       pick(self.engine_logp), pick(self.routes), pick(self.completions),
+                       None if self.rewards is None else self.rewards[idx],
+                       None if self.advantages is None else self.advantages[idx])
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+
+def rl_step(run: Run, step: int) -> dict[str, float]:
+    """One RL step; returns the step's metrics (identical on every rank)."""
+    clock = Stopwatch()
+    prompts = next_prompts(run)                                   # data/
+    samples = generate(run, prompts, step)                        # rollout engine, broadcast from rank 0
+    clock.lap("rollout")
+    metrics = score(run, samples)                                 # reward/
+    samples, more = advantages_and_filters(run, samples)          # algo/advantages.py, algo/filters.py
+    metrics |= more
+    if samples is None:
+        return metrics | clock.metrics()
+    mine = my_share(run, samples)                                 # this data-parallel rank's sequences
+    old = old_logprobs(run, mine)                                 # routes recorded (R2) or the engine's (R3)
+    clock.lap("old_logprobs")
+    metrics |= minibatch_updates(run, mine, old)                  # loss -> backward -> optimizer step
+    clock.lap("updates")
+    run.weight_version += 1
+    sync_weights(run)                                             # rollout/weight_sync.py
+    clock.lap("weight_sync")
+    metrics |= measure_drift(run, mine, old)                      # drift/
+    clock.lap("drift")
+    tokens = sum(len(s) for s in samples.sequences)
+    return metrics | clock.metrics() | {"perf/tokens_per_s": tokens / clock.total(),
+                                        "perf/weight_version": float(run.weight_version)}
+
+
+class Stopwatch:
+    """Seconds spent in each phase of a step (`perf/<phase>_s`) and in total (`perf/step_s`)."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[f"perf/{name}_s"] = now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return time.monotonic() - self.start
+
+    def metrics(self) -> dict[str, float]:
+        return self.laps | {"perf/step_s": self.total()}
+
+
+# ---------------------------------------------------------------- data and rollout
+
+def next_prompts(run: Run) -> list[Prompt]:
+    """The step's prompts; every rank draws the same ones (the sampler is seeded)."""
+    return [run.dataset[i] for i in run.sampler.next_batch()]
+
+
+def sampling_params(run: Run, seed: int | None, greedy: bool = False) -> SamplingParams:
+    r = run.cfg.rollout
+    return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens, stop_token_ids=(run.eos_id,),
+                          n=1 if greedy else r.n_samples, seed=seed)
+
+
+def generate(run: Run, prompts: list[Prompt], step: int, greedy: bool = False) -> Samples:
+    """Rank 0 asks the engine for G samples per prompt; the result reaches every rank."""
+    payload = None
+    if run.rank == 0:
+        base = run.cfg.model.seed * 1_000_003 + step * 10_007
+        requests = [GenerateRequest(prompt_ids=list(p.prompt_ids),
+                                    sampling=sampling_params(run, base + i * 101, greedy),
+                                    return_routed_experts=run.cfg.rollout.return_routed_experts)
+                    for i, p in enumerate(prompts)]
+        results = run.engine.generate(requests)
+        payload = [[(r.output_ids, r.output_logprobs, r.routed_experts) for r in per_prompt]
+                   for per_prompt in results]
+    payload = broadcast(payload)
+    return _samples(run, prompts, payload)
+
+
+def _samples(run: Run, prompts: list[Prompt], payload: list) -> Samples:
+    seqs, plens, logps, routes, texts, owners = [], [], [], [], [], []
+    decode = getattr(run.dataset.tokenizer, "decode", None)
+    for prompt, per_prompt in zip(prompts, payload):
+        for out_ids, out_logp, rts in per_prompt:
+            ids = list(out_ids)
+            seqs.append(torch.tensor(list(prompt.prompt_ids) + ids, dtype=torch.long))
+            plens.append(len(prompt.prompt_ids))
+            logps.append(torch.as_tensor(out_logp, dtype=torch.float32))
+            routes.append(None if rts is None else torch.as_tensor(rts))
+            body = ids[: ids.index(run.eos_id)] if run.eos_id in ids else ids
+            texts.append(decode(body) if decode else " ".join(map(str, body)))
+            owners.append(prompt)
+    has_routes = all(r is not None for r in routes)
+    return Samples(owners, seqs, torch.tensor(plens), logps, routes if has_routes else None, texts)
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's Python object on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------- rewards and advantages
+
+def score(run: Run, samples: Samples) -> dict[str, float]:
+    """Rewards of every sample (every rank computes the same, so no broadcast is needed)."""
+    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions), dtype=torch.float32)
+    samples.rewards = rewards
+    lengths = torch.tensor([len(s) for s in samples.sequences]) - samples.prompt_lens
+    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/success_rate": float((rewards >= 1.0).float().mean()),
+            "reward/failures": float(run.rewards.failures),
+            "rollout/response_len": float(lengths.float().mean())}
+
+
+def advantages_and_filters(run: Run, samples: Samples) -> tuple[Samples | None, dict[str, float]]:
+    """Overlong shaping, DAPO dynamic sampling, then group advantages."""
+    a, g = run.cfg.algo, run.cfg.rollout.n_samples
+    rewards = samples.rewards
+    metrics: dict[str, float] = {}
+    if a.overlong_max_len:
+        lengths = torch.tensor([len(s) for s in samples.sequences]) - samples.prompt_lens
+        rewards = shape_overlong_rewards(rewards, lengths, max_len=a.overlong_max_len,
+                                         cache_len=a.overlong_cache_len)
+    if a.dynamic_sampling:
+        kept = dynamic_sampling(rewards, group_size=g)
+        metrics |= {"filter/dropped_groups": float(kept.num_dropped_groups),
+                    "filter/kept_groups": float(kept.num_kept_groups)}
+        usable = _usable_groups(run, kept.num_kept_groups)
+        if kept.all_dropped or usable == 0:
+            return None, metrics | {"filter/skipped_step": 1.0}
+        idx = kept.keep[: usable * g].tolist()
+        samples, rewards = samples.select(idx), rewards[idx]
+    samples.rewards = rewards
+    samples.advantages = compute_advantages(a.advantage, rewards, group_size=g, eps=a.adv_eps) \
+        if a.advantage == "grpo" else compute_advantages(a.advantage, rewards, group_size=g)
+    return samples, metrics | {"adv/abs_mean": float(samples.advantages.abs().mean())}
+
+
+def _usable_groups(run: Run, kept_groups: int) -> int:
+    """Kept groups rounded down so every DP rank and minibatch gets whole, equal shares."""
+    unit = run.policy.dp_size * run.cfg.algo.num_minibatches
+    g = run.cfg.rollout.n_samples
+    n = kept_groups * g
+    return (n - n % unit) // g if (n - n % unit) % g == 0 else 0
+
+
+def my_share(run: Run, samples: Samples) -> Samples:
+    """This DP rank's contiguous share of the samples."""
+    n, dp = len(samples), run.policy.dp_size
+    if n % dp:
+        raise ValueError(f"{n} samples cannot be split evenly over {dp} data-parallel ranks; make "
+                         f"data.prompts_per_step * rollout.n_samples a multiple of {dp}")
+    per = n // dp
+    r = run.policy.dp_rank
+    return samples.select(list(range(r * per, (r + 1) * per)))
+
+
+# ---------------------------------------------------------------- policy passes
+
+@dataclass
+class OldPass:
+    """The pre-update pass: log-probs, the trainer's own routes, the routes to replay."""
+
+    logp: torch.Tensor                 # [B, T - 1]
+    free_routes: torch.Tensor | None   # [B, T - 1, L, K] chosen by the trainer's routers
+    replay: torch.Tensor | None        # routes replayed in the updates (None = replay off)
+
+
+def old_logprobs(run: Run, mine: Samples) -> OldPass:
+    """Log-probs of the sampling policy as the trainer computes them (pi_old)."""
+    mode = run.cfg.algo.replay
+    if mode == "r3":
+        engine = engine_routes(mine)
+        old = run.policy.logprobs(mine.sequences, replay_routes=engine)
+        free = run.policy.logprobs(mine.sequences, record_routes=True).routes if run.cfg.drift.enabled else None
+        return OldPass(old.logp, free, engine)
+    old = run.policy.logprobs(mine.sequences, record_routes=True)
+    return OldPass(old.logp, old.routes, old.routes if mode == "r2" else None)
+
+
+def engine_routes(samples: Samples) -> torch.Tensor:
+    """Engine routes stacked to `[B, T - 1, L, K]` (R3)."""
+    if samples.routes is None:
+        raise ValueError("algo.replay=r3 needs routed experts from the rollout engine; "
+                         "set rollout.return_routed_experts=true (SGLang: --enable-return-routed-experts)")
+    width = max(r.shape[0] for r in samples.routes)
+    return torch.stack([torch.nn.functional.pad(r.long(), (0, 0, 0, 0, 0, width - r.shape[0]))
+                        for r in samples.routes])
+
+
+def response_mask(samples: Samples, width: int) -> torch.Tensor:
+    """`[B, width]`: 1 where position t predicts a completion token (t >= P - 1, t < T - 1)."""
+    t = torch.arange(width).view(1, -1)
+    lengths = torch.tensor([len(s) for s in samples.sequences]).view(-1, 1)
+    return ((t >= samples.prompt_lens.view(-1, 1) - 1) & (t < lengths - 1)).float()
+
+
+def engine_logp_tokens(samples: Samples, width: int) -> torch.Tensor:
+    """Engine log-probs placed at the positions that predict them: `[B, width]`."""
+    out = torch.zeros(len(samples), width)
+    for i, (p, lp) in enumerate(zip(samples.prompt_lens.tolist(), samples.engine_logp)):
+        out[i, p - 1: p - 1 + len(lp)] = lp[: max(width - p + 1, 0)]
+    return out
+
+
+def minibatch_updates(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
+    """`algo.num_minibatches` optimizer steps, each on an equal share of this rank's samples."""
+    a = run.cfg.algo
+    width = old.logp.shape[1]
+    mask = response_mask(mine, width)
+    extras_all = {"old_logp": old.logp, "adv": mine.advantages.float(), "mask": mask,
+                  "rollout_logp": engine_logp_tokens(mine, width)}
+    per = len(mine) // a.num_minibatches
+    logged: list[dict[str, float]] = []
+    step_metrics: dict[str, float] = {}
+    for k in range(a.num_minibatches):
+        idx = list(range(k * per, (k + 1) * per))
+        extras = {name: t[idx] for name, t in extras_all.items()}
+        counts = run.policy.all_reduce_sum(torch.tensor(
+            [extras["mask"].sum(), (extras["mask"].sum(1) > 0).sum()], dtype=torch.float64))
+        loss = _loss_fn(run, float(counts[0]), float(counts[1]))
+        replay = None if old.replay is None else old.replay[idx]
+        out = run.policy.update([mine.sequences[i] for i in idx], extras, loss, replay_routes=replay)
+        step_metrics = {k2: v for k2, v in out.items() if k2.startswith("perf/")}
+        logged.append({k2: v for k2, v in out.items() if not k2.startswith("perf/")})
+    return _mean(logged) | step_metrics
+
+
+def _loss_fn(run: Run, num_tokens: float, num_seqs: float):
+    a = run.cfg.algo
+    params: dict[str, Any] = {}
+    if a.loss in ("grpo", "dapo", "gspo", "gspo_token"):
+        params |= {k: v for k, v in (("eps_low", a.eps_low), ("eps_high", a.eps_high),
+                                     ("dual_clip", a.dual_clip)) if v is not None}
+    if a.loss == "sapo":
+        params |= {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}
+    if a.tis_cap is not None:
+        params |= {"tis_cap": a.tis_cap, "tis_level": a.tis_level}
+
+    def loss(logp: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        valid = (mb.index >= 0).float().unsqueeze(1)  # rows added to fill the last microbatch
+        ex = mb.extras
+        return compute_loss(a.loss, logp=logp, old_logp=ex["old_logp"], advantages=ex["adv"],
+                            mask=ex["mask"] * valid, agg=a.aggregation, global_num_tokens=num_tokens,
+                            global_num_seqs=num_seqs, max_len=run.cfg.rollout.max_new_tokens,
+                            rollout_logp=ex["rollout_logp"] if a.tis_cap is not None else None,
+                            beta=a.kl_coef, kl_estimator=a.kl_estimator, **params)
+    return loss
+
+
+def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """Token-weighted mean of per-microbatch metrics (`loss/num_tokens` is the weight)."""
+    total: dict[str, float] = {}
+    weight: dict[str, float] = {}
+    for d in dicts:
+        w = d.get("loss/num_tokens", 1.0) or 0.0
+        for k, v in d.items():
+            if k in ("loss/num_tokens", "loss/num_seqs"):
+                total[k] = total.get(k, 0.0) + v
+                weight[k] = 1.0
+            else:
+                total[k] = total.get(k, 0.0) + w * v
+                weight[k] = weight.get(k, 0.0) + w
+    return {k: total[k] / weight[k] if weight[k] else 0.0 for k in total}
+
+
+def sync_weights(run: Run) -> None:
+    """Push the updated weights to the rollout engine (collective)."""
+    run.weight_sync.sync(run.weight_version, run.policy.export_hf, run.engine if run.rank == 0 else None)
+
+
+# ---------------------------------------------------------------- drift
+
+def measure_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
+    """Route volatility across the step's updates, engine-vs-trainer mismatch, expert load."""
+    d = run.cfg.drift
+    if not d.enabled or old.free_routes is None:
+        return {}
+    arch = run.policy.arch
+    width = old.logp.shape[1]
+    lengths = torch.tensor([len(s) for s in mine.sequences])
+    tokens = torch.arange(width).view(1, -1) < (lengths - 1).view(-1, 1)  # every routed token
+    after = run.policy.logprobs(mine.sequences, record_routes=True).routes
+    flat = lambda r: r[:, :width][tokens]  # noqa: E731  [N, L, K]
+    layer_ids = list(arch.moe_layers)
+    out = route_stats(flat(old.free_routes), flat(after)).all_reduce(run.policy.dp_group).summary("drift/volatility", layer_ids)
+    if mine.routes is not None:
+        engine = engine_routes(mine)
+        engine = torch.nn.functional.pad(engine, (0, 0, 0, 0, 0, max(width - engine.shape[1], 0)))
+        out |= route_stats(flat(engine), flat(old.free_routes)).all_reduce(run.policy.dp_group).summary(
+            "drift/rollout_mismatch", layer_ids)
+    resp = response_mask(mine, width).bool()
+    out |= logprob_mismatch(old.logp[resp], engine_logp_tokens(mine, width)[resp]).all_reduce(run.policy.dp_group).summary()
+    load = run.policy.all_reduce_sum(expert_load(flat(after), arch.num_moe_experts).to(torch.float64))
+    if "load" in run.drift_state:
+        out |= load_change(run.drift_state["load"], load, layer_ids)
+    run.drift_state["load"] = load
+    return out
+
+
+def evaluate(run: Run, dataset: PromptDataset, step: int) -> dict[str, float]:
+    """Greedy success rate on a held-out prompt set (rank 0 generates, all ranks score)."""
+    samples = generate(run, list(dataset), step, greedy=True)
+    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions))
+    return {"eval/success_rate": float((rewards >= 1.0).float().mean()), "eval/reward_mean": float(rewards.mean())}

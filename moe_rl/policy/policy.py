@@ -1,0 +1,167 @@
+"""`Policy`: the trainer's one handle on the megatron model.
+
+Everything the RL loop asks of the policy goes through here: log-probs (recording
+or replaying routes), minibatch updates under replay, HF export for weight sync,
+and state for checkpoints. Inputs and outputs are plain tensors, so code outside
+`moe_rl/policy/` never touches megatron.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
+from moe_rl.policy.forward import LogProbs, Microbatch, agree_on_shape, compute_logprobs, make_microbatches, \
+    token_logprobs
+from moe_rl.policy.model import MoEArch, build_model, read_hf_config
+from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
+from moe_rl.policy.replay import RouteReplay
+from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer
+
+# (logp [b, s-1] of the microbatch under the current weights, microbatch) -> (loss, metrics)
+PolicyLoss = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What to build: checkpoint, layout, precision, memory and batch settings."""
+
+    hf_dir: str
+    layout: ParallelLayout
+    optim: OptimConfig
+    dtype: str = "fp32"
+    recompute: bool = False
+    micro_batch_size: int = 4
+    seed: int = 1234
+
+
+class Policy:
+    """The megatron policy on this rank (call every method on every rank: they are collective)."""
+
+    def __init__(self, spec: PolicySpec) -> None:
+        self.spec = spec
+        self.arch: MoEArch = read_hf_config(spec.hf_dir)
+        self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
+        spec.layout.validate(self.arch)
+        init_distributed(spec.layout, seed=spec.seed)
+        chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute)
+        load_hf_weights(chunks, spec.hf_dir, self.arch)
+        self.opt = PolicyOptimizer(chunks, spec.optim)
+        self.replay = RouteReplay(self.opt.chunks, self.arch) if self.arch.num_moe_experts else None
+        self.dp_rank, self.dp_size = data_parallel_rank_and_size()
+
+    @property
+    def chunks(self) -> list[Any]:
+        return self.opt.bare_chunks
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel process group (None when not distributed)."""
+        if not dist.is_initialized():
+            return None
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    # ------------------------------------------------------------ log-probs
+
+    def logprobs(self, sequences: list[torch.Tensor], *, record_routes: bool = False,
+                 replay_routes: torch.Tensor | None = None, entropy: bool = False) -> LogProbs:
+        """Per-token log-probs `[B, T - 1]` of this DP rank's sequences.
+
+        record_routes: also return the routes the routers chose (`[B, T - 1, L, K]`).
+        replay_routes: make the routers use these routes (R3 old-log-prob pass).
+        """
+        routing = None
+        if replay_routes is not None:
+            routing = lambda mbs: self.replay.replay(replay_routes, mbs)  # noqa: E731
+        elif record_routes and self.replay is not None:
+            routing = self.replay.record
+        return compute_logprobs(self.chunks, sequences, self.spec.micro_batch_size, with_entropy=entropy,
+                                routing=routing)
+
+    # ------------------------------------------------------------ updates
+
+    def update(self, sequences: list[torch.Tensor], extras: dict[str, torch.Tensor], loss: PolicyLoss,
+               replay_routes: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step on this DP rank's `sequences` (all DP ranks step together).
+
+        extras: per-sequence tensors the loss reads from `mb.extras`, padded to `[B, T - 1]`
+        for per-token values (see `pad_tokens`). Returns the loss metrics summed over
+        microbatches (each already normalised globally by the loss) and step metrics.
+        """
+        tp = self.spec.layout.tp
+        seq_len = agree_on_shape(len(sequences), max(len(s) for s in sequences))
+        seq_len = -(-seq_len // tp) * tp
+        extras = {k: _fit(v, seq_len - 1) for k, v in extras.items()}
+        mbs = make_microbatches(sequences, self.spec.micro_batch_size, pad_multiple=tp, seq_len=seq_len,
+                                extras=extras)
+
+        def loss_fn(logits: torch.Tensor, mb: Microbatch):
+            value, metrics = loss(token_logprobs(logits, mb.tokens), mb)
+            return value, {"metrics": metrics}
+
+        routing = (lambda m: self.replay.replay(replay_routes, m)) if replay_routes is not None else None
+        outputs, step_metrics = self.opt.step(mbs, loss_fn, routing)
+        merged: dict[str, float] = {}
+        for out in outputs:
+            for k, v in out["metrics"].items():
+                merged[k] = merged.get(k, 0.0) + float(v)
+        return {**merged, **step_metrics}
+
+    # ------------------------------------------------------------ weights
+
+    def export_hf(self, out_dir: str | Path) -> None:
+        """Write the current weights as a HF checkpoint (collective)."""
+        export_hf(self.chunks, out_dir, self.arch, self.hf_config)
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for the tensors this rank owns (collective)."""
+        return iter_hf_tensors(self.chunks, self.arch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and scheduler state of this rank (for a same-layout resume)."""
+        return {"model": [c.state_dict() for c in self.opt.chunks],
+                "optimizer": self.opt.optimizer.state_dict(),
+                "scheduler": self.opt.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for chunk, sd in zip(self.opt.chunks, state["model"]):
+            chunk.load_state_dict(sd)
+        self.opt.optimizer.load_state_dict(state["optimizer"])
+        self.opt.scheduler.load_state_dict(state["scheduler"])
+
+    # ------------------------------------------------------------ collectives for the loop
+
+    def all_reduce_sum(self, values: torch.Tensor, group: str = "dp") -> torch.Tensor:
+        """Sum a small tensor over the data-parallel group (or the whole world)."""
+        from megatron.core import parallel_state as ps
+
+        if not dist.is_initialized():
+            return values
+        out = values.clone()
+        dist.all_reduce(out, group=self.dp_group if group == "dp" else None)
+        return out
+
+
+def _fit(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad or cut a per-token extra `[B, T']` to `[B, width]`; per-sequence extras pass through."""
+    if t.dim() < 2:
+        return t
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def pad_tokens(values: list[torch.Tensor], width: int | None = None, fill: float = 0.0) -> torch.Tensor:
+    """Stack per-sequence 1-D tensors into `[B, width]`, right-padded with `fill`."""
+    width = width or max(len(v) for v in values)
+    out = torch.full((len(values), width), fill, dtype=values[0].dtype if values else torch.float32)
+    for i, v in enumerate(values):
+        out[i, : len(v)] = v[:width]
+    return out

@@ -1,0 +1,336 @@
+"""`moe-rl train`: build everything from `RunConfig`, run RL steps, checkpoint, report.
+
+Single machine: `train.world_size` trainer processes are spawned here (gloo on CPU,
+nccl on GPU). Under torchrun or srun (RANK / SLURM_PROCID set) this process is one
+rank of the job and nothing is spawned.
+
+The run directory (printed at start): config.yaml, metrics.jsonl, tb/, train.log,
+checkpoints/, weights/ (versions synced to the engine), servers/ (engine logs), report/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import ConfigError, RunConfig, load_config
+
+CHECKPOINTS = "checkpoints"
+
+
+# ---------------------------------------------------------------- CLI
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="run config YAML (see launch/configs/)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="config overrides, e.g. algo.loss=sapo train.steps=40")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"moe-rl train: {e}", file=sys.stderr)
+        return 2
+    run_dir = resolve_run_dir(cfg)
+    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
+        return train_rank(cfg, str(run_dir))
+    print(f"run directory: {run_dir}", flush=True)
+    if cfg.train.world_size == 1:
+        return _single(cfg, str(run_dir))
+    return spawn(cfg, str(run_dir))
+
+
+def resolve_run_dir(cfg: RunConfig) -> Path:
+    """`log.run_dir`, or a resumed run's directory, or `runs/<name>-<timestamp>`."""
+    if cfg.log.run_dir:
+        return Path(cfg.log.run_dir)
+    if cfg.train.resume and cfg.train.resume != "auto":
+        return Path(cfg.train.resume).resolve().parents[1]
+    return Path("runs") / f"{cfg.log.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _single(cfg: RunConfig, run_dir: str) -> int:
+    from moe_rl.testing.dist import free_port
+
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
+    return train_rank(cfg, run_dir)
+
+
+def spawn(cfg: RunConfig, run_dir: str) -> int:
+    """Start `train.world_size` local ranks; a rank's failure ends the run with its traceback."""
+    import torch.multiprocessing as mp
+
+    from moe_rl.testing.dist import free_port
+
+    port = free_port()
+    ctx = mp.start_processes(_spawned, args=(cfg.to_dict(), run_dir, cfg.train.world_size, port),
+                             nprocs=cfg.train.world_size, join=False, start_method="spawn")
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessRaisedException as e:
+        print(f"moe-rl train failed:\n{e}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as e:
+        print(f"moe-rl train: a rank exited with code {e.exit_code}", file=sys.stderr)
+        return e.exit_code or 1
+    return 0
+
+
+def _spawned(rank: int, cfg_dict: dict[str, Any], run_dir: str, world: int, port: int) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    code = train_rank(RunConfig.from_dict(cfg_dict), run_dir)
+    if code:
+        sys.exit(code)
+
+
+# ---------------------------------------------------------------- one rank
+
+class _Stop:
+    """Set by SIGTERM / SIGUSR1 (SLURM preemption): checkpoint at the next step boundary and exit 0."""
+
+    requested = False
+
+    @classmethod
+    def install(cls) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda *_: setattr(cls, "requested", True))
+
+
+def train_rank(cfg: RunConfig, run_dir: str) -> int:
+    """Everything one trainer rank does, start to end."""
+    from moe_rl.loop import evaluate, rl_step
+    from moe_rl.observe.logging import setup_logging
+    from moe_rl.observe.progress import Progress
+    from moe_rl.observe.report import write_report
+    from moe_rl.observe.sinks import make_sinks
+
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log = setup_logging(cfg.log.level, rank, cfg.log.all_ranks, out / "train.log")
+    _Stop.install()
+    built = build_run(cfg, out, rank)
+    run, eval_set, servers = built["run"], built["eval"], built["servers"]
+    sinks = make_sinks(cfg.log, out, cfg.to_dict(), rank)
+    start_step = resume(run, cfg, out, log) + 1
+    progress = Progress(cfg.train.steps, enabled=rank == 0, live=None if cfg.log.progress else False)
+    try:
+        for step in range(start_step, cfg.train.steps + 1):
+            metrics = rl_step(run, step)
+            if eval_set is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                metrics |= evaluate(run, eval_set, step)
+            metrics["step"] = step
+            sinks.log(step, metrics)
+            progress.update(step, metrics)
+            stop = _agree(_Stop.requested)
+            if stop or (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
+                save_checkpoint(run, out, step, cfg.train.keep_last)
+            if stop:
+                log.info("stop signal received: checkpoint of step %d saved; exiting", step)
+                return 0
+    finally:
+        progress.close()
+        sinks.close()
+        if servers is not None:
+            servers.stop()
+    if rank == 0:
+        figures = write_report(out)
+        log.info("report: %s", ", ".join(str(f) for f in figures))
+    return 0
+
+
+def _agree(flag: bool) -> bool:
+    """True on every rank when any rank saw the flag (a signal may reach one rank first)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
+    """Model checkpoint, policy, data, rewards, rollout engine and weight sync for this rank."""
+    from moe_rl.data.dataset import load_dataset
+    from moe_rl.data.sampler import PromptSampler
+    from moe_rl.loop import Run
+    from moe_rl.policy.parallel import ParallelLayout
+    from moe_rl.policy.policy import Policy, PolicySpec
+    from moe_rl.policy.train_step import OptimConfig
+    from moe_rl.reward.registry import get_reward
+    from moe_rl.reward.runner import RewardRunner
+    from moe_rl.rollout.weight_sync import make_weight_sync
+
+    dataset = load_dataset(cfg.data.train, _hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
+                           cfg.data.max_prompt_len)
+    hf_dir = initial_model(cfg, out, rank, dataset)
+    p, t = cfg.parallel, cfg.train
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp,
+                            world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                        adam_beta2=t.adam_beta2, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
+                        total_steps=t.steps * cfg.algo.num_minibatches, lr_schedule=t.lr_schedule,
+                        distributed_optimizer=t.distributed_optimizer)
+    policy = Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
+                               p.micro_batch_size, cfg.model.seed))
+    eos = getattr(dataset.tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = policy.hf_config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
+    runner = RewardRunner(get_reward(cfg.reward.name, data=cfg.data.train), cfg.reward.max_failure_frac)
+    engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
+    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2)
+    run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
+              weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank)
+    eval_set = load_dataset(cfg.data.eval, _hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
+                            cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None
+    return {"run": run, "eval": eval_set, "servers": servers}
+
+
+def _hf_tokenizer(cfg: RunConfig) -> Any:
+    if not cfg.model.hf_path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    except Exception:  # id-only checkpoints (no tokenizer files) are fine for id datasets
+        return None
+
+
+def initial_model(cfg: RunConfig, out: Path, rank: int, dataset: Any) -> Path:
+    """`model.hf_path`, or a fresh tiny Qwen3-MoE written by rank 0 into the run directory."""
+    if cfg.model.hf_path:
+        return Path(cfg.model.hf_path)
+    path = out / "init_model"
+    if rank == 0 and not (path / "config.json").is_file():
+        from moe_rl.testing.tiny import TinyMoEConfig, make_tiny_qwen3_moe
+
+        tok = dataset.tokenizer
+        tiny = TinyMoEConfig(**asdict(cfg.model.tiny))
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(tok, attr, None) is not None:
+                setattr(tiny, attr, int(getattr(tok, attr)))
+        make_tiny_qwen3_moe(path.with_suffix(".tmp"), seed=cfg.model.seed, config=tiny)
+        os.replace(path.with_suffix(".tmp"), path)
+    if dist.is_initialized():
+        dist.barrier()
+    else:
+        while not (path / "config.json").is_file():  # other ranks wait for rank 0's write
+            time.sleep(0.2)
+    return path
+
+
+def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
+    """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
+    from moe_rl.rollout.launcher import ServerGroup
+    from moe_rl.rollout.sglang_client import SGLangClient
+
+    arch = policy.arch
+    servers = None
+    urls, admin = list(cfg.rollout.urls), None
+    if not urls:
+        servers = ServerGroup.from_config(cfg.rollout, hf_dir, out / "servers").start()
+        servers.wait_healthy(timeout=cfg.rollout.timeout_s)
+        urls, admin = servers.urls, servers.admin_urls
+    client = SGLangClient(urls, admin_urls=admin, max_concurrency=cfg.rollout.concurrency,
+                          request_timeout=cfg.rollout.timeout_s, max_attempts=cfg.rollout.retries + 1,
+                          num_layers=arch.num_layers, topk=arch.moe_router_topk,
+                          num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers))
+    return client, servers
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
+    """Every rank writes its state into `step_N.tmp/`; rank 0 renames it to `step_N/` once all are done.
+
+    A crash while writing leaves only a `.tmp` directory, which resume ignores.
+    """
+    root = out / CHECKPOINTS
+    final = root / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if run.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = {"policy": run.policy.state_dict(), "sampler": run.sampler.state_dict(),
+             "rewards": run.rewards.state_dict(), "step": step, "weight_version": run.weight_version,
+             "drift_state": run.drift_state, "rng": _rng_state()}
+    torch.save(state, tmp / f"rank_{run.rank:05d}.pt")
+    _barrier()
+    if run.rank == 0:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": _world()}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    done = sorted(p for p in (out / CHECKPOINTS).glob("step_*") if (p / "meta.json").is_file())
+    return done[-1] if done else None
+
+
+def resume(run: Any, cfg: RunConfig, out: Path, log: Any) -> int:
+    """Load the checkpoint `train.resume` names (or the latest with "auto"); returns its step (0 if none)."""
+    if not cfg.train.resume:
+        return 0
+    path = latest_checkpoint(out) if cfg.train.resume == "auto" else Path(cfg.train.resume)
+    if path is None:
+        log.info("no checkpoint in %s: starting from step 1", out / CHECKPOINTS)
+        return 0
+    meta = json.loads((path / "meta.json").read_text())
+    if meta["world_size"] != _world():
+        raise RuntimeError(f"{path} was written by {meta['world_size']} ranks; this run has {_world()} "
+                           f"(resume with the same layout)")
+    state = torch.load(path / f"rank_{run.rank:05d}.pt", weights_only=False)
+    run.policy.load_state_dict(state["policy"])
+    run.sampler.load_state_dict(state["sampler"])
+    run.rewards.load_state_dict(state["rewards"])
+    run.weight_version = state["weight_version"]
+    run.drift_state = state["drift_state"]
+    _set_rng_state(state["rng"])
+    from moe_rl.loop import sync_weights
+
+    sync_weights(run)  # the engine starts from the initial weights: give it the resumed ones
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return int(state["step"])
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
