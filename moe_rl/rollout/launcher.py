@@ -1,0 +1,395 @@
+"""Start, health-check and stop the rollout servers a run needs.
+
+Two kinds of servers, chosen by `rollout.engine`:
+
+- `local`: `python -m moe_rl.cli serve --model DIR --host H --port P` (HF
+  transformers on CPU, SGLang's HTTP API). Several of them are balanced by
+  `SGLangClient` itself.
+- `sglang`: `python -m sglang.launch_server --model-path P --tp-size N ...`
+  with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` in its environment, so the log-probs it
+  returns are log_softmax of the raw logits (temperature 1), the quantity the
+  trainer recomputes (sglang/srt/layers/sampler.py). With several servers an
+  sglang-router (`python -m sglang_router.launch_router --worker-urls ...`) goes in
+  front; `urls` is then the router and `admin_urls` the workers, which is where
+  weight updates must go (the router does not fan them out).
+
+The command lines are built by pure functions (`sglang_server_command`,
+`router_command`, `local_server_command`, `plan_servers`) so they are checked
+without a GPU. Flags were read from the sglang 0.5.23 and sglang-router 0.3.2
+wheels (sglang/srt/arg_groups/fields/*.py, sglang_router/router_args.py).
+
+`ServerGroup` owns the processes: each one runs in its own session (process
+group), so `stop()` reaches the children SGLang spawns (scheduler, detokenizer)
+too; it sends SIGTERM to the group, then SIGKILL after `stop_timeout`. `stop()` is
+registered with atexit, and the group is a context manager. Each process writes
+stdout + stderr to `<log_dir>/<name>.log`; a failed start names that file and
+shows its last lines.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+# Makes SGLang return log_softmax(raw logits) (temperature 1) instead of log_softmax(logits / T).
+SGLANG_ENV: dict[str, str] = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+class LauncherError(RuntimeError):
+    """A server could not be started or did not become healthy; the message names its log file."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One process to launch: its command line, extra environment and where it answers."""
+
+    name: str
+    argv: tuple[str, ...]
+    host: str
+    port: int
+    env: Mapping[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+
+    @property
+    def url(self) -> str:
+        """Base URL a client on this machine uses (a wildcard bind address becomes loopback)."""
+        host = "127.0.0.1" if self.host in _WILDCARD_HOSTS else self.host
+        if ":" in host and not host.startswith("["):  # IPv6 literal
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+
+# ----------------------------------------------------------------------------- command lines
+
+def local_server_command(model_dir: str | Path, *, host: str, port: int, python: str | None = None,
+                         extra_args: Sequence[str] = ()) -> list[str]:
+    """argv of one `moe-rl serve` process."""
+    return [python or sys.executable, "-m", "moe_rl.cli", "serve", "--model", str(model_dir),
+            "--host", host, "--port", str(port), *map(str, extra_args)]
+
+
+def sglang_server_command(model_path: str | Path, *, host: str, port: int, tp_size: int = 1, ep_size: int = 1,
+                          mem_fraction: float = 0.8, base_gpu_id: int = 0, python: str | None = None,
+                          extra_args: Sequence[str] = ()) -> list[str]:
+    """argv of one `sglang.launch_server`.
+
+    Routed experts are returned (`--enable-return-routed-experts`, for R3 and the
+    mismatch metrics) and the tokenizer is skipped (we send token ids). `extra_args`
+    (the config's `sglang_args`) come last, so a repeated flag there wins.
+    SGLang requires ep_size * moe_dp_size == tp_size when ep_size > 1.
+    """
+    if tp_size < 1 or ep_size < 1:
+        raise ValueError(f"tp_size and ep_size must be >= 1, got tp_size={tp_size}, ep_size={ep_size}")
+    if ep_size > 1 and tp_size % ep_size:
+        raise ValueError(f"SGLang needs ep_size to divide tp_size (ep_size * moe_dp_size == tp_size); "
+                         f"got tp_size={tp_size}, ep_size={ep_size}")
+    if not 0.0 < mem_fraction <= 1.0:
+        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+    argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+            "--host", host, "--port", str(port), "--tp-size", str(tp_size)]
+    if ep_size > 1:
+        argv += ["--ep-size", str(ep_size)]
+    argv += ["--mem-fraction-static", f"{mem_fraction:g}", "--base-gpu-id", str(base_gpu_id),
+             "--enable-return-routed-experts", "--skip-tokenizer-init"]
+    return argv + [str(a) for a in extra_args]
+
+
+def router_command(worker_urls: Sequence[str], *, host: str, port: int, python: str | None = None,
+                   extra_args: Sequence[str] = ()) -> list[str]:
+    """argv of `sglang_router.launch_router` in front of `worker_urls`."""
+    if not worker_urls:
+        raise ValueError("the router needs at least one worker URL")
+    return [python or sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            "--worker-urls", *worker_urls, *map(str, extra_args)]
+
+
+def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None, ep_size: int | None = None,
+                 python: str | None = None) -> tuple[list[ServerSpec], ServerSpec | None]:
+    """The servers (and the router, or None) a `RolloutConfig` asks for.
+
+    Server i listens on `cfg.base_port + i`; the router, when there is one (sglang
+    engine, more than one server), on `cfg.base_port + cfg.num_servers`. Each SGLang
+    server gets its own `tp_size` GPUs (`--base-gpu-id i * tp_size`). tp_size /
+    ep_size default to the config's `tp_size` / `ep_size` fields when it has them, else 1.
+    """
+    if getattr(cfg, "urls", None):
+        raise ValueError(f"rollout.urls is set ({', '.join(cfg.urls)}): those servers already run; "
+                         "connect to them instead of launching new ones")
+    n = int(cfg.num_servers)
+    if n < 1:
+        raise ValueError(f"rollout.num_servers must be >= 1, got {n}")
+    tp = int(tp_size if tp_size is not None else getattr(cfg, "tp_size", 1) or 1)
+    ep = int(ep_size if ep_size is not None else getattr(cfg, "ep_size", 1) or 1)
+    host, base = str(cfg.host), int(cfg.base_port)
+    if base + n > 65535:
+        raise ValueError(f"rollout.base_port={base} leaves no room for {n} servers and a router below 65536")
+    servers: list[ServerSpec] = []
+    for i in range(n):
+        port = base + i
+        if cfg.engine == "local":
+            argv = local_server_command(model_path, host=host, port=port, python=python)
+            servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port, _local_env()))
+        elif cfg.engine == "sglang":
+            argv = sglang_server_command(model_path, host=host, port=port, tp_size=tp, ep_size=ep,
+                                         mem_fraction=float(cfg.mem_fraction), base_gpu_id=i * tp,
+                                         python=python, extra_args=list(cfg.sglang_args))
+            servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port, dict(SGLANG_ENV)))
+        else:
+            raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.engine!r}")
+    router = None
+    if cfg.engine == "sglang" and n > 1:
+        argv = router_command([s.url for s in servers], host=host, port=base + n, python=python)
+        router = ServerSpec("router", tuple(argv), host, base + n)
+    return servers, router
+
+
+def _local_env() -> dict[str, str]:
+    """PYTHONPATH that makes `-m moe_rl.cli` importable even when the package is not installed."""
+    root = str(Path(__file__).resolve().parents[2])
+    old = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": root + (os.pathsep + old if old else "")}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on host:port now (a bind test, as the server itself would do)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host if host not in _WILDCARD_HOSTS else ("::" if family == socket.AF_INET6 else ""), port))
+        except OSError:
+            return False
+    return True
+
+
+def tail(path: str | Path, lines: int = 25) -> str:
+    """The last `lines` lines of a text file ('' when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))  # enough for 25 long lines, never the whole log
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _http_ok(url: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, from /proc; [] when none."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # no procfs: ask the kernel whether anything is left in the group
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    found = []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # fields after the ")" that ends the command name: state ppid pgrp ...
+        rest = stat[stat.rfind(")") + 2:].split()
+        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) == pgid:
+            found.append(int(d.name))
+    return found
+
+
+# ----------------------------------------------------------------------------- the group
+
+@dataclass
+class _Running:
+    spec: ServerSpec
+    proc: subprocess.Popen
+    log_path: Path
+
+
+class ServerGroup:
+    """Rollout servers (and an optional router) as child processes.
+
+    `with ServerGroup.from_config(cfg.rollout, model_dir, log_dir) as group:
+    group.wait_healthy(600); client = SGLangClient(group.urls, admin_urls=group.admin_urls)`.
+    """
+
+    def __init__(self, servers: Sequence[ServerSpec], log_dir: str | Path, *, router: ServerSpec | None = None,
+                 env: Mapping[str, str] | None = None, stop_timeout: float = 15.0):
+        if not servers:
+            raise ValueError("a ServerGroup needs at least one server")
+        self.servers, self.router = list(servers), router
+        self.log_dir = Path(log_dir)
+        self.env = dict(env or {})
+        self.stop_timeout = float(stop_timeout)
+        self._running: list[_Running] = []
+
+    @classmethod
+    def from_config(cls, cfg: Any, model_path: str | Path, log_dir: str | Path, *, tp_size: int | None = None,
+                    ep_size: int | None = None, env: Mapping[str, str] | None = None) -> "ServerGroup":
+        """The group a `RolloutConfig` describes (see `plan_servers`)."""
+        servers, router = plan_servers(cfg, model_path, tp_size=tp_size, ep_size=ep_size)
+        return cls(servers, log_dir, router=router, env=env)
+
+    @property
+    def specs(self) -> list[ServerSpec]:
+        return self.servers + ([self.router] if self.router else [])
+
+    @property
+    def urls(self) -> list[str]:
+        """Where generate requests go: the router when there is one, else every server."""
+        return [self.router.url] if self.router else [s.url for s in self.servers]
+
+    @property
+    def admin_urls(self) -> list[str]:
+        """Where weight updates, pause and flush go: always the servers themselves."""
+        return [s.url for s in self.servers]
+
+    @property
+    def log_paths(self) -> dict[str, Path]:
+        return {s.name: self.log_dir / f"{s.name}.log" for s in self.specs}
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Process id (= process group id) of each started process."""
+        return {r.spec.name: r.proc.pid for r in self._running}
+
+    # ------------------------------------------------------------------- start
+    def start(self) -> "ServerGroup":
+        """Check every port is free, then launch all processes (the router waits for its workers)."""
+        if self._running:
+            raise LauncherError("this ServerGroup is already started")
+        busy = [f"{s.name} port {s.port}" for s in self.specs if not port_is_free(s.host, s.port)]
+        if busy:
+            raise LauncherError(f"ports already in use on {self.specs[0].host}: {', '.join(busy)}; stop what "
+                                "holds them or choose another rollout.base_port")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            for spec in self.specs:
+                self._running.append(self._launch(spec))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _launch(self, spec: ServerSpec) -> _Running:
+        path = self.log_paths[spec.name]
+        env = {**os.environ, **spec.env, **self.env}
+        with open(path, "wb") as logf:  # the child keeps its own descriptor
+            logf.write(f"$ {' '.join(spec.argv)}\n".encode())
+            logf.flush()
+            # A session of its own: stop() signals the whole process group, children included.
+            proc = subprocess.Popen(list(spec.argv), stdin=subprocess.DEVNULL, stdout=logf,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.info("started %s (pid %d) on %s; log %s", spec.name, proc.pid, spec.url, path)
+        return _Running(spec, proc, path)
+
+    # ------------------------------------------------------------------ health
+    def wait_healthy(self, timeout: float = 600.0, interval: float = 0.5, stop_on_failure: bool = True) -> None:
+        """Poll every process's /health until all answer 200.
+
+        Fails early when a process exits. On failure raises LauncherError naming each
+        unhealthy process, its log file and the last lines of that log (and stops the
+        group unless `stop_on_failure` is False).
+        """
+        if not self._running:
+            raise LauncherError("start() the ServerGroup before wait_healthy()")
+        deadline = time.monotonic() + timeout
+        pending = list(self._running)
+        while pending:
+            dead = [r for r in pending if r.proc.poll() is not None]
+            if dead:
+                self._fail([(r, f"exited with code {r.proc.returncode} before becoming healthy") for r in dead],
+                           stop_on_failure)
+            pending = [r for r in pending if not _http_ok(r.spec.url + r.spec.health_path, min(interval * 4, 5.0))]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                self._fail([(r, f"not healthy after {timeout:g} s") for r in pending], stop_on_failure)
+            time.sleep(interval)
+        log.info("rollout servers healthy: %s", ", ".join(self.urls))
+
+    def _fail(self, problems: list[tuple[_Running, str]], stop: bool) -> None:
+        parts = []
+        for r, why in problems:
+            parts.append(f"{r.spec.name} ({r.spec.url}) {why}; log: {r.log_path}\n"
+                         f"--- last lines of {r.log_path} ---\n{tail(r.log_path)}\n---")
+        message = "rollout servers failed to start:\n" + "\n".join(parts)
+        log.error(message)
+        if stop:
+            self.stop()
+        raise LauncherError(message)
+
+    def alive(self) -> dict[str, bool]:
+        """Whether each started process is still running."""
+        return {r.spec.name: r.proc.poll() is None for r in self._running}
+
+    # -------------------------------------------------------------------- stop
+    def stop(self) -> None:
+        """SIGTERM every process group (router first), SIGKILL what is left after `stop_timeout`."""
+        running, self._running = self._running, []
+        atexit.unregister(self.stop)
+        if not running:
+            return
+        for r in reversed(running):  # router first: it stops sending work to the servers
+            self._signal(r.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        for r in running:
+            try:
+                r.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for r in running:
+            # The leader may be gone while its children live on: kill what is left of the group.
+            if r.proc.poll() is None or _group_members(r.proc.pid):
+                log.warning("%s did not stop on SIGTERM within %g s; killing it", r.spec.name, self.stop_timeout)
+                self._signal(r.proc.pid, signal.SIGKILL)
+        for r in running:
+            try:
+                r.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                log.error("%s (pid %d) survived SIGKILL", r.spec.name, r.proc.pid)
+        self._wait_groups_gone([r.proc.pid for r in running], 5.0)
+
+    @staticmethod
+    def _signal(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    @staticmethod
+    def _wait_groups_gone(pgids: list[int], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(_group_members(g) for g in pgids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def __enter__(self) -> "ServerGroup":
+        return self.start() if not self._running else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
