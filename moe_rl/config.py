@@ -218,6 +218,10 @@ class RolloutConfig:
     """Port of the first launched server; server i uses base_port + i (SGLang's usual range)."""
     sglang_args: list[str] = field(default_factory=list)
     """Extra command-line arguments passed to `sglang.launch_server` as given."""
+    tp_size: int = ranged(1, ge=1)
+    """--tp-size of each SGLang server."""
+    ep_size: int = ranged(1, ge=1)
+    """--ep-size of each SGLang server; must divide tp_size."""
     mem_fraction: float = ranged(0.8, gt=0.0, le=1.0)
     """Share of GPU memory SGLang may take for weights + KV cache (its --mem-fraction-static)."""
     weight_sync: str = choice("disk", WEIGHT_SYNCS)
@@ -348,6 +352,8 @@ class DriftConfig:
     """Measure on the probe set every N steps."""
     step_tokens: bool = True
     """Also measure on the step's own training tokens (the volatility that replay removes)."""
+    every: int = ranged(1, ge=1)
+    """Measure step-token drift every N steps: each measurement costs one extra forward pass."""
 
 
 @dataclass
@@ -699,6 +705,11 @@ def _check_rollout(cfg: RunConfig) -> Iterator[str]:
     for i, url in enumerate(r.urls):
         if not url.startswith(("http://", "https://")):
             yield f"rollout.urls[{i}]: {url!r} must start with http:// or https://"
+    if r.tp_size % r.ep_size:
+        yield f"rollout.ep_size: {r.ep_size} must divide rollout.tp_size={r.tp_size}"
+    if r.weight_sync == "tensor" and r.engine != "local":
+        yield (f"rollout.weight_sync: 'tensor' requires rollout.engine=local (engine={r.engine!r}); "
+               f"SGLang servers live in other processes: use disk or nccl")
     if r.weight_sync == "nccl" and r.engine != "sglang":
         yield (f"rollout.weight_sync: 'nccl' requires rollout.engine=sglang (engine={r.engine!r}); "
                "use disk or tensor")

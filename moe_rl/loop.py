@@ -94,7 +94,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     run.weight_version += 1
     sync_weights(run)                                             # rollout/weight_sync.py
     clock.lap("weight_sync")
-    metrics |= measure_drift(run, mine, old)                      # drift/
+    metrics |= measure_drift(run, mine, old, step)                # drift/
     clock.lap("drift")
     tokens = sum(len(s) for s in samples.sequences)
     return metrics | clock.metrics() | {"perf/tokens_per_s": tokens / clock.total(),
@@ -348,11 +348,36 @@ def sync_weights(run: Run) -> None:
 
 # ---------------------------------------------------------------- drift
 
-def measure_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
-    """Route volatility across the step's updates, engine-vs-trainer mismatch, expert load."""
+def measure_drift(run: Run, mine: Samples, old: OldPass, step: int) -> dict[str, float]:
+    """Route volatility across the step's updates, engine-vs-trainer mismatch, expert load, probe set."""
     d = run.cfg.drift
     if not d.enabled or old.free_routes is None:
         return {}
+    out = probe_drift(run, mine, step) if step % d.probe_every == 0 else {}
+    if d.step_tokens and step % d.every == 0:
+        out |= step_drift(run, mine, old)
+    return out
+
+
+def probe_drift(run: Run, mine: Samples, step: int) -> dict[str, float]:
+    """Volatility on a fixed probe set (the first step's first samples) since the last probe."""
+    state = run.drift_state
+    if "probe" not in state:
+        state["probe"] = [s.clone() for s in mine.sequences[: run.cfg.drift.probe_size]]
+    probe = state["probe"]
+    routes = run.policy.logprobs(probe, record_routes=True).routes
+    lengths = torch.tensor([len(s) for s in probe])
+    tokens = torch.arange(routes.shape[1]).view(1, -1) < (lengths - 1).view(-1, 1)
+    out = {}
+    if "probe_routes" in state:
+        out = route_stats(state["probe_routes"][tokens], routes[tokens]).all_reduce(
+            run.policy.dp_group).summary("drift/probe_volatility", list(run.policy.arch.moe_layers))
+    state["probe_routes"] = routes
+    return out
+
+
+def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
+    """Drift on the step's own tokens: before the first vs after the last optimizer step."""
     arch = run.policy.arch
     width = old.logp.shape[1]
     lengths = torch.tensor([len(s) for s in mine.sequences])
