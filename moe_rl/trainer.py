@@ -148,6 +148,8 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
     finally:
         progress.close()
         sinks.close()
+        if run.engine is not None and hasattr(run.engine, "close"):
+            run.engine.close()
         if servers is not None:
             servers.stop()
     if rank == 0:

@@ -71,6 +71,10 @@ def make_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, pad_
         idx = torch.arange(start, min(start + micro_batch_size, len(sequences)))
         ex = {k: v[idx] for k, v in (extras or {}).items()}
         out.append(Microbatch(tokens=tokens[idx], lengths=lengths[idx], index=idx, extras=ex))
+    if len(out) > 1 and out[-1].tokens.shape[0] < micro_batch_size:
+        # The schedule's p2p buffers use one shape: fill the last microbatch with
+        # copies of a row marked `index = -1`, which losses and outputs ignore.
+        out[-1] = _pad_microbatch(out[-1], micro_batch_size)
     return out
 
 
@@ -137,13 +141,8 @@ def run_schedule(chunks: list[Any], microbatches: list[Microbatch], loss_fn: Los
 
     seq_len = microbatches[0].tokens.shape[1]
     mbs = microbatches[0].tokens.shape[0]
-    if any(mb.tokens.shape != (mbs, seq_len) for mb in microbatches[:-1]) or \
-            microbatches[-1].tokens.shape[1] != seq_len:
-        raise ValueError("all microbatches must share one sequence length and size (the last may be smaller)")
-    if microbatches[-1].tokens.shape[0] != mbs:
-        # The schedule's p2p buffers use one shape; pad the last microbatch with
-        # repeated rows whose loss contributions are masked out by `index = -1`.
-        microbatches = microbatches[:-1] + [_pad_microbatch(microbatches[-1], mbs)]
+    if any(mb.tokens.shape != (mbs, seq_len) for mb in microbatches):
+        raise ValueError("all microbatches must share one sequence length and size (see make_microbatches)")
     iters = [iter(microbatches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step,

@@ -1,6 +1,6 @@
 """Routing replay (R2, R3) on every layout, with several microbatches and activation recompute on.
 
-Per layout one set of ranks checks: record-then-replay with unchanged weights gives
+Per layout (microbatches of 3, so the last one is padded) one set of ranks checks: record-then-replay with unchanged weights gives
 the recorded log-probs (to float rounding; the ids used are exactly the recorded
 ones), after perturbing the routers a free forward changes routes and log-probs
 while a replayed forward uses exactly the recorded ids, a backward under replay
@@ -48,7 +48,7 @@ def _sorted(routes: torch.Tensor) -> torch.Tensor:
 def test_replay_on_layout(layout, tiny_hf_dir, engine_rollouts):
     sequences, engine_routes = engine_rollouts
     world = ParallelLayout.parse(layout).world_size
-    results = run_ranks(replay_worker, world, layout, str(tiny_hf_dir), sequences, micro_batch_size=2,
+    results = run_ranks(replay_worker, world, layout, str(tiny_hf_dir), sequences, micro_batch_size=3,
                         recompute=True, engine_routes=engine_routes, timeout=600)
     for r in results:
         lengths = torch.tensor([len(sequences[i]) for i in r["index"]])
