@@ -23,8 +23,8 @@ from moe_rl.algo.losses import compute_loss
 from moe_rl.config import RunConfig
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import PromptSampler
-from moe_rl.drift.metrics import (RouteStats, expert_load, load_change, logprob_mismatch, route_stats)
-from moe_rl.policy.policy import Policy, pad_tokens
+from moe_rl.drift.metrics import (expert_load, load_change, logprob_mismatch, route_stats)
+from moe_rl.policy.policy import Policy
 from moe_rl.reward.runner import RewardRunner
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
 

@@ -125,6 +125,8 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     log = setup_logging(cfg.log.level, rank, cfg.log.all_ranks, out / "train.log")
+    if rank == 0:
+        (out / "config.yaml").write_text(cfg.to_yaml())  # the resolved config, overrides applied
     _Stop.install()
     built = build_run(cfg, out, rank)
     run, eval_set, servers = built["run"], built["eval"], built["servers"]

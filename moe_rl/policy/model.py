@@ -13,7 +13,7 @@ dispatcher (the alltoall dispatcher creates a CUDA stream when it is built).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -330,6 +330,3 @@ def layer_offset(config: Any, vp_stage: int | None = None) -> int:
     return get_transformer_layer_offset(config, vp_stage=vp_stage)
 
 
-def with_dims(arch: MoEArch, **changes: Any) -> MoEArch:
-    """A copy of `arch` with some fields changed (tests, scaling benchmarks)."""
-    return replace(arch, **changes)

@@ -58,8 +58,8 @@ def layout_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
-    from moe_rl.policy.forward import compute_logprobs, make_microbatches, token_logprobs
+    from moe_rl.policy.convert import export_hf, load_hf_weights
+    from moe_rl.policy.forward import compute_logprobs
     from moe_rl.policy.model import build_model, read_hf_config
     from moe_rl.policy.parallel import init_distributed
 

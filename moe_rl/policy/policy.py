@@ -140,7 +140,6 @@ class Policy:
 
     def all_reduce_sum(self, values: torch.Tensor, group: str = "dp") -> torch.Tensor:
         """Sum a small tensor over the data-parallel group (or the whole world)."""
-        from megatron.core import parallel_state as ps
 
         if not dist.is_initialized():
             return values

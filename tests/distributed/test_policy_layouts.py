@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from moe_rl.policy.convert import HFCheckpoint
 from moe_rl.policy.parity import compare, hf_logprobs, layout_worker, sample_sequences

@@ -1,0 +1,43 @@
+"""Whole-loop checks run on spawned trainer ranks by the end-to-end tests.
+
+Building the policy and the rollout server dominates a short CPU run, so one set
+of ranks runs one RL step for each (objective, replay mode) pair on the same
+policy and engine, switching only the `algo` section between steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list[tuple[str, str]]
+                            ) -> list[dict[str, Any]]:
+    """For each (loss, replay) pair: one RL step; returns metrics and whether weights moved."""
+    from moe_rl.config import RunConfig
+    from moe_rl.loop import rl_step
+    from moe_rl.trainer import build_run
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    rank = int(os.environ["RANK"])
+    built = build_run(cfg, Path(run_dir), rank)
+    run, servers = built["run"], built["servers"]
+    out = []
+    try:
+        for step, (loss, replay) in enumerate(combos, start=1):
+            run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, loss=loss, replay=replay))
+            before = _weights_fingerprint(run.policy)
+            metrics = rl_step(run, step)
+            moved = _weights_fingerprint(run.policy) - before
+            out.append({"loss": loss, "replay": replay, "metrics": metrics, "weight_change": float(moved.abs().sum())})
+    finally:
+        if servers is not None:
+            servers.stop()
+    return out
+
+
+def _weights_fingerprint(policy: Any) -> torch.Tensor:
+    return torch.stack([p.detach().float().sum() for c in policy.chunks for p in c.parameters()])
