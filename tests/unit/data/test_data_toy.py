@@ -1,0 +1,73 @@
+"""Toy tokenizer and toy tasks: vocabulary, round trips, determinism, correct answers."""
+from __future__ import annotations
+
+import pytest
+
+from moe_rl.data import (DataError, ToyTokenizer, chance_level, load_dataset, make_toy_examples,
+                         toy_task_names)
+
+TASKS = ["add-easy", "add-medium", "add-hard"]
+
+
+def test_vocabulary_and_special_ids():
+    tok = ToyTokenizer()
+    assert tok.vocab_size == len(tok) == 16
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert sorted(set(tok.encode("0123456789+-=<pad><bos><eos>"))) == list(range(16))
+
+
+@pytest.mark.parametrize("text", ["1+2=3", "<bos>9+9=18<eos>", "-", "<pad><pad>"])
+def test_round_trip(text):
+    tok = ToyTokenizer()
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_encode_details():
+    tok = ToyTokenizer()
+    assert tok.encode(" 1 + 2 =") == tok.encode("1+2=")  # whitespace carries no token
+    assert tok.encode("1", add_special_tokens=True) == [tok.bos_token_id] + tok.encode("1")
+    assert tok.decode(tok.encode("<bos>3<eos>"), skip_special_tokens=True) == "3"
+    with pytest.raises(ValueError, match="'x' at position 1"):
+        tok.encode("1x")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([16])
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_answers_are_sums(task):
+    for ex in make_toy_examples(task):
+        a, b = ex.prompt_text.rstrip("=").split("+")
+        assert ex.answer == str(int(a) + int(b)) and ex.metadata == {"a": int(a), "b": int(b)}
+
+
+def test_tasks_are_deterministic_and_eval_is_reordered():
+    assert {f"{t}{s}" for t in TASKS for s in ("", "-eval")} <= set(toy_task_names())
+    for task in TASKS:
+        train, again, ev = (make_toy_examples(n) for n in (task, task, f"{task}-eval"))
+        assert train == again
+        assert sorted(e.prompt_text for e in train) == sorted(e.prompt_text for e in ev)
+        assert [e.prompt_text for e in train] != [e.prompt_text for e in ev]
+    assert [len(make_toy_examples(t)) for t in TASKS] == [9, 25, 100]
+
+
+def test_toy_dataset_prompts():
+    ds = load_dataset("toy:add-easy")
+    tok = ds.tokenizer
+    assert isinstance(tok, ToyTokenizer) and len(ds) == 9
+    p = ds[0]
+    assert p.prompt_ids[0] == tok.bos_token_id and tok.decode(p.prompt_ids[1:]) == p.prompt_text
+    assert p.uid == "add-easy:0" and p.metadata["task"] == "add-easy"
+    assert max(max(p.prompt_ids) for p in load_dataset("toy:add-hard")) < tok.vocab_size
+
+
+def test_unknown_toy_task_lists_known():
+    with pytest.raises(DataError, match="unknown toy task 'add-huge'.*add-easy"):
+        load_dataset("toy:add-huge")
+
+
+def test_chance_levels():
+    assert chance_level("add-easy", 1) == pytest.approx(1 / 16)
+    assert chance_level("add-easy", 2) == pytest.approx(1 / 256)
+    assert chance_level("add-easy", 64) == pytest.approx(1 / 256)
+    assert chance_level("add-hard", 1) == pytest.approx(0.55 / 16)
+    assert chance_level("add-hard", 3) == pytest.approx(0.55 / 256 + 0.45 / 16**3)
