@@ -116,13 +116,13 @@ DATA_SUFFIXES = (".jsonl", ".parquet")
 class TinyModel:
     """Shape of the fresh random Qwen3-MoE built when `model.hf_path` is None.
 
-    Names match `moe_rl.testing.TinyMoEConfig`, so `TinyMoEConfig(**asdict(tiny))`
-    builds it. The defaults divide every layout the tests use: TP2 (4 heads,
+    Names match `moe_rl.testing.TinyMoEConfig` (init_std aside: an argument of
+    `make_tiny_qwen3_moe`). The defaults divide every layout the tests use: TP2 (4 heads,
     2 KV heads), PP2 x VPP2 (4 layers), EP2 (4 experts).
     """
 
     vocab_size: int = ranged(128, ge=1)
-    """Token vocabulary; 128 covers the toy tasks' character tokenizer."""
+    """Token vocabulary; the toy tasks need 16 (see moe_rl/data/toy.py)."""
     hidden_size: int = ranged(64, ge=1)
     """Residual width; small so a CPU step takes well under a second."""
     moe_intermediate_size: int = ranged(32, ge=1)
@@ -141,6 +141,8 @@ class TinyModel:
     """Routed experts per MoE layer; 4 allows EP2 and EP4."""
     num_experts_per_tok: int = ranged(2, ge=1)
     """Top-k experts per token; 2 so routes can partly change between updates."""
+    init_std: float = ranged(0.02, gt=0.0)
+    """Std of the random initial weights (HF's default): a near-uniform first policy that explores."""
 
 
 @dataclass

@@ -228,11 +228,13 @@ def initial_model(cfg: RunConfig, out: Path, rank: int, dataset: Any) -> Path:
         from moe_rl.testing.tiny import TinyMoEConfig, make_tiny_qwen3_moe
 
         tok = dataset.tokenizer
-        tiny = TinyMoEConfig(**asdict(cfg.model.tiny))
+        shape = asdict(cfg.model.tiny)
+        init_std = shape.pop("init_std")
+        tiny = TinyMoEConfig(**shape)
         for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(tok, attr, None) is not None:
                 setattr(tiny, attr, int(getattr(tok, attr)))
-        make_tiny_qwen3_moe(path.with_suffix(".tmp"), seed=cfg.model.seed, config=tiny)
+        make_tiny_qwen3_moe(path.with_suffix(".tmp"), seed=cfg.model.seed, config=tiny, init_std=init_std)
         os.replace(path.with_suffix(".tmp"), path)
     if dist.is_initialized():
         dist.barrier()
