@@ -44,6 +44,8 @@ class Run:
     rank: int = 0
     weight_version: int = 0
     drift_state: dict[str, Any] = field(default_factory=dict)
+    pending: Any = None  # (prompts, future) of a prefetched rollout (off-policy overlap)
+    pending_version: int = 0  # weight version the prefetched rollout was generated with
 
 
 @dataclass
@@ -78,10 +80,9 @@ class Samples:
 def rl_step(run: Run, step: int) -> dict[str, float]:
     """One RL step; returns the step's metrics (identical on every rank)."""
     clock = Stopwatch()
-    prompts = next_prompts(run)                                   # data/
-    samples = generate(run, prompts, step)                        # rollout engine, broadcast from rank 0
+    samples, staleness = rollout(run, step)                       # data/ -> rollout engine (rank 0) -> all ranks
     clock.lap("rollout")
-    metrics = score(run, samples)                                 # reward/
+    metrics = score(run, samples) | {"rollout/staleness": float(staleness)}  # reward/
     samples, more = advantages_and_filters(run, samples)          # algo/advantages.py, algo/filters.py
     metrics |= more
     if samples is None:
@@ -134,20 +135,53 @@ def sampling_params(run: Run, seed: int | None, greedy: bool = False) -> Samplin
                           n=1 if greedy else r.n_samples, seed=seed)
 
 
+def rollout(run: Run, step: int) -> tuple[Samples, int]:
+    """The step's samples and their staleness (weight versions behind the trainer).
+
+    With `algo.off_policy_overlap` the engine generates the next step's samples while
+    this step trains (on rank 0, in a background thread), so each step trains on
+    samples from the weights one update old; the trainer's recomputed old log-probs
+    and the truncated IS correction (`algo.tis_cap`) account for the difference.
+    """
+    if not run.cfg.algo.off_policy_overlap:
+        return generate(run, next_prompts(run), step), 0
+    if run.pending is None:  # first step (or after a resume): nothing was prefetched
+        run.pending = _prefetch(run, next_prompts(run), step)
+        run.pending_version = run.weight_version
+    prompts, future = run.pending
+    samples = _samples(run, prompts, broadcast(future.result() if future is not None else None))
+    staleness = run.weight_version - run.pending_version
+    run.pending = _prefetch(run, next_prompts(run), step + 1)
+    run.pending_version = run.weight_version
+    return samples, staleness
+
+
+def _prefetch(run: Run, prompts: list[Prompt], step: int) -> tuple[list[Prompt], Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    if run.rank != 0:
+        return prompts, None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
+    future = pool.submit(_request, run, prompts, step, False)
+    pool.shutdown(wait=False)
+    return prompts, future
+
+
 def generate(run: Run, prompts: list[Prompt], step: int, greedy: bool = False) -> Samples:
     """Rank 0 asks the engine for G samples per prompt; the result reaches every rank."""
-    payload = None
-    if run.rank == 0:
-        base = run.cfg.model.seed * 1_000_003 + step * 10_007
-        requests = [GenerateRequest(prompt_ids=list(p.prompt_ids),
-                                    sampling=sampling_params(run, base + i * 101, greedy),
-                                    return_routed_experts=run.cfg.rollout.return_routed_experts)
-                    for i, p in enumerate(prompts)]
-        results = run.engine.generate(requests)
-        payload = [[(r.output_ids, r.output_logprobs, r.routed_experts) for r in per_prompt]
-                   for per_prompt in results]
-    payload = broadcast(payload)
-    return _samples(run, prompts, payload)
+    payload = _request(run, prompts, step, greedy) if run.rank == 0 else None
+    return _samples(run, prompts, broadcast(payload))
+
+
+def _request(run: Run, prompts: list[Prompt], step: int, greedy: bool) -> list:
+    """Rank 0: the engine's outputs as plain Python data (picklable for the broadcast)."""
+    base = run.cfg.model.seed * 1_000_003 + step * 10_007
+    requests = [GenerateRequest(prompt_ids=list(p.prompt_ids),
+                                sampling=sampling_params(run, base + i * 101, greedy),
+                                return_routed_experts=run.cfg.rollout.return_routed_experts)
+                for i, p in enumerate(prompts)]
+    results = run.engine.generate(requests)
+    return [[(r.output_ids, r.output_logprobs, r.routed_experts) for r in per_prompt] for per_prompt in results]
 
 
 def _samples(run: Run, prompts: list[Prompt], payload: list) -> Samples:
@@ -343,6 +377,8 @@ def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
 
 def sync_weights(run: Run) -> None:
     """Push the updated weights to the rollout engine (collective)."""
+    if run.pending is not None and run.pending[1] is not None:
+        run.pending[1].result()  # let a prefetched rollout finish on the weights it started with
     run.weight_sync.sync(run.weight_version, run.policy.export_hf, run.engine if run.rank == 0 else None)
 
 

@@ -79,6 +79,17 @@ def spawn(cfg: RunConfig, run_dir: str) -> int:
     port = free_port()
     ctx = mp.start_processes(_spawned, args=(cfg.to_dict(), run_dir, cfg.train.world_size, port),
                              nprocs=cfg.train.world_size, join=False, start_method="spawn")
+
+    def forward(signum: int, _frame: Any) -> None:
+        # Preemption: the ranks checkpoint and exit 0; this process waits for them.
+        for pid in ctx.pids():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
     try:
         while not ctx.join():
             pass

@@ -33,6 +33,11 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
             metrics = rl_step(run, step)
             moved = _weights_fingerprint(run.policy) - before
             out.append({"loss": loss, "replay": replay, "metrics": metrics, "weight_change": float(moved.abs().sum())})
+        # One-step off-policy overlap: the next rollout runs while this step trains.
+        run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, off_policy_overlap=True, tis_cap=2.0))
+        for step in range(len(combos) + 1, len(combos) + 4):
+            out.append({"loss": cfg.algo.loss, "replay": cfg.algo.replay, "overlap": True,
+                        "metrics": rl_step(run, step), "weight_change": float("nan")})
     finally:
         if servers is not None:
             servers.stop()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import load_config
-from moe_rl.testing import run_ranks
+from moe_rl.testing import free_port, run_ranks
 from moe_rl.testing.e2e import objective_matrix_worker
 
 LOSSES = ["grpo", "dapo", "gspo", "gspo_token", "sapo"]
@@ -29,22 +29,31 @@ REPLAYS = ["off", "r2", "r3"]
 SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=8", "rollout.n_samples=4",
          "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
          "train.lr=1e-3", "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy"]
-KEYS = ["reward/mean", "reward/success_rate", "loss/pg_loss", "loss/clip_frac_high", "perf/grad_norm",
+KEYS = ["reward/mean", "reward/success_rate", "loss/pg_loss", "perf/grad_norm", "loss/ratio_mean",
         "drift/volatility", "drift/rollout_mismatch", "drift/logp_abs_diff", "perf/tokens_per_s"]
+LOSS_KEYS = {"sapo": "loss/sapo_gate_mean"}  # SAPO has no hard clip; the others report clip fractions
 
 
 def _cli(args, **kw):
+    """`moe-rl ARGS`, with the rollout server on a free port (tests may run beside other servers)."""
+    args = [*args, f"rollout.base_port={free_port()}"] if args and args[0] == "train" else args
     return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, **kw)
 
 
 def test_every_objective_and_replay_mode(tmp_path):
-    cfg = load_config("launch/configs/tiny_cpu.yaml", SMALL + [f"log.run_dir={tmp_path}"])
+    cfg = load_config("launch/configs/tiny_cpu.yaml", SMALL + [f"log.run_dir={tmp_path}",
+                                                               f"rollout.base_port={free_port()}"])
     combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS]
     results = run_ranks(objective_matrix_worker, 2, cfg.to_dict(), str(tmp_path), combos, timeout=900)
+    overlap = [r["metrics"]["rollout/staleness"] for r in results[0] if r.get("overlap")]
+    assert overlap == [0.0, 1.0, 1.0], overlap  # with overlap every step after the first trains one version behind
     for r in results[0]:
+        if r.get("overlap"):
+            assert math.isfinite(r["metrics"]["loss/pg_loss"])
+            continue
         m = r["metrics"]
         name = f"{r['loss']}/{r['replay']}"
-        for key in KEYS:
+        for key in KEYS + [LOSS_KEYS.get(r["loss"], "loss/clip_frac_high")]:
             assert key in m, f"{name}: metric {key} missing"
         assert math.isfinite(m["loss/pg_loss"]) and math.isfinite(m["perf/grad_norm"]), name
         if m["adv/abs_mean"] > 0:  # all-equal rewards give zero advantages: nothing to learn
@@ -83,7 +92,7 @@ def test_resume_gives_the_same_next_steps(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu.yaml",
-                             *SMALL, "train.steps=200", f"log.run_dir={tmp_path}"],
+                             *SMALL, "train.steps=200", f"log.run_dir={tmp_path}", f"rollout.base_port={free_port()}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 600
@@ -127,7 +136,7 @@ def test_config_errors_stop_before_any_work(tmp_path, override, message):
 def test_bad_dataset_row_names_file_and_line(tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 5}\n')
-    r = _cli(["train", "--config", "launch/configs/tiny_cpu.yaml", f"data.train={data}", "data.eval=null",
+    r = _cli(["train", "--config", "launch/configs/tiny_cpu.yaml", f"data.train={data}", "data.eval=null", "train.eval_every=0",
               "train.world_size=1", "parallel.ep=1", f"log.run_dir={tmp_path}/run"], timeout=300)
     assert r.returncode != 0
     assert f"{data}:2" in r.stderr
