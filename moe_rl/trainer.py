@@ -185,7 +185,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
     from moe_rl.loop import Run
-    from moe_rl.policy.parallel import ParallelLayout
+    from moe_rl.policy.parallel import ParallelLayout, read_dist_env
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
     from moe_rl.reward.registry import get_reward
@@ -197,7 +197,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     hf_dir = initial_model(cfg, out, rank, dataset)
     p, t = cfg.parallel, cfg.train
     layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp,
-                            world_size=int(os.environ.get("WORLD_SIZE", "1")))
+                            world_size=read_dist_env().world_size)
     optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                         adam_beta2=t.adam_beta2, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
                         total_steps=t.steps * cfg.algo.num_minibatches, lr_schedule=t.lr_schedule,
@@ -262,7 +262,7 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
 
     arch = policy.arch
     servers = None
-    urls, admin = list(cfg.rollout.urls), None
+    urls, admin = list(cfg.rollout.urls), list(cfg.rollout.admin_urls) or None
     if not urls:
         servers = ServerGroup.from_config(cfg.rollout, hf_dir, out / "servers").start()
         servers.wait_healthy(timeout=cfg.rollout.timeout_s)

@@ -52,10 +52,12 @@ def pad_length(max_len: int, multiple: int) -> int:
 
 def make_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, pad_multiple: int = 1,
                       extras: dict[str, torch.Tensor] | None = None, pad_id: int = 0,
-                      seq_len: int | None = None) -> list[Microbatch]:
+                      seq_len: int | None = None, count_multiple: int | None = None) -> list[Microbatch]:
     """Split sequences (each `[T_i]`) into right-padded microbatches of one common length.
 
     `extras` tensors are indexed by row (first dim B) and sliced along with tokens.
+    `count_multiple`: make the number of microbatches a multiple of it by adding
+    microbatches of ignored rows (default: what this rank's pipeline schedule needs).
     """
     if not sequences:
         raise ValueError("no sequences to process")
@@ -75,7 +77,29 @@ def make_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, pad_
         # The schedule's p2p buffers use one shape: fill the last microbatch with
         # copies of a row marked `index = -1`, which losses and outputs ignore.
         out[-1] = _pad_microbatch(out[-1], micro_batch_size)
+    multiple = schedule_multiple() if count_multiple is None else count_multiple
+    while len(out) % multiple:
+        out.append(_ignored_microbatch(out[0]))
     return out
+
+
+def schedule_multiple() -> int:
+    """Microbatch count the pipeline schedule needs a multiple of: PP size under VPP, else 1.
+
+    megatron's interleaved (VPP) schedule refuses counts that leave a partial round.
+    """
+    if not dist.is_initialized():
+        return 1
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    return ps.get_pipeline_model_parallel_world_size() if vpp and vpp > 1 else 1
+
+
+def _ignored_microbatch(like: Microbatch) -> Microbatch:
+    """A microbatch of `like`'s shape whose rows are all ignored (`index = -1`)."""
+    return Microbatch(tokens=like.tokens.clone(), lengths=like.lengths.clone(),
+                      index=torch.full_like(like.index, -1), extras={k: v.clone() for k, v in like.extras.items()})
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
