@@ -145,10 +145,11 @@ def test_launch_router_when_the_trainer_can_reach_the_servers_behind_it(tmp_path
     assert 'GENERATE_URLS=("$ROUTER_URL")' in r.text
 
 
-def test_launch_without_admin_urls_talks_to_servers_and_says_so(tmp_path):
+def test_launch_puts_a_router_in_front_and_updates_its_workers(tmp_path):
     r = _render(QWEN, 4, 2, 8, ["parallel.ep=4"], tmp_path)
-    assert not r.servers.use_router and "sglang_router" not in r.text
-    assert any("no sglang-router" in n for n in r.notes)
+    assert r.servers.use_router and "sglang_router" in r.text
+    assert '"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"' in r.text
+    assert not any("no sglang-router" in n for n in r.notes)
     assert any("rollout.num_servers=16 is ignored" in n for n in r.notes)
 
 
