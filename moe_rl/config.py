@@ -196,6 +196,9 @@ class RolloutConfig:
     """local = HF-transformers engine (CPU, speaks SGLang's HTTP API); sglang = real SGLang servers."""
     urls: list[str] = field(default_factory=list)
     """Base URLs of servers that are already running; empty means launch `num_servers` ourselves."""
+    colocated: bool = False
+    """SGLang shares the trainer's GPUs: it releases its memory after each rollout and takes
+    it back before the weight update (servers need --enable-memory-saver)."""
     admin_urls: list[str] = field(default_factory=list)
     """With `urls` pointing at an sglang-router: the workers behind it, which get weight updates."""
     num_servers: int = ranged(1, ge=1)
@@ -709,6 +712,8 @@ def _check_rollout(cfg: RunConfig) -> Iterator[str]:
     for i, url in enumerate(r.urls):
         if not url.startswith(("http://", "https://")):
             yield f"rollout.urls[{i}]: {url!r} must start with http:// or https://"
+    if r.colocated and r.engine != "sglang":
+        yield "rollout.colocated: true requires rollout.engine=sglang (the local engine runs on CPU)"
     if r.tp_size % r.ep_size:
         yield f"rollout.ep_size: {r.ep_size} must divide rollout.tp_size={r.tp_size}"
     if r.weight_sync == "tensor" and r.engine != "local":

@@ -181,6 +181,8 @@ def _request(run: Run, prompts: list[Prompt], step: int, greedy: bool) -> list:
                                 return_routed_experts=run.cfg.rollout.return_routed_experts)
                 for i, p in enumerate(prompts)]
     results = run.engine.generate(requests)
+    if run.cfg.rollout.colocated:
+        run.engine.release_memory_occupation()  # training gets the GPU memory back
     return [[(r.output_ids, r.output_logprobs, r.routed_experts) for r in per_prompt] for per_prompt in results]
 
 
@@ -379,6 +381,8 @@ def sync_weights(run: Run) -> None:
     """Push the updated weights to the rollout engine (collective)."""
     if run.pending is not None and run.pending[1] is not None:
         run.pending[1].result()  # let a prefetched rollout finish on the weights it started with
+    if run.cfg.rollout.colocated and run.rank == 0:
+        run.engine.resume_memory_occupation()
     run.weight_sync.sync(run.weight_version, run.policy.export_hf, run.engine if run.rank == 0 else None)
 
 

@@ -566,6 +566,15 @@ class SGLangClient:
     def continue_generation(self) -> None:
         self._run(self._broadcast("POST", "/continue_generation", {}))
 
+    def release_memory_occupation(self) -> None:
+        """Colocated runs: SGLang frees its weights and KV cache (ReleaseMemoryOccupationReqInput)
+        so training can use the GPU memory; needs servers started with --enable-memory-saver."""
+        self._run(self._broadcast("POST", "/release_memory_occupation", {}))
+
+    def resume_memory_occupation(self) -> None:
+        """Colocated runs: SGLang takes its memory back before the next weight update and rollout."""
+        self._run(self._broadcast("POST", "/resume_memory_occupation", {}))
+
     def get_model_info(self) -> dict[str, Any]:
         async def go() -> Any:
             self._ensure_session()

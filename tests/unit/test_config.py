@@ -185,6 +185,13 @@ def test_nccl_needs_sglang():
     assert "rollout.weight_sync: 'nccl' requires rollout.engine=sglang" in error_of(["rollout.weight_sync=nccl"])
 
 
+def test_rollout_engine_rules():
+    assert "rollout.colocated: true requires rollout.engine=sglang" in error_of(["rollout.colocated=true"])
+    assert "rollout.weight_sync: 'tensor' requires rollout.engine=local" in error_of(
+        ["rollout.engine=sglang", "rollout.weight_sync=tensor"])
+    assert "rollout.ep_size: 4 must divide rollout.tp_size=2" in error_of(["rollout.tp_size=2", "rollout.ep_size=4"])
+
+
 def test_router_fusion_refused_with_replay():
     assert "model.moe_router_fusion" in error_of(["model.moe_router_fusion=true"])
     load_config(None, ["model.moe_router_fusion=true", "algo.replay=off"])

@@ -52,12 +52,18 @@ class FakeServer:
              "num_experts": EXPERTS, "moe_layer_ids": list(range(LAYERS)), "weight_version": self.version}))
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/update_weights_from_disk", self._update)
+        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            app.router.add_post(path, self._admin)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         self._ready.set()
+
+    async def _admin(self, request: web.Request) -> web.Response:
+        self.admin_calls = getattr(self, "admin_calls", []) + [request.path]
+        return web.json_response({"success": True})
 
     async def _update(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -197,3 +203,15 @@ def test_weight_update_refused_everywhere_raises(fake):
     with _client([a.url]) as c, pytest.raises(RolloutError, match="failed on every server") as ei:
         c.update_weights_from_disk("/ckpt/bad", version="v9")
     assert a.url in str(ei.value) and a.version == "default"
+
+
+def test_colocated_memory_release_and_resume_reach_every_server(fake):
+    servers = [fake("ok"), fake("ok")]
+    client = _client([s.url for s in servers])
+    try:
+        client.release_memory_occupation()
+        client.resume_memory_occupation()
+    finally:
+        client.close()
+    for s in servers:
+        assert s.admin_calls == ["/release_memory_occupation", "/resume_memory_occupation"]
