@@ -92,7 +92,7 @@ class Policy:
         """One optimizer step on this DP rank's `sequences` (all DP ranks step together).
 
         extras: per-sequence tensors the loss reads from `mb.extras`, padded to `[B, T - 1]`
-        for per-token values (see `pad_tokens`). Returns the loss metrics summed over
+        for per-token values. Returns the loss metrics summed over
         microbatches (each already normalised globally by the loss) and step metrics.
         """
         tp = self.spec.layout.tp
@@ -156,11 +156,3 @@ def _fit(t: torch.Tensor, width: int) -> torch.Tensor:
         return t[:, :width]
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
-
-def pad_tokens(values: list[torch.Tensor], width: int | None = None, fill: float = 0.0) -> torch.Tensor:
-    """Stack per-sequence 1-D tensors into `[B, width]`, right-padded with `fill`."""
-    width = width or max(len(v) for v in values)
-    out = torch.full((len(values), width), fill, dtype=values[0].dtype if values else torch.float32)
-    for i, v in enumerate(values):
-        out[i, : len(v)] = v[:width]
-    return out
