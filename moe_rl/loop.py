@@ -250,11 +250,16 @@ def advantages_and_filters(run: Run, samples: Samples) -> tuple[Samples | None, 
 
 
 def _usable_groups(run: Run, kept_groups: int) -> int:
-    """Kept groups rounded down so every DP rank and minibatch gets whole, equal shares."""
-    unit = run.policy.dp_size * run.cfg.algo.num_minibatches
-    g = run.cfg.rollout.n_samples
-    n = kept_groups * g
-    return (n - n % unit) // g if (n - n % unit) % g == 0 else 0
+    return usable_groups(kept_groups, run.cfg.rollout.n_samples, run.policy.dp_size * run.cfg.algo.num_minibatches)
+
+
+def usable_groups(kept_groups: int, group_size: int, unit: int) -> int:
+    """Most whole groups (<= kept_groups) whose samples split evenly into `unit` shares
+    (DP ranks x minibatches); 0 when none do."""
+    for k in range(kept_groups, 0, -1):
+        if (k * group_size) % unit == 0:
+            return k
+    return 0
 
 
 def my_share(run: Run, samples: Samples) -> Samples:
