@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from moe_rl.drift.metrics import route_dtype  # smallest int type for ids; one definition for all routes
 from moe_rl.policy.forward import Microbatch
 from moe_rl.policy.model import MoEArch
 
@@ -41,15 +42,6 @@ class ReplayError(RuntimeError):
 def filler_row(top_k: int) -> torch.Tensor:
     """Distinct expert ids `[K]` for tokens that have no recorded route (never duplicates)."""
     return torch.arange(top_k)
-
-
-def route_dtype(num_experts: int) -> torch.dtype:
-    """Smallest integer type that holds ids 0..num_experts-1 (never truncates ids > 255)."""
-    if num_experts <= 256:
-        return torch.uint8
-    if num_experts <= 32768:
-        return torch.int16
-    return torch.int32
 
 
 def check_routes(routes: torch.Tensor, lengths: torch.Tensor, arch: MoEArch) -> None:
