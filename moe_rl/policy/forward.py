@@ -1,8 +1,9 @@
 """Per-token log-probs (and entropy) of given token ids under megatron's pipeline schedule.
 
-Sequences of different lengths are right-padded into microbatches of one common
-length (the pipeline's p2p buffers need one shape; causal attention keeps padding
-from touching real tokens). Log-probs are computed vocab-parallel on the last
+Sequences of different lengths are either right-padded into microbatches of one
+common length (the pipeline's p2p buffers need one shape; causal attention keeps
+padding from touching real tokens), or, with a token budget, packed several to a
+row (`policy/packing.py`) so compute goes to real tokens. Log-probs are computed vocab-parallel on the last
 pipeline stage, never gathering the full vocabulary, and broadcast back to every
 pipeline stage so the ranks that own the data have them.
 
@@ -18,20 +19,38 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from moe_rl.data.balance import pack_bins
+from moe_rl.policy.packing import PackedRow, model_kwargs, pack_row, unpack
+
 
 @dataclass
 class Microbatch:
     """One microbatch as the schedule sees it.
 
     tokens: `[b, s]` right-padded token ids; lengths: `[b]`; index: `[b]` rows of the
-    caller's batch; extras: per-row tensors the loss needs (advantages `[b]`,
-    old log-probs `[b, s - 1]`, ...), padded like `tokens`.
+    caller's batch (-1: an ignored row); extras: per-row tensors the loss needs
+    (advantages `[b]`, old log-probs `[b, s - 1]`, ...), padded like `tokens`.
+    packed: when set, the model runs on this packed row instead of `tokens`;
+    everything else (and what losses see) stays per sequence.
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     index: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    packed: PackedRow | None = None
+
+    @property
+    def model_tokens(self) -> torch.Tensor:
+        """`[b_m, s_m]`: the token ids the model runs on (the packed row, or `tokens`)."""
+        return self.tokens if self.packed is None else self.packed.tokens
+
+    def placement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where sequence j sits in `model_tokens`: (row `[b]`, start position `[b]`)."""
+        b = self.tokens.shape[0]
+        if self.packed is None:
+            return torch.arange(b), torch.zeros(b, dtype=torch.long)
+        return torch.zeros(b, dtype=torch.long), self.packed.starts.cpu()
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -42,7 +61,8 @@ class Microbatch:
 
     def to(self, device: torch.device) -> "Microbatch":
         return Microbatch(tokens=self.tokens.to(device), lengths=self.lengths.to(device),
-                          index=self.index.to(device), extras={k: v.to(device) for k, v in self.extras.items()})
+                          index=self.index.to(device), extras={k: v.to(device) for k, v in self.extras.items()},
+                          packed=None if self.packed is None else self.packed.to(device))
 
 
 def pad_length(max_len: int, multiple: int) -> int:
@@ -99,7 +119,86 @@ def schedule_multiple() -> int:
 def _ignored_microbatch(like: Microbatch) -> Microbatch:
     """A microbatch of `like`'s shape whose rows are all ignored (`index = -1`)."""
     return Microbatch(tokens=like.tokens.clone(), lengths=like.lengths.clone(),
-                      index=torch.full_like(like.index, -1), extras={k: v.clone() for k, v in like.extras.items()})
+                      index=torch.full_like(like.index, -1), extras={k: v.clone() for k, v in like.extras.items()},
+                      packed=like.packed)
+
+
+def packed_format() -> str:
+    """How packed rows keep sequences apart: "thd" under transformer-engine, else "mask"."""
+    from moe_rl.policy.model import use_transformer_engine
+
+    return "thd" if use_transformer_engine() else "mask"
+
+
+def make_packed_microbatches(sequences: list[torch.Tensor], max_tokens: int, pad_multiple: int = 1,
+                             extras: dict[str, torch.Tensor] | None = None, pad_id: int = 0,
+                             fmt: str = "mask") -> list[Microbatch]:
+    """Pack sequences into microbatches of one row of at most `max_tokens` tokens each.
+
+    Every rank of the job ends up with the same row length and microbatch count
+    (pipeline p2p buffers and expert-parallel exchanges need both), padding with
+    ignored microbatches where a rank has fewer; so DP ranks may hold different
+    numbers of sequences. `extras` as in `make_microbatches`.
+    """
+    if not sequences:
+        raise ValueError("no sequences to process")
+    lengths = [len(s) for s in sequences]
+    if min(lengths) < 2:
+        raise ValueError("every sequence needs at least 2 tokens (a prompt token and one to score)")
+    bins = pack_bins(lengths, max_tokens)
+    fill = max(sum(lengths[i] for i in b) for b in bins)
+    fill, count = _agree_max(pad_length(fill, pad_multiple), len(bins))
+    out = []
+    for b in bins:
+        idx = torch.tensor(b)
+        width = max(lengths[i] for i in b)
+        tokens = torch.full((len(b), width), pad_id, dtype=torch.long)
+        for j, i in enumerate(b):
+            tokens[j, : lengths[i]] = sequences[i]
+        ex = {k: (v[idx][:, : width - 1] if v.dim() > 1 else v[idx]) for k, v in (extras or {}).items()}
+        out.append(Microbatch(tokens=tokens, lengths=torch.tensor([lengths[i] for i in b]), index=idx, extras=ex,
+                              packed=pack_row([sequences[i] for i in b], fill, fmt, pad_id)))
+    multiple = schedule_multiple()
+    while len(out) < count or len(out) % multiple:
+        out.append(_ignored_microbatch(out[0]))
+    return out
+
+
+def _agree_max(*values: int) -> tuple[int, ...]:
+    """Element-wise maximum of small integers over all ranks."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.long, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(int(v) for v in t.tolist())
+
+
+def build_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, max_tokens: int | None = None,
+                       extras: dict[str, torch.Tensor] | None = None, seq_len: int | None = None) -> list[Microbatch]:
+    """This rank's microbatches: packed by token budget when `max_tokens` is set, else padded rows.
+
+    Collective: every rank calls it. Padded rows need equal sequence counts on DP
+    ranks; packing does not.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    longest = max(len(x) for x in sequences) if sequences else 0
+    if max_tokens:
+        extras = {k: fit_width(v, longest - 1) for k, v in (extras or {}).items()}
+        return make_packed_microbatches(sequences, max_tokens, pad_multiple=tp, extras=extras, fmt=packed_format())
+    seq_len = pad_length(agree_on_shape(len(sequences), max(seq_len or 0, longest)), tp)
+    extras = {k: fit_width(v, seq_len - 1) for k, v in (extras or {}).items()}
+    return make_microbatches(sequences, micro_batch_size, pad_multiple=tp, seq_len=seq_len, extras=extras)
+
+
+def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad or cut a per-token extra `[B, T']` to `[B, width]`; per-sequence extras `[B]` pass through."""
+    if t.dim() < 2:
+        return t
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -112,6 +211,21 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
     shifted = logits[:, :-1].float().contiguous()
     return -tensor_parallel.vocab_parallel_cross_entropy(shifted.clone(), tokens[:, 1:].contiguous())
+
+
+def microbatch_logprobs(logits: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+    """`[b, s - 1]` per-sequence log-probs from the model's logits `[b_m, s_m, V/tp]` (packed or not)."""
+    if mb.packed is None:
+        return token_logprobs(logits, mb.tokens)
+    flat = token_logprobs(logits, mb.packed.tokens)[0]
+    return unpack(flat, mb.packed.starts, mb.tokens.shape[1] - 1) * mb.loss_mask
+
+
+def microbatch_entropy(logits: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+    """`[b, s - 1]` per-sequence next-token entropy (packed or not)."""
+    if mb.packed is None:
+        return token_entropy(logits)
+    return unpack(token_entropy(logits)[0], mb.packed.starts, mb.tokens.shape[1] - 1) * mb.loss_mask
 
 
 @torch.no_grad()
@@ -154,8 +268,11 @@ def run_schedule(chunks: list[Any], microbatches: list[Microbatch], loss_fn: Los
 
     def forward_step(data_iterator: Iterator[Microbatch], model: Any):
         mb = next(data_iterator).to(_device())
-        pos = torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
-        output = model(mb.tokens, pos, attention_mask=None)
+        if mb.packed is not None:
+            output = model(mb.packed.tokens, mb.packed.positions, **model_kwargs(mb.packed))
+        else:
+            pos = torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
+            output = model(mb.tokens, pos, attention_mask=None)
 
         def loss_func(logits: torch.Tensor):
             loss, out = loss_fn(logits, mb)
@@ -163,10 +280,9 @@ def run_schedule(chunks: list[Any], microbatches: list[Microbatch], loss_fn: Los
 
         return output, loss_func
 
-    seq_len = microbatches[0].tokens.shape[1]
-    mbs = microbatches[0].tokens.shape[0]
-    if any(mb.tokens.shape != (mbs, seq_len) for mb in microbatches):
-        raise ValueError("all microbatches must share one sequence length and size (see make_microbatches)")
+    mbs, seq_len = microbatches[0].model_tokens.shape
+    if any(mb.model_tokens.shape != (mbs, seq_len) for mb in microbatches):
+        raise ValueError("all microbatches must share one sequence length and size (see build_microbatches)")
     iters = [iter(microbatches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -227,28 +343,27 @@ class LogProbs:
 @torch.no_grad()
 def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_batch_size: int,
                      with_entropy: bool = False, seq_len: int | None = None,
-                     routing: Routing | None = None) -> LogProbs:
+                     routing: Routing | None = None, max_tokens: int | None = None) -> LogProbs:
     """Log-probs (and entropy) of each sequence's tokens, on every rank of the model-parallel group.
 
     `routing` wraps the schedule run, e.g. to record routes (R2) or replay given ones (R3).
+    `max_tokens`: pack sequences into rows of this many tokens instead of padding.
     """
     from megatron.core import parallel_state as ps
 
     for c in chunks:
         c.eval()
-    tp = ps.get_tensor_model_parallel_world_size()
-    seq_len = agree_on_shape(len(sequences), max(seq_len or 0, max(len(x) for x in sequences)))
-    mbs = make_microbatches(sequences, micro_batch_size, pad_multiple=tp, seq_len=seq_len)
+    mbs = build_microbatches(sequences, micro_batch_size, max_tokens, seq_len=seq_len)
 
     def keep(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, Any]]:
-        out = {"index": mb.index, "logp": token_logprobs(logits, mb.tokens)}
+        out = {"index": mb.index, "logp": microbatch_logprobs(logits, mb)}
         if with_entropy:
-            out["entropy"] = token_entropy(logits)
+            out["entropy"] = microbatch_entropy(logits, mb)
         return logits.new_zeros(()), out
 
     with (routing(mbs) if routing else nullcontext()) as recording:
         outputs = run_schedule(chunks, mbs, keep, forward_only=True)
-    s = mbs[0].tokens.shape[1]
+    s = max(mb.tokens.shape[1] for mb in mbs)
     n = len(sequences)
     logp = torch.zeros(n, s - 1)
     ent = torch.zeros(n, s - 1) if with_entropy else None
@@ -256,9 +371,10 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
         for out in outputs:
             index = out["index"].cpu()
             rows = index >= 0
-            logp[index[rows]] = out["logp"].float().cpu()[rows]
+            w = out["logp"].shape[1]
+            logp[index[rows], :w] = out["logp"].float().cpu()[rows]
             if ent is not None:
-                ent[index[rows]] = out["entropy"].float().cpu()[rows]
+                ent[index[rows], :w] = out["entropy"].float().cpu()[rows]
     _broadcast_from_last_stage(logp)
     if ent is not None:
         _broadcast_from_last_stage(ent)

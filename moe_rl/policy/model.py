@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from moe_rl.policy.packing import use_position_ids_for_rope
 from moe_rl.policy.parallel import ParallelLayout
 
 
@@ -304,6 +305,8 @@ def build_model(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32", reco
             vp_stage=vp_stage,
         )
         _mark_expert_params(model)
+        if not use_transformer_engine():
+            use_position_ids_for_rope(model)  # packed rows restart positions (TE uses THD instead)
         chunks.append(model.to(_DTYPES[dtype]))
     return chunks
 

@@ -50,10 +50,13 @@ def token_weights(sequences: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def layout_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], micro_batch_size: int = 2,
-                  export_dir: str | None = None, grads: bool = False, recompute: bool = False) -> dict[str, Any]:
+                  export_dir: str | None = None, grads: bool = False, recompute: bool = False,
+                  pack_tokens: int | None = None) -> dict[str, Any]:
     """Runs on every rank: log-probs of this DP rank's share, optional HF export and gradients.
 
     Returns {"rank", "dp_rank", "index", "logp", "grads" (HF name -> tensor, this rank's share)}.
+    With `pack_tokens`, also the same computed on token-balanced DP shards packed into
+    rows of that many tokens: "packed_index", "logp_packed", "grads_packed".
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -77,40 +80,57 @@ def layout_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], 
     if export_dir is not None:
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         export_hf(chunks, export_dir, arch, config)
+    if pack_tokens:
+        from moe_rl.data.balance import balanced_shards
+
+        packed = balanced_shards([len(s) for s in sequences], dp)[dp_rank]
+        result["packed_index"] = packed
+        result["logp_packed"] = compute_logprobs(chunks, [sequences[i] for i in packed], micro_batch_size,
+                                                 max_tokens=pack_tokens).logp
     if grads:
-        result["grads"] = _gradients(chunks, arch, sequences, index, micro_batch_size)
+        result["grads"], opt = _gradients(chunks, arch, sequences, index, micro_batch_size)
+        if pack_tokens:
+            result["grads_packed"], _ = _gradients(chunks, arch, sequences, result["packed_index"],
+                                                   micro_batch_size, pack_tokens, opt)
     return result
 
 
 def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], index: list[int],
-               micro_batch_size: int) -> dict[str, torch.Tensor]:
-    """Gradient of sum(w * logp) / N_global over the whole batch, this rank's HF-named share."""
+               micro_batch_size: int, pack_tokens: int | None = None,
+               opt: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
+    """Gradient of sum(w * logp) / N_global over the whole batch, this rank's HF-named share.
+
+    `index`: this DP rank's sequences; `pack_tokens`: pack them into rows of that many
+    tokens. The weights are left as they were.
+    """
     from moe_rl.policy.convert import iter_hf_tensors
-    from moe_rl.policy.forward import agree_on_shape, make_microbatches, token_logprobs
+    from moe_rl.policy.forward import build_microbatches, microbatch_logprobs
     from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, grads_as_params
 
     weights = token_weights(sequences)
     total = sum(len(w) for w in weights)
     mine = [sequences[i] for i in index]
-    seq_len = agree_on_shape(len(mine), max(len(s) for s in sequences))
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    w = torch.zeros(len(mine), -(-seq_len // tp) * tp - 1)
+    w = torch.zeros(len(mine), max(len(s) for s in sequences) - 1)
     for j, i in enumerate(index):
         w[j, : len(weights[i])] = weights[i]
-    mbs = make_microbatches(mine, micro_batch_size, pad_multiple=tp, seq_len=seq_len, extras={"w": w})
+    mbs = build_microbatches(mine, micro_batch_size, pack_tokens, extras={"w": w},
+                             seq_len=max(len(s) for s in sequences))
 
     def loss_fn(logits, mb):
-        logp = token_logprobs(logits, mb.tokens)
+        logp = microbatch_logprobs(logits, mb)
         valid = (mb.index >= 0).float().unsqueeze(1)
         loss = -(logp * mb.extras["w"] * mb.loss_mask * valid).sum() / total
         return loss, {}
 
-    opt = PolicyOptimizer(chunks, OptimConfig())
+    opt = opt or PolicyOptimizer(chunks, OptimConfig())
+    saved = [p.detach().clone() for c in opt.chunks for p in c.parameters()]
     opt.backward(mbs, loss_fn)
     grads_as_params(opt.chunks)
-    return {k: v.clone() for k, v in iter_hf_tensors(opt.bare_chunks, arch)}
+    grads = {k: v.clone() for k, v in iter_hf_tensors(opt.bare_chunks, arch)}
+    with torch.no_grad():
+        for p, old in zip((p for c in opt.chunks for p in c.parameters()), saved):
+            p.copy_(old)
+    return grads, opt
 
 
 @dataclass

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
-from moe_rl.policy.forward import LogProbs, Microbatch, agree_on_shape, compute_logprobs, make_microbatches, \
-    token_logprobs
+from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.replay import RouteReplay
@@ -38,6 +37,7 @@ class PolicySpec:
     recompute: bool = False
     micro_batch_size: int = 4
     seed: int = 1234
+    max_tokens_per_microbatch: int | None = None  # set: pack sequences into rows of this many tokens
 
 
 class Policy:
@@ -83,7 +83,7 @@ class Policy:
         elif record_routes and self.replay is not None:
             routing = self.replay.record
         return compute_logprobs(self.chunks, sequences, self.spec.micro_batch_size, with_entropy=entropy,
-                                routing=routing)
+                                routing=routing, max_tokens=self.spec.max_tokens_per_microbatch)
 
     # ------------------------------------------------------------ updates
 
@@ -95,15 +95,11 @@ class Policy:
         for per-token values. Returns the loss metrics summed over
         microbatches (each already normalised globally by the loss) and step metrics.
         """
-        tp = self.spec.layout.tp
-        seq_len = agree_on_shape(len(sequences), max(len(s) for s in sequences))
-        seq_len = -(-seq_len // tp) * tp
-        extras = {k: _fit(v, seq_len - 1) for k, v in extras.items()}
-        mbs = make_microbatches(sequences, self.spec.micro_batch_size, pad_multiple=tp, seq_len=seq_len,
-                                extras=extras)
+        mbs = build_microbatches(sequences, self.spec.micro_batch_size, self.spec.max_tokens_per_microbatch,
+                                 extras=extras)
 
         def loss_fn(logits: torch.Tensor, mb: Microbatch):
-            value, metrics = loss(token_logprobs(logits, mb.tokens), mb)
+            value, metrics = loss(microbatch_logprobs(logits, mb), mb)
             return value, {"metrics": metrics}
 
         routing = (lambda m: self.replay.replay(replay_routes, m)) if replay_routes is not None else None
@@ -146,13 +142,4 @@ class Policy:
         out = values.clone()
         dist.all_reduce(out, group=self.dp_group if group == "dp" else None)
         return out
-
-
-def _fit(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad or cut a per-token extra `[B, T']` to `[B, width]`; per-sequence extras pass through."""
-    if t.dim() < 2:
-        return t
-    if t.shape[1] >= width:
-        return t[:, :width]
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 

@@ -100,16 +100,19 @@ def microbatch_targets(routes: torch.Tensor, mb: Microbatch, column: int, top_k:
     """Router target `[s_local * b, K]` (sequence-major) for one layer and microbatch.
 
     routes: `[B, T - 1, L, K]` for the caller's whole batch; `mb.index` picks rows
-    (-1 = a padding row added to fill the last microbatch).
+    (-1 = a padding row added to fill the last microbatch). In a packed microbatch
+    each sequence's routes go to its span of the packed row.
     """
-    b, s = mb.tokens.shape
+    b, s = mb.model_tokens.shape
     target = filler_row(top_k).repeat(s, b, 1)  # [s, b, K]
-    for j in range(b):
+    rows, starts = mb.placement()
+    for j in range(mb.tokens.shape[0]):
         row = int(mb.index[j])
         if row < 0:
             continue
         n = min(int(mb.lengths[j]) - 1, routes.shape[1])
-        target[:n, j] = routes[row, :n, column].long()
+        a = int(starts[j])
+        target[a: a + n, int(rows[j])] = routes[row, :n, column].long()
     return target[positions].reshape(-1, top_k)
 
 
@@ -174,7 +177,7 @@ class RouteReplay:
         handles = []
         for r in self.routers:
             feed = _Feed(r.column, [microbatch_targets(routes, mb, r.column, self.arch.moe_router_topk,
-                                                       _sp_slice(mb.tokens.shape[1])) for mb in microbatches])
+                                                       _sp_slice(mb.model_tokens.shape[1])) for mb in microbatches])
             r.module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             handles.append(r.module.register_forward_pre_hook(feed.pre_hook))
             feeds.append(feed)
@@ -242,7 +245,7 @@ class Recording:
         self.from_routing_map = from_routing_map
         self.calls: dict[int, list[torch.Tensor]] = {}
         num_sequences = max(int(mb.index.max()) for mb in microbatches) + 1
-        s = microbatches[0].tokens.shape[1]
+        s = max(mb.tokens.shape[1] for mb in microbatches)
         self.buf = torch.full((num_sequences, s, arch.num_moe_layers, arch.moe_router_topk), -1,
                               dtype=torch.int32)
         self.routes: torch.Tensor | None = None
@@ -269,13 +272,7 @@ class Recording:
                 raise ReplayError(f"MoE layer {column}: recorded {len(calls)} router calls for "
                                   f"{len(self.microbatches)} microbatches")
             for mb, ids in zip(self.microbatches, calls):
-                b, s = mb.tokens.shape
-                pos = _sp_slice(s)
-                local = ids.view(pos.stop - pos.start, b, K)
-                for j in range(b):
-                    row = int(mb.index[j])
-                    if row >= 0:
-                        self.buf[row, pos, column] = local[:, j]
+                self._place(mb, ids, column)
         if dist.is_initialized():
             dist.all_reduce(self.buf, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
         lengths = torch.full((self.buf.shape[0],), -1, dtype=torch.long)
@@ -291,6 +288,25 @@ class Recording:
         if int(routes.min()) < 0:
             raise ReplayError("some routes were not recorded (a layer did not run on every token)")
         self.routes = routes.to(route_dtype(self.arch.num_moe_experts))
+
+    def _place(self, mb: Microbatch, ids: torch.Tensor, column: int) -> None:
+        """Copy one router call's ids `[s_local * b_m, K]` to each sequence's rows of the buffer.
+
+        Sequence j occupies positions start_j .. start_j + len_j - 1 of its model row;
+        this TP rank saw only its sequence-parallel slice of them.
+        """
+        b_m, s_m = mb.model_tokens.shape
+        pos = _sp_slice(s_m)
+        local = ids.view(pos.stop - pos.start, b_m, -1)
+        rows, starts = mb.placement()
+        for j in range(mb.tokens.shape[0]):
+            seq = int(mb.index[j])
+            if seq < 0:
+                continue
+            a = int(starts[j])
+            lo, hi = max(pos.start, a), min(pos.stop, a + int(mb.lengths[j]))
+            if lo < hi:
+                self.buf[seq, lo - a: hi - a, column] = local[lo - pos.start: hi - pos.start, int(rows[j])]
 
 
 def _unwrap(module: Any) -> Any:

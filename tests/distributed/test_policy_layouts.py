@@ -1,9 +1,11 @@
 """Megatron policy under every parallel layout vs HF transformers, on gloo ranks.
 
-One run per layout checks three things at once (process start-up dominates the cost):
+One run per layout checks several things at once (process start-up dominates the cost):
 log-probs vs HF (≤ 1e-4 in fp32), the HF -> megatron -> HF round trip (bit-exact),
-and for two layouts the gradient of a fixed loss vs the single-process run
-(relative error ≤ 1e-4 per parameter).
+packed rows (token-balanced DP shards, several sequences per row) vs the padded
+computation of the same layout (≤ 1e-5), and for some layouts the gradient of a
+fixed loss, padded and packed, vs the single-process padded run (relative error
+≤ 1e-4 per parameter).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from moe_rl.policy.parity import compare, hf_logprobs, layout_worker, sample_seq
 from moe_rl.testing import run_ranks
 
 LAYOUTS = ["tp2", "pp2", "pp2-vpp2", "ep2", "tp2-ep2", "tp2-pp2", "dp2"]
-GRAD_LAYOUTS = {"tp2-pp2", "tp2-ep2"}
+GRAD_LAYOUTS = {"tp2-pp2", "tp2-ep2", "dp2"}
+PACK_TOKENS = 40  # two or three of the test sequences (2..20 tokens) per packed row
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +55,11 @@ def test_layout_logprobs_roundtrip_and_grads(layout, tiny_hf_dir, sequences, ref
     world = ParallelLayout.parse(layout).world_size
     out = tmp_path / "export"
     results = run_ranks(layout_worker, world, layout, str(tiny_hf_dir), sequences, export_dir=str(out),
-                        grads=layout in GRAD_LAYOUTS, timeout=600)
+                        grads=layout in GRAD_LAYOUTS, pack_tokens=PACK_TOKENS, timeout=600)
 
     mx, _ = compare(results, reference)
     assert mx <= 1e-4, f"{layout}: max |Δ log p| = {mx:.2e}"
+    _check_packed(layout, results, sequences)
 
     original, exported = _hf_tensors(tiny_hf_dir), _hf_tensors(out)
     assert sorted(original) == sorted(exported)
@@ -63,15 +67,27 @@ def test_layout_logprobs_roundtrip_and_grads(layout, tiny_hf_dir, sequences, ref
         assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
 
     if layout in GRAD_LAYOUTS:
-        grads = {}
-        for r in results:
-            for name, g in r["grads"].items():
-                assert name not in grads, f"{name} returned by two ranks"
-                grads[name] = g
-        assert sorted(grads) == sorted(single["grads"])
-        for name, ref in single["grads"].items():
-            err = (grads[name] - ref).norm() / ref.norm().clamp_min(1e-12)
-            assert err <= 1e-4, f"{layout}: {name} relative gradient error {err:.2e}"
+        for key in ("grads", "grads_packed"):
+            grads = {}
+            for r in results:
+                for name, g in r[key].items():
+                    assert name not in grads, f"{name} returned by two ranks"
+                    grads[name] = g
+            assert sorted(grads) == sorted(single["grads"])
+            for name, ref in single["grads"].items():
+                err = (grads[name] - ref).norm() / ref.norm().clamp_min(1e-12)
+                assert err <= 1e-4, f"{layout} {key}: {name} relative gradient error {err:.2e}"
+
+
+def _check_packed(layout, results, sequences):
+    """Packed log-probs of every sequence equal the padded ones of the same layout (≤ 1e-5)."""
+    padded = {i: r["logp"][j] for r in results for j, i in enumerate(r["index"])}
+    packed = {i: r["logp_packed"][j] for r in results for j, i in enumerate(r["packed_index"])}
+    assert sorted(packed) == list(range(len(sequences)))
+    for i, seq in enumerate(sequences):
+        n = len(seq) - 1
+        diff = (packed[i][:n] - padded[i][:n]).abs().max().item()
+        assert diff <= 1e-5, f"{layout}: sequence {i} packed vs padded max |Δ log p| = {diff:.2e}"
 
 
 def test_export_writes_sharded_index(tiny_hf_dir, tmp_path):
