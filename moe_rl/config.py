@@ -181,6 +181,11 @@ class ParallelConfig:
     """Sequence parallel; None = auto (on when tp > 1, which megatron MoE requires)."""
     micro_batch_size: int = ranged(4, ge=1)
     """Sequences per forward/backward micro-batch; tiny models fit 4, long-context runs use 1."""
+    max_tokens_per_microbatch: int | None = ranged(None, ge=2)
+    """Token budget per micro-batch. Set: sequences are packed several to a row (no padding
+    compute) and spread over data-parallel ranks by tokens rather than by count; null = padded
+    micro-batches of micro_batch_size sequences. Must hold the longest sequence
+    (data.max_prompt_len + rollout.max_new_tokens)."""
 
     @property
     def sequence_parallel(self) -> bool:
@@ -693,6 +698,10 @@ def _check_parallel(cfg: RunConfig) -> Iterator[str]:
     if p.tp > 1 and p.sp is False:
         yield (f"parallel.sp: false is not allowed with parallel.tp={p.tp}: megatron MoE layers "
                "need sequence parallel when tp > 1 (use true or null for auto)")
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if p.max_tokens_per_microbatch is not None and p.max_tokens_per_microbatch < longest:
+        yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} cannot hold the longest "
+               f"sequence, data.max_prompt_len + rollout.max_new_tokens = {longest}; use at least {longest}")
     shape = _model_shape(cfg.model)
     yield from _divides("parallel.tp", p.tp, shape, "num_attention_heads")
     yield from _divides("parallel.tp", p.tp, shape, "num_key_value_heads")

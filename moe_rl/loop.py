@@ -21,6 +21,7 @@ from moe_rl.algo.advantages import compute_advantages
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
 from moe_rl.algo.losses import compute_loss
 from moe_rl.config import RunConfig
+from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import PromptSampler
 from moe_rl.drift.metrics import (expert_load, load_change, logprob_mismatch, route_stats)
@@ -87,15 +88,15 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics |= more
     if samples is None:
         return metrics | clock.metrics()
-    mine = my_share(run, samples)                                 # this data-parallel rank's sequences
-    old = old_logprobs(run, mine)                                 # routes recorded (R2) or the engine's (R3)
+    share = my_share(run, samples)                                # this data-parallel rank's sequences
+    old = old_logprobs(run, share.samples)                        # routes recorded (R2) or the engine's (R3)
     clock.lap("old_logprobs")
-    metrics |= minibatch_updates(run, mine, old)                  # loss -> backward -> optimizer step
+    metrics |= minibatch_updates(run, share, old)                 # loss -> backward -> optimizer step
     clock.lap("updates")
     run.weight_version += 1
     sync_weights(run)                                             # rollout/weight_sync.py
     clock.lap("weight_sync")
-    metrics |= measure_drift(run, mine, old, step)                # drift/
+    metrics |= measure_drift(run, share.samples, old, step)       # drift/
     clock.lap("drift")
     tokens = sum(len(s) for s in samples.sequences)
     return metrics | clock.metrics() | {"perf/tokens_per_s": tokens / clock.total(),
@@ -262,15 +263,46 @@ def usable_groups(kept_groups: int, group_size: int, unit: int) -> int:
     return 0
 
 
-def my_share(run: Run, samples: Samples) -> Samples:
-    """This DP rank's contiguous share of the samples."""
-    n, dp = len(samples), run.policy.dp_size
-    if n % dp:
-        raise ValueError(f"{n} samples cannot be split evenly over {dp} data-parallel ranks; make "
-                         f"data.prompts_per_step * rollout.n_samples a multiple of {dp}")
-    per = n // dp
-    r = run.policy.dp_rank
-    return samples.select(list(range(r * per, (r + 1) * per)))
+@dataclass
+class Share:
+    """This DP rank's samples, and its rows of them for each of the step's minibatches."""
+
+    samples: Samples
+    minibatches: list[list[int]]
+
+
+def my_share(run: Run, samples: Samples) -> Share:
+    """This DP rank's share of the samples, minibatch by minibatch."""
+    lengths = [len(s) for s in samples.sequences]
+    mine = share_indices(lengths, run.policy.dp_size, run.policy.dp_rank, run.cfg.algo.num_minibatches,
+                         by_tokens=run.cfg.parallel.max_tokens_per_microbatch is not None)
+    rows = iter(range(sum(len(m) for m in mine)))
+    return Share(samples.select([i for m in mine for i in m]), [[next(rows) for _ in m] for m in mine])
+
+
+def share_indices(lengths: list[int], dp: int, rank: int, num_minibatches: int,
+                  by_tokens: bool) -> list[list[int]]:
+    """Sample indices of `rank`'s part of each minibatch.
+
+    Minibatch k is the same set of samples either way (so the update is the same): the
+    k-th slice of every rank's contiguous block. Padded micro-batches need equal counts
+    on every rank, so each rank takes its own block's slice; packed micro-batches take
+    any count, so the minibatch is spread over ranks by tokens.
+    """
+    n = len(lengths)
+    if n % (dp * num_minibatches):
+        raise ValueError(f"{n} samples cannot be split evenly over {dp} data-parallel ranks x "
+                         f"{num_minibatches} minibatches; make data.prompts_per_step * rollout.n_samples a "
+                         f"multiple of {dp * num_minibatches}")
+    per, part = n // dp, n // (dp * num_minibatches)
+    out = []
+    for k in range(num_minibatches):
+        group = [r * per + k * part + j for r in range(dp) for j in range(part)]
+        if by_tokens:
+            out.append([group[i] for i in balanced_shards([lengths[i] for i in group], dp)[rank]])
+        else:
+            out.append(group[rank * part: (rank + 1) * part])
+    return out
 
 
 # ---------------------------------------------------------------- policy passes
@@ -321,18 +353,16 @@ def engine_logp_tokens(samples: Samples, width: int) -> torch.Tensor:
     return out
 
 
-def minibatch_updates(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
-    """`algo.num_minibatches` optimizer steps, each on an equal share of this rank's samples."""
-    a = run.cfg.algo
+def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
+    """`algo.num_minibatches` optimizer steps, one per minibatch of this rank's share."""
+    mine = share.samples
     width = old.logp.shape[1]
     mask = response_mask(mine, width)
     extras_all = {"old_logp": old.logp, "adv": mine.advantages.float(), "mask": mask,
                   "rollout_logp": engine_logp_tokens(mine, width)}
-    per = len(mine) // a.num_minibatches
     logged: list[dict[str, float]] = []
     step_metrics: dict[str, float] = {}
-    for k in range(a.num_minibatches):
-        idx = list(range(k * per, (k + 1) * per))
+    for idx in share.minibatches:
         extras = {name: t[idx] for name, t in extras_all.items()}
         counts = run.policy.all_reduce_sum(torch.tensor(
             [extras["mask"].sum(), (extras["mask"].sum(1) > 0).sum()], dtype=torch.float64))

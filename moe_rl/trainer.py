@@ -203,7 +203,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
                         total_steps=t.steps * cfg.algo.num_minibatches, lr_schedule=t.lr_schedule,
                         distributed_optimizer=t.distributed_optimizer)
     policy = Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
-                               p.micro_batch_size, cfg.model.seed))
+                               p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch))
     eos = getattr(dataset.tokenizer, "eos_token_id", None)
     if eos is None:
         eos = policy.hf_config.get("eos_token_id")

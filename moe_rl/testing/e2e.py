@@ -14,6 +14,9 @@ from typing import Any
 import torch
 
 
+PACK_TOKENS = 32  # token budget of the packed steps (toy prompts + answers are shorter)
+
+
 def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list[tuple[str, str]]
                             ) -> list[dict[str, Any]]:
     """For each (loss, replay) pair: one RL step; returns metrics and whether weights moved."""
@@ -38,6 +41,15 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
         for step in range(len(combos) + 1, len(combos) + 4):
             out.append({"loss": cfg.algo.loss, "replay": cfg.algo.replay, "overlap": True,
                         "metrics": rl_step(run, step), "weight_change": float("nan")})
+        # Packed micro-batches with token-balanced DP shares, under both replay modes.
+        packed = dataclasses.replace(cfg.parallel, max_tokens_per_microbatch=PACK_TOKENS)
+        run.policy.spec = dataclasses.replace(run.policy.spec, max_tokens_per_microbatch=PACK_TOKENS)
+        for step, replay in enumerate(["r2", "r3"], start=len(combos) + 4):
+            run.cfg = dataclasses.replace(cfg, parallel=packed, algo=dataclasses.replace(cfg.algo, replay=replay))
+            before = _weights_fingerprint(run.policy)
+            metrics = rl_step(run, step)
+            out.append({"loss": cfg.algo.loss, "replay": replay, "packed": True, "metrics": metrics,
+                        "weight_change": float((_weights_fingerprint(run.policy) - before).abs().sum())})
     finally:
         if servers is not None:
             servers.stop()

@@ -45,6 +45,7 @@ def test_every_objective_and_replay_mode(tmp_path):
                                                                f"rollout.base_port={free_port()}"])
     combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS]
     results = run_ranks(objective_matrix_worker, 2, cfg.to_dict(), str(tmp_path), combos, timeout=900)
+    assert sum(1 for r in results[0] if r.get("packed")) == 2  # then two packed steps (r2, r3) with DP balancing
     overlap = [r["metrics"]["rollout/staleness"] for r in results[0] if r.get("overlap")]
     assert overlap == [0.0, 1.0, 1.0], overlap  # with overlap every step after the first trains one version behind
     for r in results[0]:
@@ -52,7 +53,7 @@ def test_every_objective_and_replay_mode(tmp_path):
             assert math.isfinite(r["metrics"]["loss/pg_loss"])
             continue
         m = r["metrics"]
-        name = f"{r['loss']}/{r['replay']}"
+        name = f"{r['loss']}/{r['replay']}" + ("/packed" if r.get("packed") else "")
         for key in KEYS + [LOSS_KEYS.get(r["loss"], "loss/clip_frac_high")]:
             assert key in m, f"{name}: metric {key} missing"
         assert math.isfinite(m["loss/pg_loss"]) and math.isfinite(m["perf/grad_norm"]), name

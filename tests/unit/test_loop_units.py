@@ -15,3 +15,46 @@ from moe_rl.loop import usable_groups
 ])
 def test_usable_groups_keeps_the_most_whole_groups_that_split_evenly(kept, g, unit, expected):
     assert usable_groups(kept, g, unit) == expected
+
+
+@pytest.mark.parametrize("dp,m", [(1, 1), (2, 1), (2, 2), (4, 2)])
+def test_share_indices_same_minibatches_either_way_and_balanced_by_tokens(dp, m):
+    import random
+
+    from moe_rl.loop import share_indices
+
+    rng = random.Random(dp * 10 + m)
+    lengths = [rng.randint(16, 1024) for _ in range(32)]
+    plain = [share_indices(lengths, dp, r, m, by_tokens=False) for r in range(dp)]
+    packed = [share_indices(lengths, dp, r, m, by_tokens=True) for r in range(dp)]
+    for k in range(m):
+        a = sorted(i for r in range(dp) for i in plain[r][k])
+        b = sorted(i for r in range(dp) for i in packed[r][k])
+        assert a == b, "minibatch k holds the same samples whichever way it is spread"
+        assert all(len(plain[r][k]) == 32 // (dp * m) for r in range(dp))
+        tok_packed = [sum(lengths[i] for i in packed[r][k]) for r in range(dp)]
+        assert max(tok_packed) - min(tok_packed) <= max(lengths)  # the greedy rule's bound
+    assert sorted(i for r in range(dp) for mb in plain[r] for i in mb) == list(range(32))
+
+
+def test_share_indices_refuses_uneven_split():
+    from moe_rl.loop import share_indices
+
+    with pytest.raises(ValueError, match="2 data-parallel ranks x 2 minibatches.*multiple of 4"):
+        share_indices([5] * 6, 2, 0, 2, by_tokens=False)
+
+
+def test_share_indices_by_tokens_lowers_the_busiest_rank():
+    """Over many batches with lengths 16..1024 the busiest rank holds fewer tokens on average."""
+    import random
+
+    from moe_rl.loop import share_indices
+
+    rng = random.Random(0)
+    busiest = {False: 0, True: 0}
+    for _ in range(50):
+        lengths = [rng.randint(16, 1024) for _ in range(64)]
+        for by_tokens in busiest:
+            shares = [share_indices(lengths, 4, r, 2, by_tokens)[0] for r in range(4)]
+            busiest[by_tokens] += max(sum(lengths[i] for i in s) for s in shares)
+    assert busiest[True] < 0.9 * busiest[False]
