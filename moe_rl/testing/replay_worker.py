@@ -22,8 +22,12 @@ def _perturb_routers(chunks: list[Any], scale: float, seed: int) -> None:
 
 
 def replay_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], micro_batch_size: int = 2,
-                  recompute: bool = False, engine_routes: list[torch.Tensor] | None = None) -> dict[str, Any]:
-    """Record, replay, perturb, replay again; optionally replay engine routes (R3) and train under replay."""
+                  recompute: bool = False, engine_routes: list[torch.Tensor] | None = None,
+                  pack_tokens: int | None = None) -> dict[str, Any]:
+    """Record, replay, perturb, replay again; optionally replay engine routes (R3) and train under replay.
+
+    `pack_tokens`: also record and replay with sequences packed into rows of that many tokens.
+    """
     from moe_rl.policy.convert import load_hf_weights
     from moe_rl.policy.forward import compute_logprobs, make_microbatches, token_logprobs
     from moe_rl.policy.model import build_model, read_hf_config
@@ -54,11 +58,18 @@ def replay_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], 
     out["logp_record"] = recorded.logp
     out["logp_replay"] = compute_logprobs(chunks, mine, micro_batch_size,
                                           routing=replay_and_observe(recorded.routes)).logp
+    if pack_tokens:  # the same, several sequences to a packed row
+        packed = compute_logprobs(chunks, mine, micro_batch_size, routing=rr.record, max_tokens=pack_tokens)
+        out["logp_record_packed"], out["recorded_routes_packed"] = packed.logp, packed.routes
     _perturb_routers(chunks, scale=0.5, seed=7)
     free = compute_logprobs(chunks, mine, micro_batch_size, routing=rr.observe)
     out["logp_free_perturbed"], out["routes_free_perturbed"] = free.logp, free.routes
     replayed = compute_logprobs(chunks, mine, micro_batch_size, routing=replay_and_observe(recorded.routes))
     out["logp_replay_perturbed"], out["routes_used_perturbed"] = replayed.logp, replayed.routes
+    if pack_tokens:
+        replayed = compute_logprobs(chunks, mine, micro_batch_size, routing=replay_and_observe(recorded.routes),
+                                    max_tokens=pack_tokens)
+        out["logp_replay_perturbed_packed"], out["routes_used_perturbed_packed"] = replayed.logp, replayed.routes
 
     # Updates under replay: forward + backward (recompute replays the same targets).
     opt = PolicyOptimizer(chunks, OptimConfig())

@@ -49,7 +49,7 @@ def test_replay_on_layout(layout, tiny_hf_dir, engine_rollouts):
     sequences, engine_routes = engine_rollouts
     world = ParallelLayout.parse(layout).world_size
     results = run_ranks(replay_worker, world, layout, str(tiny_hf_dir), sequences, micro_batch_size=3,
-                        recompute=True, engine_routes=engine_routes, timeout=600)
+                        recompute=True, engine_routes=engine_routes, pack_tokens=32, timeout=600)
     for r in results:
         lengths = torch.tensor([len(sequences[i]) for i in r["index"]])
         valid = torch.arange(r["recorded_routes"].shape[1]).view(1, -1) < (lengths - 1).view(-1, 1)
@@ -63,6 +63,14 @@ def test_replay_on_layout(layout, tiny_hf_dir, engine_rollouts):
         assert torch.equal(_sorted(r["routes_used_perturbed"])[valid], _sorted(r["recorded_routes"])[valid])
         assert (r["logp_replay_perturbed"] - r["logp_free_perturbed"]).abs().max() > 1e-3
         assert r["grad_norm_sq"] > 0
+        # Packed rows: the same routes recorded, and replay uses exactly the recorded ids.
+        w = r["recorded_routes_packed"].shape[1]
+        assert torch.equal(_sorted(r["recorded_routes_packed"])[valid[:, :w]],
+                           _sorted(r["recorded_routes"][:, :w])[valid[:, :w]])
+        assert (r["logp_record_packed"] - r["logp_record"][:, :w]).abs().max() <= 1e-5
+        used = r["routes_used_perturbed_packed"]
+        assert torch.equal(_sorted(used)[valid[:, :w]], _sorted(r["recorded_routes"][:, :w])[valid[:, :w]])
+        assert (r["logp_replay_perturbed_packed"] - r["logp_replay_perturbed"][:, :w]).abs().max() <= 1e-5
         # R3: the trainer routes every token exactly as the engine did.
         for j, i in enumerate(r["index"]):
             n = len(sequences[i]) - 1
