@@ -60,3 +60,19 @@ def test_rope_follows_position_ids():
     assert table[:, :, 0, 0].t().tolist() == pos.float().tolist()
     plain = model(torch.zeros(1, 5, dtype=torch.long), position_ids=torch.arange(5).view(1, -1))
     assert torch.equal(plain, _Rope()(5))  # positions 0..s-1: the table unchanged
+
+
+def test_model_kwargs_thd_and_mask():
+    """THD (transformer-engine) gets PackedSeqParams with the row's boundaries; the local spec a mask."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from moe_rl.policy.packing import model_kwargs
+
+    seqs = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    thd = model_kwargs(pack_row(seqs, length=8, fmt="thd"))
+    p = thd["packed_seq_params"]
+    assert isinstance(p, PackedSeqParams) and p.qkv_format == "thd" and thd["attention_mask"] is None
+    assert p.cu_seqlens_q.tolist() == p.cu_seqlens_kv.tolist() == [0, 3, 5, 8]
+    assert p.max_seqlen_q == p.max_seqlen_kv == 3
+    mask = model_kwargs(pack_row(seqs, length=8, fmt="mask"))
+    assert set(mask) == {"attention_mask"} and mask["attention_mask"].shape == (1, 1, 8, 8)
