@@ -208,6 +208,15 @@ def test_minibatches_must_split_the_step():
     assert "algo.num_minibatches: 5 must divide" in msg and "=64" in msg
 
 
+def test_token_budget_must_hold_the_longest_sequence():
+    with pytest.raises(ConfigError, match=r"parallel.max_tokens_per_microbatch: 100 cannot hold .* = 1088"):
+        load_config(None, ["parallel.max_tokens_per_microbatch=100", "data.max_prompt_len=1024",
+                           "rollout.max_new_tokens=64"])
+    cfg = load_config(None, ["parallel.max_tokens_per_microbatch=1088", "data.max_prompt_len=1024",
+                             "rollout.max_new_tokens=64"])
+    assert cfg.parallel.max_tokens_per_microbatch == 1088
+
+
 def test_validate_after_programmatic_edit():
     cfg = load_config(None)
     cfg.algo.loss = "ppo"
