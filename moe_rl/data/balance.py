@@ -8,11 +8,24 @@ from __future__ import annotations
 
 
 def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into bins of at most `capacity` tokens (first-fit decreasing).
+    """Indices of `lengths` grouped into bins of at most `capacity` tokens, with even fills.
 
-    Bins are ordered by their first (longest) sequence; indices inside a bin keep
-    their original order. Raises ValueError naming the sequence that cannot fit.
+    First-fit decreasing finds how many bins are needed; the sequences are then
+    spread over that many bins by tokens (`balanced_shards`) when that still fits,
+    so micro-batches carry similar work and the common row length (the fullest
+    bin) is as short as it can be. Indices inside a bin keep their original order.
+    Raises ValueError naming the sequence that cannot fit.
     """
+    bins = _first_fit_decreasing(lengths, capacity)
+    if not bins:
+        return []
+    even = balanced_shards(lengths, len(bins))
+    if max(sum(lengths[i] for i in b) for b in even) <= capacity:
+        return even
+    return bins
+
+
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     if capacity < 1:
         raise ValueError(f"token budget must be >= 1, got {capacity}")
     too_long = [i for i, n in enumerate(lengths) if n > capacity]

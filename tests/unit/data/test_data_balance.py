@@ -27,8 +27,24 @@ def test_pack_bins_respects_budget_and_is_near_minimal(seed):
 
 
 def test_pack_bins_exact_fit_and_one_per_bin():
-    assert pack_bins([5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
+    assert sorted(pack_bins([5, 5, 5, 5], 10)) == [[0, 2], [1, 3]]
     assert pack_bins([7, 7, 7], 10) == [[0], [1], [2]]
+    assert pack_bins([], 10) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pack_bins_fills_evenly(seed):
+    """As many bins as first-fit decreasing needs, with fills within one sequence of each other."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(16, 1024) for _ in range(64)]
+    fills = [sum(lengths[i] for i in b) for b in pack_bins(lengths, 4096)]
+    assert max(fills) - min(fills) <= max(lengths)
+
+
+def test_pack_bins_falls_back_when_even_fills_overflow():
+    lengths = [4, 5, 3, 4, 3, 1, 10]  # spread evenly over 3 bins, one would hold 11 tokens
+    bins = pack_bins(lengths, 10)
+    assert len(bins) == 3 and all(sum(lengths[i] for i in b) <= 10 for b in bins)
 
 
 def test_pack_bins_names_the_sequence_that_cannot_fit():
