@@ -3,9 +3,10 @@
 Sequences of different lengths are either right-padded into microbatches of one
 common length (the pipeline's p2p buffers need one shape; causal attention keeps
 padding from touching real tokens), or, with a token budget, packed several to a
-row (`policy/packing.py`) so compute goes to real tokens. Log-probs are computed vocab-parallel on the last
-pipeline stage, never gathering the full vocabulary, and broadcast back to every
-pipeline stage so the ranks that own the data have them.
+row (`policy/packing.py`) so compute goes to real tokens. Log-probs are computed
+vocab-parallel on the last pipeline stage, never gathering the full vocabulary,
+and broadcast back to every pipeline stage so the ranks that own the data have
+them. Losses always see per-sequence rows, packed or not.
 
 Shapes: B sequences, T = longest length, V/tp = this rank's vocabulary shard.
 `logp[b, t] = log p(tokens[b, t + 1] | tokens[b, : t + 1])`, so outputs are `[B, T - 1]`.
