@@ -1,41 +1,133 @@
 """`make bench`: run every benchmark in tools/bench/ and write bench/RESULTS.md.
 
 Each benchmark measures its variants side by side in one run and reports ratios,
-so the table stays meaningful on a shared, noisy machine.
+so the tables stay meaningful on a shared, noisy machine. Sections run one after
+another, each printing its start and its time; a section that fails is reported
+in the file (and the exit status), and the others still run.
+
+    python tools/bench/run_all.py            # everything (about 5 minutes on 2 idle cores)
+    python tools/bench/run_all.py --quick    # small sizes, few rounds: a smoke test
+    python tools/bench/run_all.py --only overhead scaling
 """
 from __future__ import annotations
 
+import argparse
+import importlib
+import inspect
+import os
 import platform
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import losses  # noqa: E402
-import replay  # noqa: E402
-import rollout  # noqa: E402
+import losses
+import memory
+import overhead
+import replay
+import rollout
+import scaling
+import weight_sync
+
+Section = tuple[str, str, Callable[[bool], str]]  # (key, title, run(quick) -> markdown)
 
 
-def main() -> int:
-    sections = []
+def _packing(quick: bool) -> str:
+    # Lands separately; called only when tools/bench/packing.py exists (see sections()).
+    packing = importlib.import_module("packing")
+    kwargs = _accepted(packing.bench_rows, quick=True, rounds=1, repeats=1, num=4, max_len=128) if quick else {}
+    return packing.format_table(packing.bench_rows(**kwargs))
+
+
+def _accepted(fn: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
+    """The subset of `kwargs` that `fn` takes by name."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def sections() -> list[Section]:
+    out: list[Section] = [
+        ("losses", "Losses: forward + backward vs a plain token-level PG loss",
+         lambda q: losses.format_table(losses.bench_rows(batch=8, seq_len=256, repeats=2, warmup=1) if q
+                                       else losses.bench_rows(repeats=5, warmup=2))),
+        ("rollout", "Rollout engine: LocalEngine vs transformers generate()",
+         lambda q: rollout.format_table(rollout.bench_rows(batch=2, new_tokens=8, repeats=1) if q
+                                        else rollout.bench_rows())),
+        ("replay", "Routing replay and drift measurement overhead",
+         lambda q: replay.format_table(replay.bench_rows(rounds=1, batch=8, seq=32) if q
+                                       else replay.bench_rows(rounds=3))),
+        ("overhead", "Framework overhead: moe_rl update step vs bare megatron-core",
+         lambda q: overhead.format_table(overhead.bench_rows(rounds=2, worlds=(1,)) if q
+                                         else overhead.bench_rows())),
+        ("scaling", "Scaling of the update step: experts, sequence length, layout",
+         lambda q: scaling.format_table(scaling.bench_rows(rounds=1, experts=(8, 16), seqs=(64, 128),
+                                                           layouts=("ep2",)) if q
+                                        else scaling.bench_rows())),
+        ("weight_sync", "Weight sync time vs parameter count",
+         lambda q: weight_sync.format_table(weight_sync.bench_rows(rounds=1, sizes=weight_sync.SIZES[:2]) if q
+                                            else weight_sync.bench_rows())),
+        ("routes", "Stored routes per token vs log-probs",
+         lambda q: memory.format_table(memory.bench_rows(shapes=memory.SHAPES[:2]) if q else memory.bench_rows())),
+    ]
+    if (HERE / "packing.py").is_file():
+        out.append(("packing", "Packing: packed vs padded tokens/s", _packing))
+    return out
+
+
+def _versions() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"torch {torch.__version__}, megatron-core {version('megatron-core')}"
+    except Exception:  # noqa: BLE001 - a header detail, never worth failing the run
+        return f"torch {torch.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    all_keys = [key for key, _, _ in sections()]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes and few rounds (a smoke test)")
+    p.add_argument("--only", nargs="+", choices=all_keys, default=all_keys, help="run only these sections")
+    p.add_argument("--out", default="bench/RESULTS.md")
+    a = p.parse_args(argv)
+
     start = time.monotonic()
-    sections.append(("Losses: forward + backward vs a plain token-level PG loss",
-                     losses.format_table(losses.bench_rows(repeats=5, warmup=2))))
-    sections.append(("Rollout engine: LocalEngine vs transformers generate()", rollout.format_table(rollout.bench_rows())))
-    sections.append(("Routing replay and drift measurement overhead", replay.format_table(replay.bench_rows(rounds=3))))
-    header = (f"# Benchmarks\n\nMachine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
-              f"torch {torch.__version__}; total {time.monotonic() - start:.0f} s.\n")
-    text = header + "".join(f"\n## {title}\n\n{table}\n" for title, table in sections)
-    out = Path("bench") / "RESULTS.md"
-    out.parent.mkdir(exist_ok=True)
+    load = os.getloadavg()[0]
+    parts, failed = [], []
+    for key, title, run in sections():
+        if key not in a.only:
+            continue
+        t0 = time.monotonic()
+        print(f"[{t0 - start:5.0f} s] {title} ...", flush=True)
+        try:
+            body = run(a.quick)
+        except Exception:  # noqa: BLE001 - record it and go on with the other sections
+            failed.append(key)
+            body = "**failed:**\n\n```\n" + traceback.format_exc()[-3000:] + "```"
+            print(traceback.format_exc(), file=sys.stderr, flush=True)
+        took = time.monotonic() - t0
+        print(f"[{time.monotonic() - start:5.0f} s] {title}: {'FAILED' if key in failed else 'done'} "
+              f"in {took:.0f} s", flush=True)
+        parts.append(f"\n## {title}\n\n_{took:.0f} s_\n\n{body}\n")
+    total = time.monotonic() - start
+    header = (f"# Benchmarks{' (--quick)' if a.quick else ''}\n\n"
+              f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch "
+              f"threads, {_versions()}; total {total:.0f} s; load average {load:.1f} at the start, "
+              f"{os.getloadavg()[0]:.1f} at the end (other work on the machine slows wall times).\n")
+    text = header + "".join(parts)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)
-    print(f"written to {out}")
-    return 0
+    print(f"written to {out} in {total:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
