@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One prepared benchmark for a GPU machine: update-step and log-prob throughput and MFU
+# of a ~2.4B-parameter Qwen3-MoE-shaped model (bf16, random init, nothing downloaded),
+# moe_rl against bare megatron-core (tools/bench/gpu_update.py says what is measured).
+#
+#   WHEELS=dir bash tools/gpu_bench.sh     # optional: install missing wheels from dir first
+#   bash tools/gpu_bench.sh --batch 8 --iters 3   # options go to gpu_update.py
+#
+# Writes gpu_bench.md (and the log) under $OUT (default /tmp/moe_rl_gpu_bench) and prints it.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-/tmp/moe_rl_gpu_bench}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/moe_rl_site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/moe_rl_site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY tools/bench/gpu_update.py --out "$OUT/gpu_bench.md" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
+exit "${PIPESTATUS[0]}"
