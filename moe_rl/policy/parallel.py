@@ -168,7 +168,8 @@ def init_distributed(layout: ParallelLayout, timeout_minutes: int = 30, seed: in
     """Create the default group and megatron's parallel groups for `layout`.
 
     The layout's world size must equal the job's. gloo on CPU (with the compat layer
-    activated), nccl on GPU.
+    activated), nccl on GPU. Groups already made for the same layout are reused (a
+    process may build several models of one layout); another layout is refused.
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -189,6 +190,10 @@ def init_distributed(layout: ParallelLayout, timeout_minutes: int = 30, seed: in
                                 init_method=f"tcp://{env.master_addr}:{env.master_port}",
                                 rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(minutes=timeout_minutes))
+    if parallel_state.model_parallel_is_initialized():
+        _check_same_layout(layout)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return env
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -199,6 +204,19 @@ def init_distributed(layout: ParallelLayout, timeout_minutes: int = 30, seed: in
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return env
+
+
+def _check_same_layout(layout: ParallelLayout) -> None:
+    """Refuse a layout other than the one megatron's groups were made for."""
+    from megatron.core import parallel_state as ps
+
+    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size())
+    want = (layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
+    if have != want:
+        raise LayoutError(f"this process already has parallel groups for tp/pp/vpp/ep/etp = {have}; layout "
+                          f"{layout.name} needs {want} (one layout per process: call destroy_distributed first)")
 
 
 def destroy_distributed() -> None:

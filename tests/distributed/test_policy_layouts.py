@@ -118,3 +118,24 @@ def _export_sharded(hf_dir, out):
     chunks = build_model(arch, layout)
     load_hf_weights(chunks, hf_dir, arch)
     export_hf(chunks, out, arch, json.loads((Path(hf_dir) / "config.json").read_text()), max_shard_bytes=64 << 10)
+
+
+def test_second_init_reuses_groups_of_the_same_layout_only():
+    (msg, _) = run_ranks(_init_twice, 2)
+    assert "already has parallel groups for tp/pp/vpp/ep/etp = (1, 1, None, 2, 1)" in msg and "tp2" in msg
+
+
+def _init_twice():
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.policy.parallel import LayoutError, ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout.parse("ep2"))
+    group = ps.get_expert_model_parallel_group()
+    init_distributed(ParallelLayout.parse("ep2"))  # same layout: the groups stay
+    assert ps.get_expert_model_parallel_group() is group
+    try:
+        init_distributed(ParallelLayout.parse("tp2"))
+    except LayoutError as exc:
+        return str(exc)
+    return "no error"

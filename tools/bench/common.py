@@ -267,23 +267,10 @@ def build_measured(builders: dict[Any, Callable[[], Callable[[], Any]]], steps: 
 
 
 def setup(layout: Any) -> None:
-    """Create megatron's groups for `layout` once; later `Policy()` calls in this process reuse them.
+    """Create megatron's groups for `layout` once; later `Policy()` calls in this process reuse them."""
+    from moe_rl.policy.parallel import init_distributed
 
-    `Policy()` creates the groups itself, which megatron allows once per process; the
-    benchmarks hold several models of one layout side by side (and bare megatron ones).
-    """
-    from megatron.core import parallel_state
-
-    import moe_rl.policy.policy as policy_module
-
-    init = policy_module.init_distributed
-    if not getattr(init, "_once", False):
-        def once(layout: Any, *args: Any, **kwargs: Any) -> Any:
-            return None if parallel_state.model_parallel_is_initialized() else init(layout, *args, **kwargs)
-
-        once._once = True  # type: ignore[attr-defined]
-        policy_module.init_distributed = once
-    policy_module.init_distributed(layout)
+    init_distributed(layout)
 
 
 def make_policy(hf_dir: str, layout: Any = None, micro_batch_size: int = BASE_MICRO, **spec: Any) -> Any:
