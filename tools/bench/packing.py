@@ -93,9 +93,10 @@ def bench_rows(num: int = 16, min_len: int = 16, max_len: int = 1024, max_tokens
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     r0 = rows[0]
-    lines = [f"{r0['num']} sequences, lengths uniform in [{r0['min_len']}, {r0['max_len']}]; padded: "
+    about = (f"{r0['num']} sequences, lengths uniform in [{r0['min_len']}, {r0['max_len']}]; padded: "
              f"{r0['micro_batch_size']} sequence(s) per micro-batch; packed: rows of <= {r0['max_tokens']} tokens. "
-             "Update step (forward, loss, backward, optimizer), tiny Qwen3-MoE, 1 rank.", "",
+             "Update step (forward, loss, backward, optimizer), tiny Qwen3-MoE, 1 rank.")
+    lines = [about, "",
              "| variant | median step (s) | real tokens/s | real tokens / computed slots | × padded |",
              "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['variant']} | {r['median_s']:.3f} | {r['tokens_per_s']:.0f} | {r['real_share']:.2f} | "

@@ -23,12 +23,12 @@ import torch
 
 
 def _worker(hf_dir: str, batch: int, seq: int, rounds: int) -> dict[str, list[float]]:
+    import os
+
     from moe_rl.drift.metrics import route_stats
     from moe_rl.policy.parallel import ParallelLayout
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
-
-    import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = ParallelLayout(ep=world, world_size=world) if world > 1 else ParallelLayout()
