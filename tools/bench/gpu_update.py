@@ -23,6 +23,7 @@ subtracted). Peak: `--peak-tflops` (H200 dense bf16: 989).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -96,6 +97,16 @@ def _policy_passes(hf_dir: str, layout: Any, seqs: list[torch.Tensor], micro: in
     res: dict[str, float] = {}
     res["logprobs_s"], res["logprobs_mb"] = _timed(lambda: policy.logprobs(seqs), warmup, iters)
     res["update_s"], res["update_mb"] = _timed(lambda: policy.update(seqs, {}, loss), warmup, iters)
+    # A realistic length spread (T/8 .. T): padded micro-batches vs rows packed to T tokens.
+    seq = len(seqs[0])
+    g = torch.Generator().manual_seed(1)
+    spread = [s[: int(n)] for s, n in zip(seqs, torch.randint(max(seq // 8, 2), seq + 1, (len(seqs),), generator=g))]
+    res["spread_tokens"] = sum(len(s) for s in spread)
+    spread_loss = common.token_loss(res["spread_tokens"])
+    padded, packed = policy.spec, dataclasses.replace(policy.spec, max_tokens_per_microbatch=seq)
+    for name, spec in (("padded", padded), ("packed", packed)):
+        policy.spec = spec
+        res[f"{name}_s"], res[f"{name}_mb"] = _timed(lambda: policy.update(spread, {}, spread_loss), warmup, iters)
     return res
 
 
@@ -139,6 +150,9 @@ def report(shape: Shape, batch: int, seq: int, micro: int, peak_tflops: float, d
             line("log-probs (Policy.logprobs, forward only)", res["logprobs_s"], fwd, res["logprobs_mb"])]
     if "bare_s" in res:
         rows.append(line("update (bare megatron-core)", res["bare_s"], upd, res["bare_mb"]))
+    spread = [[f"update, lengths {max(seq // 8, 2)}..{seq}, {name}", f"{res[f'{name}_s']:.3f}",
+               f"{res['spread_tokens'] / res[f'{name}_s']:,.0f}", f"{res[f'{name}_mb'] / 1024:.1f}"]
+              for name in ("padded", "packed")]
     versions = [f"torch {torch.__version__}"]
     for mod in ("megatron.core", "transformer_engine"):
         try:
@@ -157,6 +171,10 @@ def report(shape: Shape, batch: int, seq: int, micro: int, peak_tflops: float, d
         common.md_table(["pass", "median s", "tokens/s", "model TFLOP/s", "MFU", "peak GiB above start"], rows),
         (f"moe_rl update / bare megatron-core update: {res['update_s'] / res['bare_s']:.3f}x." if "bare_s" in res
          else f"bare megatron-core update: {res.get('bare_error', 'not run')}."),
+        (f"Packing: the same {batch} sequences cut to lengths uniform in [{max(seq // 8, 2)}, {seq}] "
+         f"({res['spread_tokens']:,} real tokens), padded micro-batches of {micro} vs rows packed to {seq} "
+         f"tokens: packed / padded real tokens/s = {res['padded_s'] / res['packed_s']:.2f}x."),
+        common.md_table(["pass", "median s", "real tokens/s", "peak GiB above start"], spread),
         (f"MFU = model FLOPs / s / {peak_tflops:g} TFLOP/s. Model FLOPs: update 6·N·tokens + "
          f"12·L·d_attn·T·tokens, forward 2·N·tokens + 4·L·d_attn·T·tokens; N = {n / 1e9:.3f}B (attention, "
          f"router, top-{shape.num_experts_per_tok} experts, output layer; not the embedding lookup), "
