@@ -10,6 +10,7 @@ what it got, each data-parallel rank trains on its share of the samples.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -369,8 +370,8 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
         loss = _loss_fn(run, float(counts[0]), float(counts[1]))
         replay = None if old.replay is None else old.replay[idx]
         out = run.policy.update([mine.sequences[i] for i in idx], extras, loss, replay_routes=replay)
-        step_metrics = {k2: v for k2, v in out.items() if k2.startswith("perf/")}
-        logged.append({k2: v for k2, v in out.items() if not k2.startswith("perf/")})
+        step_metrics = out.step
+        logged.append(combine_loss_metrics(run.policy, out.microbatches))
     return _mean(logged) | step_metrics
 
 
@@ -396,14 +397,58 @@ def _loss_fn(run: Run, num_tokens: float, num_seqs: float):
     return loss
 
 
+# Loss metrics that are shares of a globally normalised total (summed over microbatches
+# and ranks), extremes, and the rest: means over tokens (weighted by loss/num_tokens).
+_SHARES = ("loss/pg_loss", "loss/kl_loss", "loss/num_tokens", "loss/num_seqs")
+_EXTREMES = {"loss/ratio_min": -1.0, "loss/ratio_max": 1.0}  # sign: reduced with MAX of sign * value
+
+
+def combine_loss_metrics(policy: Policy, microbatches: list[dict[str, float]]) -> dict[str, float]:
+    """One minibatch's loss metrics over all its microbatches and data-parallel ranks.
+
+    Collective over all ranks. Ranks whose metrics do not count (`policy.reports_loss`:
+    earlier pipeline stages, TP copies) contribute nothing.
+    """
+    rows = microbatches if policy.reports_loss else []
+    keys = _all_keys({k for d in rows for k in d})
+    means = [k for k in keys if k not in _SHARES and k not in _EXTREMES]
+    shares = [k for k in keys if k in _SHARES]
+    extremes = [k for k in keys if k in _EXTREMES]
+    weight = [d.get("loss/num_tokens", 0.0) for d in rows]
+    sums = [sum(d.get(k, 0.0) for d in rows) for k in shares]
+    sums += [sum(d.get(k, 0.0) * w for d, w in zip(rows, weight)) for k in means] + [sum(weight)]
+    top = [max((_EXTREMES[k] * d[k] for d, w in zip(rows, weight) if w > 0 and k in d), default=-math.inf)
+           for k in extremes]
+    sums = policy.all_reduce_sum(torch.tensor(sums, dtype=torch.float64), group="world").tolist()
+    top = policy.all_reduce_max(torch.tensor(top, dtype=torch.float64), group="world").tolist()
+    total = sums.pop()
+    out = dict(zip(shares, sums[: len(shares)]))
+    out |= {k: v / total if total > 0 else 0.0 for k, v in zip(means, sums[len(shares):])}
+    out |= {k: _EXTREMES[k] * v if math.isfinite(v) else 0.0 for k, v in zip(extremes, top)}
+    return out
+
+
+def _all_keys(mine: set[str]) -> list[str]:
+    """The union of every rank's metric names, sorted (ranks without metrics have none)."""
+    if not dist.is_initialized():
+        return sorted(mine)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(mine))
+    return sorted(set().union(*every))
+
+
 def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
-    """Token-weighted mean of per-microbatch metrics (`loss/num_tokens` is the weight)."""
+    """Token-weighted mean of per-minibatch metrics (`loss/num_tokens` is the weight); counts
+    add up, extremes stay extremes."""
     total: dict[str, float] = {}
     weight: dict[str, float] = {}
     for d in dicts:
         w = d.get("loss/num_tokens", 1.0) or 0.0
         for k, v in d.items():
-            if k in ("loss/num_tokens", "loss/num_seqs"):
+            if k in _EXTREMES:
+                total[k] = v if k not in total else _EXTREMES[k] * max(_EXTREMES[k] * total[k], _EXTREMES[k] * v)
+                weight[k] = 1.0
+            elif k in ("loss/num_tokens", "loss/num_seqs"):
                 total[k] = total.get(k, 0.0) + v
                 weight[k] = 1.0
             else:

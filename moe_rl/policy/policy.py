@@ -40,6 +40,15 @@ class PolicySpec:
     max_tokens_per_microbatch: int | None = None  # set: pack sequences into rows of this many tokens
 
 
+@dataclass
+class UpdateResult:
+    """What one `Policy.update` reports: loss metrics per microbatch (this rank's, on the
+    last pipeline stage; empty elsewhere) and step metrics (grad norm, learning rate)."""
+
+    microbatches: list[dict[str, float]]
+    step: dict[str, float]
+
+
 class Policy:
     """The megatron policy on this rank (call every method on every rank: they are collective)."""
 
@@ -58,6 +67,16 @@ class Policy:
     @property
     def chunks(self) -> list[Any]:
         return self.opt.bare_chunks
+
+    @property
+    def reports_loss(self) -> bool:
+        """Whether this rank's loss metrics count: the last pipeline stage, first TP rank (the
+        other TP ranks of that stage hold copies; earlier stages have none)."""
+        if not dist.is_initialized():
+            return True
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
 
     @property
     def dp_group(self) -> Any:
@@ -88,12 +107,12 @@ class Policy:
     # ------------------------------------------------------------ updates
 
     def update(self, sequences: list[torch.Tensor], extras: dict[str, torch.Tensor], loss: PolicyLoss,
-               replay_routes: torch.Tensor | None = None) -> dict[str, float]:
+               replay_routes: torch.Tensor | None = None) -> "UpdateResult":
         """One optimizer step on this DP rank's `sequences` (all DP ranks step together).
 
         extras: per-sequence tensors the loss reads from `mb.extras`, padded to `[B, T - 1]`
-        for per-token values. Returns the loss metrics summed over
-        microbatches (each already normalised globally by the loss) and step metrics.
+        for per-token values. Returns the loss metrics of each microbatch this rank ran
+        (how to combine them is the loss's business) and the step's metrics.
         """
         mbs = build_microbatches(sequences, self.spec.micro_batch_size, self.spec.max_tokens_per_microbatch,
                                  extras=extras)
@@ -104,11 +123,7 @@ class Policy:
 
         routing = (lambda m: self.replay.replay(replay_routes, m)) if replay_routes is not None else None
         outputs, step_metrics = self.opt.step(mbs, loss_fn, routing)
-        merged: dict[str, float] = {}
-        for out in outputs:
-            for k, v in out["metrics"].items():
-                merged[k] = merged.get(k, 0.0) + float(v)
-        return {**merged, **step_metrics}
+        return UpdateResult([{k: float(v) for k, v in out["metrics"].items()} for out in outputs], step_metrics)
 
     # ------------------------------------------------------------ weights
 
@@ -136,10 +151,14 @@ class Policy:
 
     def all_reduce_sum(self, values: torch.Tensor, group: str = "dp") -> torch.Tensor:
         """Sum a small tensor over the data-parallel group (or the whole world)."""
+        return self._all_reduce(values, dist.ReduceOp.SUM, group) if dist.is_initialized() else values
 
-        if not dist.is_initialized():
-            return values
+    def all_reduce_max(self, values: torch.Tensor, group: str = "dp") -> torch.Tensor:
+        """Element-wise maximum of a small tensor over the data-parallel group (or the whole world)."""
+        return self._all_reduce(values, dist.ReduceOp.MAX, group) if dist.is_initialized() else values
+
+    def _all_reduce(self, values: torch.Tensor, op: Any, group: str) -> torch.Tensor:
         out = values.clone()
-        dist.all_reduce(out, group=self.dp_group if group == "dp" else None)
+        dist.all_reduce(out, op=op, group=self.dp_group if group == "dp" else None)
         return out
 

@@ -26,7 +26,7 @@ from moe_rl.testing.e2e import objective_matrix_worker
 
 LOSSES = ["grpo", "dapo", "gspo", "gspo_token", "sapo"]
 REPLAYS = ["off", "r2", "r3"]
-SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=8", "rollout.n_samples=4",
+SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=2", "rollout.n_samples=4",
          "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
          "train.lr=1e-3", "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy"]
 KEYS = ["reward/mean", "reward/success_rate", "loss/pg_loss", "perf/grad_norm", "loss/ratio_mean",
@@ -57,6 +57,9 @@ def test_every_objective_and_replay_mode(tmp_path):
         for key in KEYS + [LOSS_KEYS.get(r["loss"], "loss/clip_frac_high")]:
             assert key in m, f"{name}: metric {key} missing"
         assert math.isfinite(m["loss/pg_loss"]) and math.isfinite(m["perf/grad_norm"]), name
+        # Two microbatches per minibatch: per-token means are combined, not added up.
+        assert 0.5 < m["loss/ratio_mean"] < 1.5, f"{name}: loss/ratio_mean {m['loss/ratio_mean']}"
+        assert m["loss/ratio_min"] <= m["loss/ratio_mean"] <= m["loss/ratio_max"], name
         if m["adv/abs_mean"] > 0:  # all-equal rewards give zero advantages: nothing to learn
             assert r["weight_change"] > 0, f"{name}: weights did not change"
         # The engine serves the weights of the previous step's sync: same log-probs as the trainer.

@@ -58,3 +58,45 @@ def test_share_indices_by_tokens_lowers_the_busiest_rank():
             shares = [share_indices(lengths, 4, r, 2, by_tokens)[0] for r in range(4)]
             busiest[by_tokens] += max(sum(lengths[i] for i in s) for s in shares)
     assert busiest[True] < 0.9 * busiest[False]
+
+
+class _OneRank:
+    """What `combine_loss_metrics` needs of a Policy, for a single process."""
+
+    reports_loss = True
+
+    def all_reduce_sum(self, values, group="dp"):
+        return values
+
+    def all_reduce_max(self, values, group="dp"):
+        return values
+
+
+def test_combine_loss_metrics_over_microbatches():
+    from moe_rl.loop import combine_loss_metrics
+
+    mbs = [
+        {"loss/pg_loss": 0.25, "loss/num_tokens": 10.0, "loss/ratio_mean": 1.0, "loss/ratio_min": 0.9,
+         "loss/ratio_max": 1.1, "loss/clip_frac_high": 0.0},
+        {"loss/pg_loss": -0.5, "loss/num_tokens": 30.0, "loss/ratio_mean": 2.0, "loss/ratio_min": 0.8,
+         "loss/ratio_max": 1.05, "loss/clip_frac_high": 0.5},
+        # an ignored microbatch (padding rows only): no tokens, extremes of an empty set
+        {"loss/pg_loss": 0.0, "loss/num_tokens": 0.0, "loss/ratio_mean": 0.0, "loss/ratio_min": 0.0,
+         "loss/ratio_max": 0.0, "loss/clip_frac_high": 0.0},
+    ]
+    out = combine_loss_metrics(_OneRank(), mbs)
+    assert out["loss/pg_loss"] == pytest.approx(-0.25)  # shares of a globally normalised loss add up
+    assert out["loss/num_tokens"] == 40.0
+    assert out["loss/ratio_mean"] == pytest.approx((10 * 1.0 + 30 * 2.0) / 40)  # token-weighted mean
+    assert out["loss/clip_frac_high"] == pytest.approx(30 * 0.5 / 40)
+    assert out["loss/ratio_min"] == pytest.approx(0.8) and out["loss/ratio_max"] == pytest.approx(1.1)
+
+
+def test_combine_loss_metrics_rank_without_metrics_contributes_nothing():
+    from moe_rl.loop import combine_loss_metrics
+
+    class Stage(_OneRank):
+        reports_loss = False
+
+    out = combine_loss_metrics(Stage(), [{"loss/pg_loss": 1.0, "loss/num_tokens": 5.0, "loss/ratio_min": 0.5}])
+    assert out == {}  # alone, a rank that does not report has nothing to combine

@@ -152,7 +152,7 @@ def _builders(hf_dir: str, layout: Any, batch: int, seq: int, micro: int,
 
     def moe_rl() -> Any:
         policy, loss = common.make_policy(hf_dir, layout, micro), common.token_loss(tokens)
-        return lambda: losses["moe_rl"].append(policy.update(seqs, {}, loss)["loss"])
+        return lambda: losses["moe_rl"].append(sum(m["loss"] for m in policy.update(seqs, {}, loss).microbatches))
 
     return {"bare": bare, "moe_rl": moe_rl}
 
