@@ -276,7 +276,7 @@ def my_share(run: Run, samples: Samples) -> Share:
     """This DP rank's share of the samples, minibatch by minibatch."""
     lengths = [len(s) for s in samples.sequences]
     mine = share_indices(lengths, run.policy.dp_size, run.policy.dp_rank, run.cfg.algo.num_minibatches,
-                         by_tokens=run.cfg.parallel.max_tokens_per_microbatch is not None)
+                         by_tokens=run.policy.packs_sequences)
     rows = iter(range(sum(len(m) for m in mine)))
     return Share(samples.select([i for m in mine for i in m]), [[next(rows) for _ in m] for m in mine])
 

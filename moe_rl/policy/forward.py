@@ -124,17 +124,28 @@ def _ignored_microbatch(like: Microbatch) -> Microbatch:
                       packed=like.packed)
 
 
-def packed_format() -> str:
-    """How packed rows keep sequences apart: "thd" under transformer-engine, else "mask"."""
+def packed_format(chunks: list[Any]) -> str:
+    """How packed rows keep sequences apart: "thd" under transformer-engine, else "mask".
+
+    transformer-engine runs THD (varlen) attention only in fp16/bf16 (its unfused
+    fp32 attention has no THD path), so fp32 models under TE cannot pack.
+    """
     from moe_rl.policy.model import use_transformer_engine
 
-    return "thd" if use_transformer_engine() else "mask"
+    if not use_transformer_engine():
+        return "mask"
+    if chunks and chunks[0].config.params_dtype == torch.float32:
+        raise ValueError("packed micro-batches under transformer-engine need model.dtype bf16 or fp16 (TE has no "
+                         "fp32 varlen attention); use bf16, or set parallel.max_tokens_per_microbatch=null")
+    return "thd"
 
 
 def make_packed_microbatches(sequences: list[torch.Tensor], max_tokens: int, pad_multiple: int = 1,
                              extras: dict[str, torch.Tensor] | None = None, pad_id: int = 0,
                              fmt: str = "mask") -> list[Microbatch]:
-    """Pack sequences into microbatches of one row of at most `max_tokens` tokens each.
+    """Pack sequences into microbatches of one row each, holding at most `max_tokens` tokens.
+
+    Rows are padded to one common length (the fullest row, rounded up to `pad_multiple`).
 
     Every rank of the job ends up with the same row length and microbatch count
     (pipeline p2p buffers and expert-parallel exchanges need both), padding with
@@ -175,11 +186,13 @@ def _agree_max(*values: int) -> tuple[int, ...]:
 
 
 def build_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, max_tokens: int | None = None,
-                       extras: dict[str, torch.Tensor] | None = None, seq_len: int | None = None) -> list[Microbatch]:
+                       extras: dict[str, torch.Tensor] | None = None, seq_len: int | None = None,
+                       fmt: str = "mask") -> list[Microbatch]:
     """This rank's microbatches: packed by token budget when `max_tokens` is set, else padded rows.
 
     Collective: every rank calls it. Padded rows need equal sequence counts on DP
-    ranks; packing does not.
+    ranks; packing does not. `seq_len`: pad rows to at least this (padded rows only);
+    `fmt`: how packed rows keep sequences apart (`packed_format(chunks)`).
     """
     from megatron.core import parallel_state as ps
 
@@ -187,7 +200,7 @@ def build_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, max
     longest = max(len(x) for x in sequences) if sequences else 0
     if max_tokens:
         extras = {k: fit_width(v, longest - 1) for k, v in (extras or {}).items()}
-        return make_packed_microbatches(sequences, max_tokens, pad_multiple=tp, extras=extras, fmt=packed_format())
+        return make_packed_microbatches(sequences, max_tokens, pad_multiple=tp, extras=extras, fmt=fmt)
     seq_len = pad_length(agree_on_shape(len(sequences), max(seq_len or 0, longest)), tp)
     extras = {k: fit_width(v, seq_len - 1) for k, v in (extras or {}).items()}
     return make_microbatches(sequences, micro_batch_size, pad_multiple=tp, seq_len=seq_len, extras=extras)
@@ -354,7 +367,8 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
 
     for c in chunks:
         c.eval()
-    mbs = build_microbatches(sequences, micro_batch_size, max_tokens, seq_len=seq_len)
+    mbs = build_microbatches(sequences, micro_batch_size, max_tokens, seq_len=seq_len,
+                             fmt=packed_format(chunks) if max_tokens else "mask")
 
     def keep(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, Any]]:
         out = {"index": mb.index, "logp": microbatch_logprobs(logits, mb)}

@@ -4,8 +4,9 @@ A packed microbatch is one row `[1, S]` holding sequences back to back, then a
 padding tail up to the common length S. Positions restart at 0 for each
 sequence. Two ways to keep sequences apart, chosen by the attention backend:
 
-- "thd" (transformer-engine): megatron's `PackedSeqParams` with `cu_seqlens`; TE
-  runs varlen attention and applies rotary embeddings per sequence.
+- "thd" (transformer-engine, bf16/fp16): megatron's `PackedSeqParams` with
+  `cu_seqlens`; TE runs varlen attention and megatron applies rotary embeddings
+  per sequence.
 - "mask" (the local spec, on CPU and on GPUs without TE): a block-diagonal
   causal mask `[1, 1, S, S]`, and rotary embeddings read at each token's own
   position. megatron's `GPTModel` computes rotary embeddings for positions
@@ -27,18 +28,20 @@ class PackedRow:
 
     tokens, positions: `[1, S]`; starts: `[b]` offset of each sequence in the row;
     cu_seqlens: `[n + 1]` int32 boundaries of the n segments (the sequences, then
-    the padding tail as one more segment when there is one); fmt: "thd" or "mask".
+    the padding tail as one more segment when there is one); max_seqlen: the
+    longest segment (kept on the host: THD needs it as a number); fmt: "thd" or "mask".
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     starts: torch.Tensor
     cu_seqlens: torch.Tensor
+    max_seqlen: int
     fmt: str
 
     def to(self, device: torch.device) -> "PackedRow":
         return PackedRow(self.tokens.to(device), self.positions.to(device), self.starts.to(device),
-                         self.cu_seqlens.to(device), self.fmt)
+                         self.cu_seqlens.to(device), self.max_seqlen, self.fmt)
 
 
 def pack_row(sequences: list[torch.Tensor], length: int, fmt: str, pad_id: int = 0) -> PackedRow:
@@ -58,7 +61,8 @@ def pack_row(sequences: list[torch.Tensor], length: int, fmt: str, pad_id: int =
         positions[0, used:] = torch.arange(length - used)
         bounds.append(length)
     return PackedRow(tokens=tokens, positions=positions, starts=torch.tensor(bounds[: len(sequences)]),
-                     cu_seqlens=torch.tensor(bounds, dtype=torch.int32), fmt=fmt)
+                     cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+                     max_seqlen=max(b - a for a, b in zip(bounds, bounds[1:])), fmt=fmt)
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -76,11 +80,10 @@ def model_kwargs(row: PackedRow) -> dict[str, Any]:
         return {"attention_mask": block_causal_mask(row.cu_seqlens, row.tokens.shape[1])}
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    longest = int((row.cu_seqlens[1:] - row.cu_seqlens[:-1]).max())
     return {"attention_mask": None,
             "packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=row.cu_seqlens,
-                                                 cu_seqlens_kv=row.cu_seqlens, max_seqlen_q=longest,
-                                                 max_seqlen_kv=longest)}
+                                                 cu_seqlens_kv=row.cu_seqlens, max_seqlen_q=row.max_seqlen,
+                                                 max_seqlen_kv=row.max_seqlen)}
 
 
 def unpack(flat: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
@@ -103,7 +106,7 @@ def use_position_ids_for_rope(model: Any) -> None:
     """
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is None:
-        return
+        return  # no rotary embedding: position_ids reach the (learned) position embedding as they are
     seen: dict[str, torch.Tensor | None] = {"pos": None}
 
     def keep_positions(module: Any, args: tuple, kwargs: dict) -> None:

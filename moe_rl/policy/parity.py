@@ -51,7 +51,7 @@ def token_weights(sequences: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def layout_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], micro_batch_size: int = 2,
                   export_dir: str | None = None, grads: bool = False, recompute: bool = False,
-                  pack_tokens: int | None = None) -> dict[str, Any]:
+                  pack_tokens: int | None = None, dtype: str = "fp32") -> dict[str, Any]:
     """Runs on every rank: log-probs of this DP rank's share, optional HF export and gradients.
 
     Returns {"rank", "dp_rank", "index", "logp", "grads" (HF name -> tensor, this rank's share)}.
@@ -70,7 +70,7 @@ def layout_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], 
     arch = read_hf_config(hf_dir)
     layout.validate(arch)
     init_distributed(layout)
-    chunks = build_model(arch, layout, recompute=recompute)
+    chunks = build_model(arch, layout, dtype, recompute=recompute)
     load_hf_weights(chunks, hf_dir, arch)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     index = list(range(dp_rank, len(sequences), dp))
@@ -104,7 +104,7 @@ def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], inde
     tokens. The weights are left as they were.
     """
     from moe_rl.policy.convert import iter_hf_tensors
-    from moe_rl.policy.forward import build_microbatches, microbatch_logprobs
+    from moe_rl.policy.forward import build_microbatches, microbatch_logprobs, packed_format
     from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, grads_as_params
 
     weights = token_weights(sequences)
@@ -114,7 +114,7 @@ def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], inde
     for j, i in enumerate(index):
         w[j, : len(weights[i])] = weights[i]
     mbs = build_microbatches(mine, micro_batch_size, pack_tokens, extras={"w": w},
-                             seq_len=max(len(s) for s in sequences))
+                             seq_len=max(len(s) for s in sequences), fmt=packed_format(chunks))
 
     def loss_fn(logits, mb):
         logp = microbatch_logprobs(logits, mb)

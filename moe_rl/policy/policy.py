@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
-from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
+from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs, \
+    packed_format
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.replay import RouteReplay
@@ -69,6 +70,11 @@ class Policy:
         return self.opt.bare_chunks
 
     @property
+    def packs_sequences(self) -> bool:
+        """Whether micro-batches are packed by a token budget (`max_tokens_per_microbatch`)."""
+        return self.spec.max_tokens_per_microbatch is not None
+
+    @property
     def reports_loss(self) -> bool:
         """Whether this rank's loss metrics count: the last pipeline stage, first TP rank (the
         other TP ranks of that stage hold copies; earlier stages have none)."""
@@ -114,8 +120,9 @@ class Policy:
         for per-token values. Returns the loss metrics of each microbatch this rank ran
         (how to combine them is the loss's business) and the step's metrics.
         """
-        mbs = build_microbatches(sequences, self.spec.micro_batch_size, self.spec.max_tokens_per_microbatch,
-                                 extras=extras)
+        max_tokens = self.spec.max_tokens_per_microbatch
+        mbs = build_microbatches(sequences, self.spec.micro_batch_size, max_tokens, extras=extras,
+                                 fmt=packed_format(self.chunks) if max_tokens else "mask")
 
         def loss_fn(logits: torch.Tensor, mb: Microbatch):
             value, metrics = loss(microbatch_logprobs(logits, mb), mb)

@@ -9,7 +9,7 @@ the engine, as in SGLang's `routed_experts`). Shape `[B, T - 1, L, K]`, ids glob
 microbatch a `[s_local * b, K]` target in the router's token order (sequence-major,
 `[s, b]` flattened), sliced to this TP rank's sequence-parallel shard, for the
 layers of this rank's pipeline stage and virtual stages (routers know their global
-layer number). The last token of each sequence and padding get a filler row of
+layer number). The last token of each sequence and padding get filler targets of
 distinct expert ids. EP needs nothing: ids are global and routing happens before
 dispatch.
 
@@ -40,8 +40,19 @@ class ReplayError(RuntimeError):
 
 
 def filler_row(top_k: int) -> torch.Tensor:
-    """Distinct expert ids `[K]` for tokens that have no recorded route (never duplicates)."""
+    """Distinct expert ids `[K]` stored for tokens that have no route (never duplicates)."""
     return torch.arange(top_k)
+
+
+def filler_targets(num_tokens: int, top_k: int, num_experts: int) -> torch.Tensor:
+    """Replay targets `[n, K]` for tokens without a route (last tokens, padding, ignored rows).
+
+    Distinct ids within a token, spread round-robin over all experts: a packed row's
+    padding tail or a whole ignored microbatch sent to the same K experts would pile
+    its tokens onto one expert-parallel rank.
+    """
+    ids = torch.arange(num_tokens * top_k).view(num_tokens, top_k)
+    return ids % num_experts if top_k <= num_experts else ids
 
 
 def check_routes(routes: torch.Tensor, lengths: torch.Tensor, arch: MoEArch) -> None:
@@ -96,7 +107,7 @@ def _sp_slice(seq_len: int) -> slice:
 
 
 def microbatch_targets(routes: torch.Tensor, mb: Microbatch, column: int, top_k: int,
-                       positions: slice) -> torch.Tensor:
+                       positions: slice, num_experts: int | None = None) -> torch.Tensor:
     """Router target `[s_local * b, K]` (sequence-major) for one layer and microbatch.
 
     routes: `[B, T - 1, L, K]` for the caller's whole batch; `mb.index` picks rows
@@ -104,7 +115,7 @@ def microbatch_targets(routes: torch.Tensor, mb: Microbatch, column: int, top_k:
     each sequence's routes go to its span of the packed row.
     """
     b, s = mb.model_tokens.shape
-    target = filler_row(top_k).repeat(s, b, 1)  # [s, b, K]
+    target = filler_targets(s * b, top_k, num_experts or top_k).view(s, b, top_k)
     rows, starts = mb.placement()
     for j in range(mb.tokens.shape[0]):
         row = int(mb.index[j])
@@ -177,7 +188,8 @@ class RouteReplay:
         handles = []
         for r in self.routers:
             feed = _Feed(r.column, [microbatch_targets(routes, mb, r.column, self.arch.moe_router_topk,
-                                                       _sp_slice(mb.model_tokens.shape[1])) for mb in microbatches])
+                                                       _sp_slice(mb.model_tokens.shape[1]), self.arch.num_moe_experts)
+                                    for mb in microbatches])
             r.module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             handles.append(r.module.register_forward_pre_hook(feed.pre_hook))
             feeds.append(feed)

@@ -43,16 +43,22 @@ def test_cuda_logprobs_and_grads_match_cpu_reference(tiny_hf_dir):
 
 
 def test_cuda_packed_rows_match_padded(tiny_hf_dir):
-    """Packed rows on the GPU path (THD under transformer-engine, the mask otherwise) vs padded."""
+    """Packed rows on the GPU path vs padded: THD under transformer-engine (bf16: TE has no
+    fp32 varlen attention, so bf16-sized tolerances), the mask in fp32 otherwise."""
+    from moe_rl.policy.model import use_transformer_engine
+
+    te = use_transformer_engine()
+    dtype, tol_max, tol_mean, tol_grad = ("bf16", 0.1, 1e-2, 5e-2) if te else ("fp32", 1e-3, 1e-4, 1e-3)
     seqs = sample_sequences(128, num=8, max_len=20, seed=1)
     (res,) = run_ranks(layout_worker, 1, "single", str(tiny_hf_dir), seqs, grads=True, pack_tokens=40,
-                       backend="nccl")
+                       dtype=dtype, backend="nccl")
     n = [len(s) - 1 for s in seqs]
     padded = {i: res["logp"][j] for j, i in enumerate(res["index"])}
     packed = {i: res["logp_packed"][j] for j, i in enumerate(res["packed_index"])}
-    diff = max((packed[i][: n[i]] - padded[i][: n[i]]).abs().max().item() for i in range(len(seqs)))
-    print(f"GPU packed vs padded: max |dlogp| {diff:.2e}")
-    assert diff <= 1e-3
+    diffs = torch.cat([(packed[i][: n[i]] - padded[i][: n[i]]).abs() for i in range(len(seqs))])
+    print(f"GPU packed vs padded ({'THD' if te else 'mask'}, {dtype}): max |dlogp| {diffs.max():.2e} "
+          f"mean {diffs.mean():.2e}")
+    assert diffs.max() <= tol_max and diffs.mean() <= tol_mean
     for name, g in res["grads"].items():
-        err = (res["grads_packed"][name] - g).norm() / g.norm().clamp_min(1e-12)
-        assert err <= 1e-3, f"{name}: packed vs padded relative gradient error {err:.2e}"
+        err = (res["grads_packed"][name].float() - g.float()).norm() / g.float().norm().clamp_min(1e-12)
+        assert err <= tol_grad, f"{name}: packed vs padded relative gradient error {err:.2e}"

@@ -76,3 +76,20 @@ def test_model_kwargs_thd_and_mask():
     assert p.max_seqlen_q == p.max_seqlen_kv == 3
     mask = model_kwargs(pack_row(seqs, length=8, fmt="mask"))
     assert set(mask) == {"attention_mask"} and mask["attention_mask"].shape == (1, 1, 8, 8)
+
+
+def test_packed_format_refuses_fp32_under_transformer_engine(monkeypatch):
+    import types
+
+    import pytest
+
+    import moe_rl.policy.model as model
+    from moe_rl.policy.forward import packed_format
+
+    chunk = lambda dtype: types.SimpleNamespace(config=types.SimpleNamespace(params_dtype=dtype))  # noqa: E731
+    monkeypatch.setattr(model, "use_transformer_engine", lambda: False)
+    assert packed_format([chunk(torch.float32)]) == "mask"
+    monkeypatch.setattr(model, "use_transformer_engine", lambda: True)
+    assert packed_format([chunk(torch.bfloat16)]) == "thd"
+    with pytest.raises(ValueError, match="need model.dtype bf16 or fp16.*max_tokens_per_microbatch=null"):
+        packed_format([chunk(torch.float32)])
