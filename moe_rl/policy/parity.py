@@ -144,19 +144,24 @@ class ParityRow:
     seconds: float
     ok: bool
     error: str | None = None
+    packed_max_abs_diff: float | None = None  # packed rows vs HF, when asked for
 
 
-def compare(results: list[dict[str, Any]], reference: list[torch.Tensor]) -> tuple[float, float]:
-    """Max and mean |Δ log p| between per-rank results and the reference, over all tokens."""
+def compare(results: list[dict[str, Any]], reference: list[torch.Tensor], packed: bool = False) -> tuple[float, float]:
+    """Max and mean |Δ log p| between per-rank results and the reference, over all tokens.
+
+    `packed`: compare the packed-row results ("logp_packed") instead of the padded ones.
+    """
+    index, logp = ("packed_index", "logp_packed") if packed else ("index", "logp")
     diffs = []
     seen = set()
     for r in results:
-        for j, i in enumerate(r["index"]):
+        for j, i in enumerate(r[index]):
             if i in seen:
                 continue
             seen.add(i)
             n = len(reference[i])
-            diffs.append((r["logp"][j, :n] - reference[i]).abs())
+            diffs.append((r[logp][j, :n] - reference[i]).abs())
     if len(seen) != len(reference):
         raise RuntimeError(f"results cover {len(seen)} of {len(reference)} sequences")
     d = torch.cat(diffs)
@@ -164,8 +169,12 @@ def compare(results: list[dict[str, Any]], reference: list[torch.Tensor]) -> tup
 
 
 def check_layouts(hf_dir: str | Path, layouts: list[str], num_tokens: int = 24, num_sequences: int = 8,
-                  tolerance: float = 1e-4, timeout: float = 600.0, progress: Any = None) -> list[ParityRow]:
-    """Run each layout on local processes and compare with HF transformers."""
+                  tolerance: float = 1e-4, timeout: float = 600.0, progress: Any = None,
+                  pack_tokens: int | None = None) -> list[ParityRow]:
+    """Run each layout on local processes and compare with HF transformers.
+
+    `pack_tokens`: also score the sequences packed into rows of this many tokens.
+    """
     from moe_rl.policy.model import read_hf_config
     from moe_rl.testing.dist import run_ranks
 
@@ -177,9 +186,13 @@ def check_layouts(hf_dir: str | Path, layouts: list[str], num_tokens: int = 24, 
         start = time.monotonic()
         try:
             layout = ParallelLayout.parse(name).validate(arch)
-            results = run_ranks(layout_worker, layout.world_size, name, str(hf_dir), sequences, timeout=timeout)
+            results = run_ranks(layout_worker, layout.world_size, name, str(hf_dir), sequences, timeout=timeout,
+                                pack_tokens=pack_tokens)
             mx, mean = compare(results, reference)
-            row = ParityRow(name, layout.world_size, mx, mean, time.monotonic() - start, mx <= tolerance)
+            packed = compare(results, reference, packed=True)[0] if pack_tokens else None
+            ok = mx <= tolerance and (packed is None or packed <= tolerance)
+            row = ParityRow(name, layout.world_size, mx, mean, time.monotonic() - start, ok,
+                            packed_max_abs_diff=packed)
         except Exception as exc:  # a broken layout is a row in the table, not a crash
             world = _safe_world(name)
             row = ParityRow(name, world, float("nan"), float("nan"), time.monotonic() - start, False,
@@ -207,6 +220,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=24, help="longest sequence length to score (default 24)")
     p.add_argument("--sequences", type=int, default=8, help="number of sequences (default 8)")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |Δ log p| allowed (default 1e-4, fp32)")
+    p.add_argument("--pack-tokens", type=int, default=None,
+                   help="also score the sequences packed several to a row of this many tokens (as with "
+                        "parallel.max_tokens_per_microbatch), on token-balanced DP shards")
     p.add_argument("--json", dest="json_out", help="also write the results as a JSON list to this file")
 
 
@@ -224,12 +240,20 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  {row.layout:<14} {mark}  max |Δ log p| {row.max_abs_diff:.2e}  ({row.seconds:.1f}s)"
                       + (f"  {row.error}" if row.error else ""))
 
-    rows = check_layouts(args.hf_model, layouts, args.tokens, args.sequences, args.tolerance, progress=progress)
+    pack = args.pack_tokens
+    if pack is not None and pack < args.tokens:
+        console.print(f"[red]--pack-tokens {pack} cannot hold a {args.tokens}-token sequence; use at least "
+                      f"{args.tokens}[/red]")
+        return 2
+    rows = check_layouts(args.hf_model, layouts, args.tokens, args.sequences, args.tolerance, progress=progress,
+                         pack_tokens=pack)
     table = Table(title="log-prob parity vs HF transformers")
-    for col in ("layout", "ranks", "max |Δ log p|", "mean |Δ log p|", "seconds", "ok"):
+    columns = ["layout", "ranks", "max |Δ log p|", "mean |Δ log p|"] + (["packed max |Δ log p|"] if pack else [])
+    for col in columns + ["seconds", "ok"]:
         table.add_column(col)
     for r in rows:
-        table.add_row(r.layout, str(r.world_size), f"{r.max_abs_diff:.2e}", f"{r.mean_abs_diff:.2e}",
+        packed = [f"{r.packed_max_abs_diff:.2e}" if r.packed_max_abs_diff is not None else "-"] if pack else []
+        table.add_row(r.layout, str(r.world_size), f"{r.max_abs_diff:.2e}", f"{r.mean_abs_diff:.2e}", *packed,
                       f"{r.seconds:.1f}", "yes" if r.ok else "NO")
     console.print(table)
     if args.json_out:

@@ -139,3 +139,23 @@ def _init_twice():
     except LayoutError as exc:
         return str(exc)
     return "no error"
+
+
+def test_check_parity_cli_with_packing(tiny_hf_dir, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "parity.json"
+    cmd = [sys.executable, "-m", "moe_rl.cli", "check-parity", "--hf-model", str(tiny_hf_dir), "--layouts", "ep2",
+           "--pack-tokens", "48", "--json", str(out)]
+    env = {**os.environ, "COLUMNS": "160"}  # the table's width when not on a terminal
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "packed max |Δ log p|" in res.stdout
+    (row,) = json.loads(out.read_text())
+    assert row["layout"] == "ep2" and row["ok"] and row["packed_max_abs_diff"] <= 1e-4
+
+    bad = subprocess.run(cmd[:-4] + ["--pack-tokens", "10"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--pack-tokens 10 cannot hold a 24-token sequence" in bad.stdout
