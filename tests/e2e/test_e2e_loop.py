@@ -26,7 +26,8 @@ from moe_rl.testing.e2e import objective_matrix_worker
 
 LOSSES = ["grpo", "dapo", "gspo", "gspo_token", "sapo"]
 REPLAYS = ["off", "r2", "r3"]
-SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=2", "rollout.n_samples=4",
+SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=2",
+         "parallel.max_tokens_per_microbatch=null",  # padded micro-batches; the matrix ends with packed steps "rollout.n_samples=4",
          "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
          "train.lr=1e-3", "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy"]
 KEYS = ["reward/mean", "reward/success_rate", "loss/pg_loss", "perf/grad_norm", "loss/ratio_mean",
