@@ -9,14 +9,7 @@
 # Writes gpu_bench.md (and the log) under $OUT (default /tmp/moe_rl_gpu_bench) and prints it.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-/tmp/moe_rl_gpu_bench}
-mkdir -p "$OUT"
-PY=${PY:-python3}
-if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/moe_rl_site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/moe_rl_site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# shellcheck source=tools/gpu_env.sh
+. tools/gpu_env.sh /tmp/moe_rl_gpu_bench
 $PY tools/bench/gpu_update.py --out "$OUT/gpu_bench.md" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
 exit "${PIPESTATUS[0]}"

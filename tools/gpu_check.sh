@@ -7,16 +7,9 @@
 # Prints the environment, runs tests/gpu and `moe-rl check-parity` on one GPU, and
 # writes parity.json and the pytest log under $OUT (default /tmp/moe_rl_gpu_check).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/moe_rl_gpu_check}
-mkdir -p "$OUT"
-PY=${PY:-python3}
-if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/moe_rl_site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/moe_rl_site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+cd "$(dirname "$0")/.." || exit 1
+# shellcheck source=tools/gpu_env.sh
+. tools/gpu_env.sh /tmp/moe_rl_gpu_check
 $PY - <<'PY'
 import torch, importlib
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0))
