@@ -187,12 +187,13 @@ def _agree_max(*values: int) -> tuple[int, ...]:
 
 def build_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, max_tokens: int | None = None,
                        extras: dict[str, torch.Tensor] | None = None, seq_len: int | None = None,
-                       fmt: str = "mask") -> list[Microbatch]:
+                       chunks: list[Any] | None = None) -> list[Microbatch]:
     """This rank's microbatches: packed by token budget when `max_tokens` is set, else padded rows.
 
     Collective: every rank calls it. Padded rows need equal sequence counts on DP
     ranks; packing does not. `seq_len`: pad rows to at least this (padded rows only);
-    `fmt`: how packed rows keep sequences apart (`packed_format(chunks)`).
+    `chunks`: the model the microbatches are for, which decides how packed rows keep
+    sequences apart (`packed_format`).
     """
     from megatron.core import parallel_state as ps
 
@@ -200,7 +201,8 @@ def build_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, max
     longest = max(len(x) for x in sequences) if sequences else 0
     if max_tokens:
         extras = {k: fit_width(v, longest - 1) for k, v in (extras or {}).items()}
-        return make_packed_microbatches(sequences, max_tokens, pad_multiple=tp, extras=extras, fmt=fmt)
+        return make_packed_microbatches(sequences, max_tokens, pad_multiple=tp, extras=extras,
+                                        fmt=packed_format(chunks or []))
     seq_len = pad_length(agree_on_shape(len(sequences), max(seq_len or 0, longest)), tp)
     extras = {k: fit_width(v, seq_len - 1) for k, v in (extras or {}).items()}
     return make_microbatches(sequences, micro_batch_size, pad_multiple=tp, seq_len=seq_len, extras=extras)
@@ -367,8 +369,7 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
 
     for c in chunks:
         c.eval()
-    mbs = build_microbatches(sequences, micro_batch_size, max_tokens, seq_len=seq_len,
-                             fmt=packed_format(chunks) if max_tokens else "mask")
+    mbs = build_microbatches(sequences, micro_batch_size, max_tokens, seq_len=seq_len, chunks=chunks)
 
     def keep(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, Any]]:
         out = {"index": mb.index, "logp": microbatch_logprobs(logits, mb)}

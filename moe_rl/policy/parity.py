@@ -104,7 +104,7 @@ def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], inde
     tokens. The weights are left as they were.
     """
     from moe_rl.policy.convert import iter_hf_tensors
-    from moe_rl.policy.forward import build_microbatches, microbatch_logprobs, packed_format
+    from moe_rl.policy.forward import build_microbatches, microbatch_logprobs
     from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, grads_as_params
 
     weights = token_weights(sequences)
@@ -114,7 +114,7 @@ def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], inde
     for j, i in enumerate(index):
         w[j, : len(weights[i])] = weights[i]
     mbs = build_microbatches(mine, micro_batch_size, pack_tokens, extras={"w": w},
-                             seq_len=max(len(s) for s in sequences), fmt=packed_format(chunks))
+                             seq_len=max(len(s) for s in sequences), chunks=chunks)
 
     def loss_fn(logits, mb):
         logp = microbatch_logprobs(logits, mb)

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
-from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs, \
-    packed_format
+from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.replay import RouteReplay
@@ -120,9 +119,8 @@ class Policy:
         for per-token values. Returns the loss metrics of each microbatch this rank ran
         (how to combine them is the loss's business) and the step's metrics.
         """
-        max_tokens = self.spec.max_tokens_per_microbatch
-        mbs = build_microbatches(sequences, self.spec.micro_batch_size, max_tokens, extras=extras,
-                                 fmt=packed_format(self.chunks) if max_tokens else "mask")
+        mbs = build_microbatches(sequences, self.spec.micro_batch_size, self.spec.max_tokens_per_microbatch,
+                                 extras=extras, chunks=self.chunks)
 
         def loss_fn(logits: torch.Tensor, mb: Microbatch):
             value, metrics = loss(microbatch_logprobs(logits, mb), mb)
