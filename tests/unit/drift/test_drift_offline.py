@@ -11,15 +11,6 @@ import torch
 from moe_rl.cli import main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread; more only spin against other jobs on a shared box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def noisy_router_dir(tiny_hf_dir, tmp_path_factory):
     """The tiny checkpoint with small Gaussian noise on the router weights (`mlp.gate.weight`) only."""

@@ -7,15 +7,6 @@ import torch
 from moe_rl.drift.routes import RouteCaptureError, hf_forward, hf_routes, pad_right, router_modules
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread; more only spin against other jobs on a shared box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model(tiny_hf_dir):
     from transformers import AutoModelForCausalLM
