@@ -10,6 +10,7 @@ what it got, each data-parallel rank trains on its share of the samples.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -277,8 +278,9 @@ def my_share(run: Run, samples: Samples) -> Share:
     lengths = [len(s) for s in samples.sequences]
     mine = share_indices(lengths, run.policy.dp_size, run.policy.dp_rank, run.cfg.algo.num_minibatches,
                          by_tokens=run.policy.packs_sequences)
-    rows = iter(range(sum(len(m) for m in mine)))
-    return Share(samples.select([i for m in mine for i in m]), [[next(rows) for _ in m] for m in mine])
+    bounds = list(itertools.accumulate((len(m) for m in mine), initial=0))
+    return Share(samples.select([i for m in mine for i in m]),
+                 [list(range(a, b)) for a, b in zip(bounds, bounds[1:])])
 
 
 def share_indices(lengths: list[int], dp: int, rank: int, num_minibatches: int,
@@ -446,7 +448,7 @@ def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
         w = d.get("loss/num_tokens", 1.0) or 0.0
         for k, v in d.items():
             if k in _EXTREMES:
-                total[k] = v if k not in total else _EXTREMES[k] * max(_EXTREMES[k] * total[k], _EXTREMES[k] * v)
+                total[k] = (max if _EXTREMES[k] > 0 else min)(total.get(k, v), v)
                 weight[k] = 1.0
             elif k in ("loss/num_tokens", "loss/num_seqs"):
                 total[k] = total.get(k, 0.0) + v
