@@ -25,6 +25,8 @@ from typing import Any, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
+from moe_rl.drift.metrics import route_dtype
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -33,18 +35,12 @@ class RolloutError(RuntimeError):
 
 
 def smallest_int_dtype(num_experts: int) -> np.dtype:
-    """Smallest integer dtype that holds every expert id 0 .. num_experts - 1.
+    """Smallest integer dtype that holds every expert id 0 .. num_experts - 1, as numpy sees it.
 
-    uint8 up to 256 experts, int16 up to 32768, int32 beyond. Ids are never
-    truncated: a model with 257 experts gets int16, not uint8.
+    The rule (uint8 up to 256 experts, int16 up to 32768, int32 beyond; never
+    truncating) is `drift.metrics.route_dtype`, one definition for every stored route.
     """
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    top = num_experts - 1
-    for dt in (np.uint8, np.int16, np.int32):
-        if top <= np.iinfo(dt).max:
-            return np.dtype(dt)
-    raise ValueError(f"num_experts={num_experts} does not fit in int32")
+    return np.dtype(str(route_dtype(num_experts)).removeprefix("torch."))
 
 
 def to_route_dtype(ids: Any, num_experts: int | None) -> np.ndarray:
