@@ -69,7 +69,7 @@ def router_modules(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     return sorted(found, key=lambda x: x[0])
 
 
-def _topk_of(out: object, topk: int) -> Tensor:
+def router_topk(out: object, topk: int) -> Tensor:
     """Expert ids `[tokens, K]` from a router's output."""
     if isinstance(out, tuple) and len(out) >= 3 and torch.is_tensor(out[2]) \
             and not out[2].is_floating_point():
@@ -94,7 +94,7 @@ def recording_routes(model: torch.nn.Module) -> Iterator[dict[int, Tensor]]:
 
     def hook_for(layer: int):
         def hook(_mod, _inp, out):
-            seen[layer] = _topk_of(out, topk).detach()
+            seen[layer] = router_topk(out, topk).detach()
         return hook
 
     handles = [mod.register_forward_hook(hook_for(layer)) for layer, mod in routers]

@@ -32,12 +32,12 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
+from moe_rl.drift.routes import RouteCaptureError, router_modules, router_topk
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, SamplingParams,
                                    WeightsSource, to_route_dtype)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -71,42 +71,17 @@ class _RouteRecorder:
 
     def __init__(self, model: torch.nn.Module, topk: int):
         self.topk = topk
-        self.layer_ids: list[int] = []
-        self._handles = []
-        self._slots: list[torch.Tensor | None] = []
-        for name, mod in self._routers(model):
-            m = _LAYER_RE.search(name)
-            if m is None:
-                raise RolloutError(f"cannot tell the layer of router module {name!r}")
-            pos = len(self.layer_ids)
-            self.layer_ids.append(int(m.group(1)))
-            self._handles.append(mod.register_forward_hook(self._hook(pos)))
-        self._slots = [None] * len(self.layer_ids)
-        order = sorted(range(len(self.layer_ids)), key=lambda i: self.layer_ids[i])
-        if order != list(range(len(order))):
-            raise RolloutError("router modules are not registered in layer order")
-
-    @staticmethod
-    def _routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        rec = getattr(model, "_can_record_outputs", None) or {}
-        for m in model.modules():  # the inner PreTrainedModel holds the recorder spec
-            rec = rec or (getattr(m, "_can_record_outputs", None) or {})
-        spec = rec.get("router_logits")
-        cls = getattr(spec, "target_class", None)
-        if cls is not None:
-            return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
-        pat = re.compile(r"layers\.\d+\.(mlp|block_sparse_moe)\.(gate|router)$")
-        return [(n, m) for n, m in model.named_modules() if pat.search(n)]
+        try:
+            routers = router_modules(model)  # (layer, module) in layer order
+        except RouteCaptureError as e:
+            raise RolloutError(str(e)) from None
+        self.layer_ids: list[int] = [layer for layer, _ in routers]
+        self._slots: list[torch.Tensor | None] = [None] * len(routers)
+        self._handles = [mod.register_forward_hook(self._hook(pos)) for pos, (_, mod) in enumerate(routers)]
 
     def _hook(self, pos: int):
         def hook(_mod, _inp, out):
-            if isinstance(out, tuple) and len(out) >= 3 and torch.is_tensor(out[2]) \
-                    and not out[2].is_floating_point():
-                idx = out[2]  # the router's own choice (Qwen3MoeTopKRouter)
-            else:
-                logits = out[0] if isinstance(out, tuple) else out
-                probs = torch.softmax(logits.float(), dim=-1)
-                idx = torch.topk(probs, self.topk, dim=-1).indices
+            idx = router_topk(out, self.topk)
             self._slots[pos] = idx.reshape(-1, idx.shape[-1]).detach().to("cpu", torch.int64)
         return hook
 
