@@ -203,11 +203,17 @@ class RolloutConfig:
     """Base URLs of servers that are already running; empty means launch `num_servers` ourselves."""
     colocated: bool = False
     """SGLang shares the trainer's GPUs: it releases its memory after each rollout and takes
-    it back before the weight update (servers need --enable-memory-saver)."""
+    it back before the next rollout or weight update (servers need --enable-memory-saver).
+    With engine=local the `moe-rl serve` processes track the same released/resumed state
+    (the CPU rehearsal of the protocol)."""
     admin_urls: list[str] = field(default_factory=list)
-    """With `urls` pointing at an sglang-router: the workers behind it, which get weight updates."""
+    """With `urls` pointing at an sglang-router: the workers behind it. They get the weight
+    updates, and the generate requests that ask for routed experts (the router drops them)."""
     num_servers: int = ranged(1, ge=1)
     """Servers to launch when `urls` is empty."""
+    router: bool | None = None
+    """sglang-router in front of the launched servers. None = auto (sglang engine with more
+    than one server); true also puts it in front of `moe-rl serve` workers (the CPU rehearsal)."""
     n_samples: int = ranged(8, ge=2)
     """Responses per prompt (G); group advantages need at least 2. 8 as in the GSPO/DAPO setups."""
     temperature: float = ranged(1.0, ge=0.0)
@@ -237,7 +243,12 @@ class RolloutConfig:
     mem_fraction: float = ranged(0.8, gt=0.0, le=1.0)
     """Share of GPU memory SGLang may take for weights + KV cache (its --mem-fraction-static)."""
     weight_sync: str = choice("disk", WEIGHT_SYNCS)
-    """How new weights reach the engine: disk (safetensors; works everywhere), tensor (same process/GPU), nccl (broadcast to SGLang)."""
+    """How new weights reach the engine: disk (safetensors; works everywhere), tensor (same
+    process), nccl (trainer rank 0 broadcasts to every server over a process group it forms with
+    them: NCCL on GPUs, gloo to `moe-rl serve` on CPU)."""
+    weight_sync_port: int | None = ranged(None, ge=1, le=65535)
+    """nccl: port on trainer rank 0 (MASTER_ADDR) where the servers join the weight update group;
+    None = a free port picked at start (set it when a firewall allows only fixed ports)."""
     return_routed_experts: bool = True
     """Ask the engine for its routed experts; needed for R3 and train-rollout mismatch metrics."""
 
@@ -350,6 +361,9 @@ class TrainConfig:
     """None = fresh start; "auto" = latest checkpoint in the run dir if any; or a checkpoint path."""
     world_size: int = ranged(1, ge=1)
     """Trainer processes to start on this machine (single-machine runs; SLURM sets its own)."""
+    device_guard: bool = False
+    """CPU only, for CI and debugging: fail when one of moe_rl's collectives gets a host tensor,
+    which NCCL would refuse on a GPU (moe_rl.testing.device_guard). The CPU rehearsal runs with it."""
 
 
 @dataclass
@@ -721,16 +735,22 @@ def _check_rollout(cfg: RunConfig) -> Iterator[str]:
     for i, url in enumerate(r.urls):
         if not url.startswith(("http://", "https://")):
             yield f"rollout.urls[{i}]: {url!r} must start with http:// or https://"
-    if r.colocated and r.engine != "sglang":
-        yield "rollout.colocated: true requires rollout.engine=sglang (the local engine runs on CPU)"
+    if r.colocated and r.weight_sync == "nccl":
+        yield ("rollout.weight_sync: 'nccl' is not allowed with rollout.colocated=true: trainer rank 0 and "
+               "server 0 share GPU 0, and NCCL refuses two ranks on one GPU in a communicator; use "
+               "rollout.weight_sync=disk (colocated runs elsewhere send tensors by CUDA IPC, "
+               "update_weights_from_tensor, which moe_rl does not do yet)")
+    if r.colocated and cfg.algo.off_policy_overlap:
+        yield ("rollout.colocated: true is not allowed with algo.off_policy_overlap=true: colocated servers "
+               "release their GPU memory while the trainer trains, so they cannot generate meanwhile")
+    if r.router and r.urls:
+        yield ("rollout.router: true starts a router in front of launched servers; rollout.urls is set (servers "
+               "already run): put the router's URL in rollout.urls and its workers in rollout.admin_urls")
     if r.tp_size % r.ep_size:
         yield f"rollout.ep_size: {r.ep_size} must divide rollout.tp_size={r.tp_size}"
-    if r.weight_sync == "tensor" and r.engine != "local":
-        yield (f"rollout.weight_sync: 'tensor' requires rollout.engine=local (engine={r.engine!r}); "
-               f"SGLang servers live in other processes: use disk or nccl")
-    if r.weight_sync == "nccl" and r.engine != "sglang":
-        yield (f"rollout.weight_sync: 'nccl' requires rollout.engine=sglang (engine={r.engine!r}); "
-               "use disk or tensor")
+    if r.weight_sync == "tensor":
+        yield ("rollout.weight_sync: 'tensor' copies into an engine in the trainer's own process, but a run's "
+               "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl")
 
 
 def _check_algo(cfg: RunConfig) -> Iterator[str]:

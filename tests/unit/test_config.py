@@ -181,15 +181,29 @@ def test_r3_needs_routed_experts():
     assert "algo.replay: 'r3'" in msg and "rollout.return_routed_experts=true" in msg
 
 
-def test_nccl_needs_sglang():
-    assert "rollout.weight_sync: 'nccl' requires rollout.engine=sglang" in error_of(["rollout.weight_sync=nccl"])
+def test_nccl_runs_on_every_engine():
+    # moe-rl serve joins the weight update group over gloo: the CPU rehearsal of SGLang's NCCL path
+    assert load_config(None, ["rollout.weight_sync=nccl"]).rollout.weight_sync == "nccl"
+    assert load_config(None, ["rollout.weight_sync=nccl", "rollout.engine=sglang",
+                              "rollout.weight_sync_port=29600"]).rollout.weight_sync_port == 29600
+
+
+def test_colocated_refuses_nccl_and_overlap():
+    msg = error_of(["rollout.colocated=true", "rollout.engine=sglang", "rollout.weight_sync=nccl"])
+    assert "rollout.weight_sync: 'nccl' is not allowed with rollout.colocated=true" in msg
+    assert "NCCL refuses two ranks on one GPU" in msg and "use rollout.weight_sync=disk" in msg
+    msg = error_of(["rollout.colocated=true", "algo.off_policy_overlap=true"])
+    assert "algo.off_policy_overlap=true" in msg
+    # colocated with moe-rl serve is the CPU rehearsal of the release/resume protocol
+    assert load_config(None, ["rollout.colocated=true"]).rollout.colocated
 
 
 def test_rollout_engine_rules():
-    assert "rollout.colocated: true requires rollout.engine=sglang" in error_of(["rollout.colocated=true"])
-    assert "rollout.weight_sync: 'tensor' requires rollout.engine=local" in error_of(
-        ["rollout.engine=sglang", "rollout.weight_sync=tensor"])
+    assert "rollout.weight_sync: 'tensor' copies into an engine in the trainer's own process" in error_of(
+        ["rollout.weight_sync=tensor"])
     assert "rollout.ep_size: 4 must divide rollout.tp_size=2" in error_of(["rollout.tp_size=2", "rollout.ep_size=4"])
+    assert "rollout.router: true starts a router" in error_of(
+        ["rollout.router=true", "rollout.urls=[http://h:1]"])
 
 
 def test_router_fusion_refused_with_replay():
