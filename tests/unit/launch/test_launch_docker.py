@@ -33,6 +33,21 @@ def test_launch_gpu_image_pins_every_version():
     assert "pip install -e \".[dev]\"" in text
 
 
+def test_launch_gpu_image_pins_transformer_engine_inside_megatron_cores_range():
+    """megatron-core's own metadata (the installed 0.16.1) is the reference for the allowed range."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    assert version("megatron-core") == _args(GPU.read_text())["MCORE_VERSION"]
+    specs = [Requirement(r).specifier for r in requires("megatron-core") or []
+             if Requirement(r).name.replace("_", "-") == "transformer-engine"]
+    assert specs, "megatron-core declares no transformer-engine requirement to check against"
+    te = _args(GPU.read_text())["TE_VERSION"]
+    for spec in specs:
+        assert spec.contains(te, prereleases=True), f"TE_VERSION={te} is outside megatron-core's {spec}"
+
+
 def test_launch_gpu_image_builds_nvidia_apex_from_source():
     text = GPU.read_text()
     assert 'git clone --depth 1 --branch "${APEX_REF}" https://github.com/NVIDIA/apex' in text
