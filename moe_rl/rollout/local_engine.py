@@ -26,8 +26,9 @@ import inspect
 import math
 import re
 import threading
+import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -39,6 +40,13 @@ from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# SGLang's memory regions (GPU_MEMORY_ALL_TYPES, sglang/srt/constants.py): what
+# /release_memory_occupation frees when it is given no tags.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+class MemoryReleasedError(RolloutError):
+    """The engine's memory is released (`release_memory_occupation`): it cannot generate or load weights."""
 
 
 def _load_model(model_dir: str | Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -145,6 +153,8 @@ class LocalEngine:
         self._abort_epoch = 0                   # bumped by pause_generation(mode="abort")
         self._seed_gen = torch.Generator(device="cpu").manual_seed(int(seed))
         self._closed = False
+        self._released: set[str] = set()       # memory tags given up by release_memory_occupation
+        self.last_forward_time = 0.0            # time.monotonic() after the latest forward step
         model = _load_model(model_dir, self.dtype, device)
         self._install(model, Path(model_dir))
         self._tokenizer: Any = None
@@ -251,6 +261,7 @@ class LocalEngine:
                 rows.append(_Row(i, j, list(one.prompt_ids), one.sampling, seed, r.return_routed_experts))
         with self._gen_lock:
             self._running.wait()  # requests that arrive while paused wait for continue_generation()
+            self._check_resident("generate", MEMORY_TAGS)
             epoch = self._abort_epoch
             # Similar prompt lengths together: less padding.
             order = sorted(range(len(rows)), key=lambda k: len(rows[k].prompt))
@@ -301,6 +312,7 @@ class LocalEngine:
                              logits_to_keep=1, **{self._cache_kw: cache})
             routes = self._recorder.take() if self._recorder else None
             version = self.weight_version
+            self.last_forward_time = time.monotonic()
         if routes is not None:
             routes = routes.view(B, P, *routes.shape[1:])
             for i, r in enumerate(rows):
@@ -363,6 +375,7 @@ class LocalEngine:
                                  **{self._cache_kw: cache})
                 routes = self._recorder.take() if self._recorder else None
                 version = self.weight_version
+                self.last_forward_time = time.monotonic()
             if routes is not None:
                 for b, k in enumerate(active):
                     rows[k].routes.append(routes[b:b + 1])
@@ -412,6 +425,7 @@ class LocalEngine:
         A missing, corrupt or mismatched checkpoint raises ValueError and the old
         weights keep serving. `version` None keeps the current weight_version (as SGLang does).
         """
+        self._check_resident("update_weights_from_disk", ("weights",))
         new = _load_model(path, self.dtype, self.device)
         old_sd = self.model.state_dict()
         new_sd = new.state_dict()
@@ -428,6 +442,7 @@ class LocalEngine:
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                 raise ValueError(f"{str(path)!r}: {k} holds NaN or inf")
         with self._lock:
+            self._check_resident("update_weights_from_disk", ("weights",))  # released while loading?
             self._install(new, Path(path))
             if version is not None:
                 self.weight_version = str(version)
@@ -465,6 +480,7 @@ class LocalEngine:
             raise ValueError("weight update refused, nothing was changed: " + "; ".join(errors[:5])
                              + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
         with self._lock, torch.no_grad():
+            self._check_resident("update_weights_from_tensors", ("weights",))  # under the lock: exact
             for target, index, value, _ in plan:
                 dst = target[index] if index else target
                 dst.copy_(value.to(device=dst.device, dtype=dst.dtype))
@@ -510,6 +526,68 @@ class LocalEngine:
     def flush_cache(self) -> bool:
         """No prefix cache is kept between calls: nothing to flush."""
         return True
+
+    def set_weight_version(self, version: str | int) -> None:
+        """Relabel the served weights (SGLang's /update_weight_version); the weights stay as they are."""
+        with self._lock:
+            self.weight_version = str(version)
+
+    # -------------------------------------------------- memory release / resume
+    # SGLang frees GPU memory (weights, KV cache, CUDA graphs) between rollouts of a
+    # colocated run. This engine has nothing to give back on CPU, but it keeps the same
+    # state so that a caller which generates or loads weights while released fails
+    # here, loudly, as it would on a GPU.
+    @property
+    def memory_released(self) -> list[str]:
+        """The memory tags currently released, in SGLang's order ([] when resident)."""
+        return [t for t in MEMORY_TAGS if t in self._released]
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Release `tags` (None or []: all of MEMORY_TAGS). Releasing a released tag again is a no-op.
+
+        Refused (ValueError) for an unknown tag, and while a generate call runs:
+        SGLang asserts the server is idle for this request.
+        """
+        wanted = self._memory_tags(tags, "release_memory_occupation")
+        if not self._gen_lock.acquire(blocking=False):
+            raise ValueError("release_memory_occupation needs an idle engine, but a generation is running: "
+                             "wait for it (or /pause_generation with mode 'abort') and release again")
+        try:
+            with self._lock:
+                self._released.update(wanted)
+        finally:
+            self._gen_lock.release()
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Take back `tags` (None or []: all of MEMORY_TAGS).
+
+        A tag that is not released is refused (ValueError) and nothing changes: SGLang
+        raises there too (its scheduler removes each tag from the released set).
+        """
+        wanted = self._memory_tags(tags, "resume_memory_occupation")
+        with self._lock:
+            missing = [t for t in wanted if t not in self._released]
+            if missing:
+                raise ValueError(f"resume_memory_occupation: memory {missing} is not released (released: "
+                                 f"{self.memory_released}); resume only what /release_memory_occupation released")
+            self._released.difference_update(wanted)
+
+    @staticmethod
+    def _memory_tags(tags: Sequence[str] | None, op: str) -> list[str]:
+        if tags is None or len(tags) == 0:
+            return list(MEMORY_TAGS)
+        if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
+            raise ValueError(f"{op}: tags must be a list of strings from {list(MEMORY_TAGS)}, got {tags!r}")
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"{op}: unknown memory tags {unknown}; SGLang's tags are {list(MEMORY_TAGS)}")
+        return list(dict.fromkeys(tags))
+
+    def _check_resident(self, op: str, needs: Sequence[str]) -> None:
+        gone = [t for t in needs if t in self._released]
+        if gone:
+            raise MemoryReleasedError(f"{op} refused: the engine's memory {gone} is released; call "
+                                      f"/resume_memory_occupation (resume_memory_occupation()) first")
 
     def close(self) -> None:
         self._closed = True
