@@ -29,10 +29,39 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
   GET|POST /flush_cache          200, plain text, as SGLang.
   POST /pause_generation         {"mode": "abort" | "retract" | "in_place"} (PauseGenerationReqInput)
   POST /continue_generation      -> {"message": ..., "status": "ok"}
-  GET /health, /health_generate  200, empty body (503 when the engine is down).
-  GET /get_model_info, /model_info   SGLang's keys (model_path, is_generation, weight_version, ...)
+  GET /health                    200, empty body, without generating (503 when the engine is down).
+  GET /health_generate           generates one greedy token from [0]; 200 when it (or any other
+                                 forward step) completes within --health-check-timeout, else 503.
+  GET /model_info                SGLang's keys (model_path, is_generation, weight_version, ...)
                                  plus moe-rl extras that SGLang leaves out: num_hidden_layers,
                                  moe_layer_ids, num_experts, num_experts_per_tok, vocab_size.
+                                 /get_model_info is its deprecated alias, as in SGLang 0.5.23.
+  GET /server_info               launch options (tp_size, dp_size, model_path, context_length, ...);
+                                 /get_server_info is the deprecated alias.
+  Distributed weight sync (the trainer is rank 0 of a process group it creates with the servers;
+  `NcclSync` in weight_sync.py drives it; gloo stands in for NCCL on CPU). Replies are
+  {"success", "message"}, 200 or 400, as SGLang's:
+  POST /init_weights_update_group   InitWeightsUpdateGroupReqInput {master_address, master_port,
+                                 rank_offset, world_size, group_name, backend}: join as rank
+                                 rank_offset (one tp rank); answers once the group is formed.
+  POST /destroy_weights_update_group  {group_name}
+  POST /begin_weight_update, /end_weight_update   open / close the update session; a second begin
+                                 or an end without begin is refused, as SGLang's scheduler does.
+                                 Generation goes on during a session (SGLang blocks it only while
+                                 each update call runs); each call's load is atomic between decode steps.
+  POST /update_weights_from_distributed  UpdateWeightsFromDistributedReqInput {names, dtypes, shapes,
+                                 group_name, flush_cache, abort_all_requests, weight_version,
+                                 load_format}: receives rank 0's broadcast (one uint8 bucket for
+                                 "flattened_bucket", else one per name), then loads it. Refused
+                                 (400, nothing loaded) outside a session, for an unknown name or a
+                                 wrong shape (the message names the tensor), or while released.
+  POST /update_weight_version    {new_version, abort_all_requests} -> {"success", "message", "new_version"}
+  GET|POST /release_memory_occupation, /resume_memory_occupation   {tags?: subset of
+                                 ["kv_cache", "weights", "cuda_graph"]}: 200 with a null body, as
+                                 SGLang. Nothing is freed on CPU, but the state is kept: while
+                                 released, /generate and /health_generate fail and weight loads are
+                                 refused, as they would fail on a GPU. Releasing twice is a no-op;
+                                 resuming what is not released is a 400 (SGLang raises there too).
 
 Differences from SGLang, on purpose: `sampling_seed` is always honoured (SGLang needs
 --enable-deterministic-inference), and with n > 1 sample j uses seed s + j (SGLang
@@ -53,14 +82,20 @@ import json
 import logging
 import signal
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from datetime import timedelta
+from typing import Any, Callable
 
 import numpy as np
+import torch
+import torch.distributed as dist
 from aiohttp import web
 
 from moe_rl.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
+from moe_rl.rollout.local_engine import MemoryReleasedError
+from moe_rl.rollout.weight_sync import TensorMeta, new_custom_group, unflatten_bucket
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +105,11 @@ ENGINE: web.AppKey[Any] = web.AppKey("engine", object)
 BATCHER: web.AppKey["_Batcher"] = web.AppKey("batcher", object)
 UPDATE_EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("update_executor", ThreadPoolExecutor)
 MAX_BODY: web.AppKey[int] = web.AppKey("client_max_size", int)
+GROUPS: web.AppKey["_UpdateGroups"] = web.AppKey("update_groups", object)
+SERVER_ARGS: web.AppKey[dict] = web.AppKey("server_args", dict)
+HEALTH_TIMEOUT: web.AppKey[float] = web.AppKey("health_timeout", float)
+
+HEALTH_CHECK_TIMEOUT = 20.0  # s; SGLang's default (SGLANG_HEALTH_CHECK_TIMEOUT, http_server.py)
 
 
 class BadRequest(ValueError):
@@ -296,7 +336,7 @@ async def _generate(request: web.Request) -> web.Response:
     reqs, is_single, return_logprob, rids, routes_start = _parse_generate(body, engine)
     try:
         results = await request.app[BATCHER].submit(reqs)
-    except ValueError as e:
+    except (ValueError, MemoryReleasedError) as e:  # released memory: refused loudly, as a GPU would fail
         raise BadRequest(str(e)) from None
     out = []
     k = 0
@@ -359,6 +399,35 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response(status=200 if request.app[ENGINE].health() else 503)
 
 
+async def _health_generate(request: web.Request) -> web.Response:
+    """GET /health_generate: 200 once the engine generates, 503 if it cannot within the timeout.
+
+    As SGLang's handler: one greedy token from prompt [0]; a forward step of other
+    requests after the probe arrived counts as healthy too (a busy engine is alive).
+    A released engine refuses the probe, so it answers 503 until resumed.
+    """
+    engine = request.app[ENGINE]
+    if not engine.health():
+        return web.Response(status=503)
+    tic = time.monotonic()
+    probe = GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0, seed=0))
+    task = asyncio.ensure_future(request.app[BATCHER].submit([probe]))
+    try:
+        while time.monotonic() < tic + request.app[HEALTH_TIMEOUT]:
+            if task.done():
+                if task.exception() is None:
+                    return web.Response(status=200)
+                log.warning("health check generation failed: %s", task.exception())
+                return web.Response(status=503)
+            if getattr(engine, "last_forward_time", 0.0) > tic:
+                return web.Response(status=200)
+            await asyncio.sleep(0.02)
+        log.error("health check failed: no forward step within %.0f s", request.app[HEALTH_TIMEOUT])
+        return web.Response(status=503)
+    finally:
+        task.cancel()  # a probe still queued is dropped by the batcher
+
+
 def model_info(engine: Any) -> dict[str, Any]:
     cfg = engine.config
     return {
@@ -390,14 +459,319 @@ async def _model_info(request: web.Request) -> web.Response:
     return web.json_response(model_info(request.app[ENGINE]))
 
 
-def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0) -> web.Application:
-    """The aiohttp application serving `engine` (a LocalEngine) over SGLang's native API."""
+def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
+    """GET /server_info: the `ServerArgs` fields SGLang 0.5.23 reports that mean something here.
+
+    SGLang returns every resolved launch option plus the scheduler's limits
+    (http_server.py `server_info`, utils/common.py `build_server_info`); a client or
+    sglang-router reads the parallel sizes, the model and the limits. moe-rl serve is
+    one process on one device: tp/dp/pp/ep sizes are 1.
+    """
+    ctx = engine.max_positions
+    return {
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
+        "served_model_name": engine.model_path,
+        "skip_tokenizer_init": engine.tokenizer is None,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
+        "page_size": 1,
+        "context_length": ctx,
+        "max_req_input_len": ctx - 1 if ctx else None,  # validate() refuses prompts of >= ctx tokens
+        "max_running_requests": server_args.get("max_running_requests"),
+        "load_format": "auto",
+        "disaggregation_mode": "null",
+        "enable_return_routed_experts": bool(engine.moe_layer_ids),
+        "weight_version": engine.weight_version,
+        **{k: v for k, v in server_args.items() if k not in ("max_running_requests",)},
+        "internal_states": [{"memory_released": engine.memory_released}],
+        "frontend": "moe-rl serve",
+    }
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    return web.json_response(server_info(request.app[ENGINE], request.app[SERVER_ARGS]))
+
+
+# ---------------------------------------------------------- distributed weight updates
+class _UpdateGroups:
+    """Process groups joined with trainers, by name, and the open weight-update session.
+
+    SGLang keeps the same state in its model runner (`_model_update_group`) and
+    scheduler (`_WeightUpdateSession`); this server is one tp rank (tp_size 1). Every
+    method runs on the one update thread, so calls apply in the order they arrived
+    and the broadcasts pair up with the trainer's.
+    """
+
+    def __init__(self, engine: Any, group_timeout: timedelta):
+        self.engine, self.group_timeout = engine, group_timeout
+        self.groups: dict[str, tuple[Any, str]] = {}  # name -> (process group, backend)
+        self.session_open = False
+        self.session_loaded = False  # a bucket was loaded in the open session
+
+    def init_group(self, body: dict[str, Any]) -> tuple[bool, str]:
+        name, backend = body["group_name"], body["backend"]
+        if name in self.groups:
+            return False, (f"Failed to initialize custom process group: group {name!r} already exists; "
+                           "call /destroy_weights_update_group first.")
+        if backend == "nccl" and not torch.cuda.is_available():
+            return False, ("Failed to initialize custom process group: backend 'nccl' needs CUDA and this "
+                           "server has none; use backend 'gloo' (NcclSync(backend='gloo')).")
+        host = body["master_address"]
+        init_method = f"tcp://[{host}]:{body['master_port']}" if ":" in host else f"tcp://{host}:{body['master_port']}"
+        rank = body["rank_offset"]  # + tp rank, which is 0: this server is one rank
+        try:
+            pg = new_custom_group(backend, init_method, body["world_size"], rank, name, self.group_timeout)
+        except Exception as e:  # noqa: BLE001 - reported to the caller, as SGLang does
+            return False, f"Failed to initialize custom process group: {e}."
+        self.groups[name] = (pg, backend)
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_group(self, name: str) -> tuple[bool, str]:
+        if name not in self.groups:
+            return False, "The group to be destroyed does not exist."
+        pg, _ = self.groups.pop(name)
+        try:
+            dist.destroy_process_group(pg)
+        except Exception as e:  # noqa: BLE001
+            return False, f"Failed to destroy custom process group: {e}."
+        return True, "Succeeded to destroy custom process group."
+
+    def begin(self) -> tuple[bool, str]:
+        if self.session_open:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session_open, self.session_loaded = True, False
+        return True, "Success"
+
+    def end(self) -> tuple[bool, str]:
+        if not self.session_open:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session_open = False
+        return True, "Success"
+
+    def update(self, body: dict[str, Any]) -> tuple[bool, str]:
+        """Receive one bucket from rank 0 of the group, then load it into the engine.
+
+        The bytes are received before anything is checked, so a refused update never
+        leaves the trainer blocked in its broadcast; a refused load changes no weight
+        (LocalEngine checks every name and shape before copying).
+        """
+        name = body["group_name"]
+        if name not in self.groups:
+            return False, (f"Failed to receive weights: Group {name} not in {list(self.groups)}. "
+                           "Please call `init_weights_update_group` first.")
+        metas = [TensorMeta(n, tuple(s), d) for n, d, s in zip(body["names"], body["dtypes"], body["shapes"])]
+        try:
+            weights = self._receive(metas, body["load_format"], *self.groups[name])
+        except Exception as e:  # noqa: BLE001 - the group is probably broken: say so
+            return False, f"Failed to receive weights: {e}"
+        if not self.session_open:
+            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update()")
+        return self._load(weights, body)
+
+    @staticmethod
+    def _receive(metas: list[TensorMeta], load_format: str | None, pg: Any,
+                 backend: str) -> list[tuple[str, torch.Tensor]]:
+        """The tensors rank 0 broadcasts: one uint8 bucket ("flattened_bucket") or one per name."""
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if load_format == "flattened_bucket":
+            flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=device)
+            dist.broadcast(flat, src=0, group=pg)
+            return unflatten_bucket(flat, metas)
+        out = []
+        for m in metas:
+            t = torch.empty(m.shape, dtype=getattr(torch, m.dtype), device=device)
+            dist.broadcast(t, src=0, group=pg)
+            out.append((m.name, t))
+        return out
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]], body: dict[str, Any]) -> tuple[bool, str]:
+        engine = self.engine
+        if body["abort_all_requests"]:
+            engine.pause_generation("abort")
+        try:
+            engine.update_weights_from_tensors(weights, body["weight_version"])
+        except (ValueError, MemoryReleasedError) as e:
+            earlier = (" Earlier updates of this session were loaded: the served weights mix versions."
+                       if self.session_loaded else "")
+            return False, f"Failed to update parameter online: {e}.{earlier}"
+        finally:
+            if body["abort_all_requests"]:
+                engine.continue_generation()
+        self.session_loaded = True
+        if body["flush_cache"]:
+            engine.flush_cache()
+        return True, "Succeeded to update parameter online."
+
+
+# Request fields (sglang 0.5.23 io_struct.py): name -> (accepted types, default; _REQUIRED = no default).
+_REQUIRED = object()
+_INIT_GROUP_FIELDS = {"master_address": (str, _REQUIRED), "master_port": (int, _REQUIRED),
+                      "rank_offset": (int, _REQUIRED), "world_size": (int, _REQUIRED),
+                      "group_name": (str, "weight_update_group"), "backend": (str, "nccl")}
+_UPDATE_FIELDS = {"names": (list, _REQUIRED), "dtypes": (list, _REQUIRED), "shapes": (list, _REQUIRED),
+                  "group_name": (str, "weight_update_group"), "flush_cache": (bool, True),
+                  "abort_all_requests": (bool, False), "weight_version": ((str, type(None)), None),
+                  "load_format": ((str, type(None)), None)}
+_GROUP_NAME_FIELDS = {"group_name": (str, "weight_update_group")}
+_VERSION_FIELDS = {"new_version": (str, _REQUIRED), "abort_all_requests": (bool, True)}
+_MEMORY_FIELDS = {"tags": ((list, type(None)), None)}
+
+
+def _fields(body: Any, path: str, spec: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
+    """The request's fields with their defaults; a missing or mistyped one is a 400 naming it.
+
+    Unknown fields (rid, selector, ...) are ignored.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest(f"{path}: the request body must be a JSON object")
+    out = {}
+    for name, (types, default) in spec.items():
+        if name not in body:
+            if default is _REQUIRED:
+                raise BadRequest(f"{path}: field {name!r} is required")
+            out[name] = default
+            continue
+        value = body[name]
+        plain = types if isinstance(types, tuple) else (types,)
+        if not isinstance(value, plain) or (isinstance(value, bool) and bool not in plain):
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in plain)
+            raise BadRequest(f"{path}: field {name!r} must be {want}, got {value!r}")
+        out[name] = value
+    return out
+
+
+def _check_update_body(body: dict[str, Any]) -> None:
+    """names / dtypes / shapes describe the same tensors; dtypes are torch names; shapes are sizes."""
+    path = "/update_weights_from_distributed"
+    names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+    if not names or not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest(f"{path}: names, dtypes and shapes must be non-empty lists of one length, got "
+                         f"{len(names)}, {len(dtypes)} and {len(shapes)}")
+    for i, (n, d, s) in enumerate(zip(names, dtypes, shapes)):
+        if not isinstance(n, str):
+            raise BadRequest(f"{path}: names[{i}] must be a string, got {n!r}")
+        if not isinstance(d, str) or not isinstance(getattr(torch, d, None), torch.dtype):
+            raise BadRequest(f"{path}: dtypes[{i}] ({n}) must name a torch dtype (\"bfloat16\"), got {d!r}")
+        if not isinstance(s, list) or not all(_is_int(x) and x >= 0 for x in s):
+            raise BadRequest(f"{path}: shapes[{i}] ({n}) must be a list of sizes, got {s!r}")
+    if body["load_format"] not in (None, "flattened_bucket"):
+        raise BadRequest(f"{path}: load_format must be null (one broadcast per tensor) or \"flattened_bucket\", "
+                         f"got {body['load_format']!r}")
+
+
+def _outcome(ok: bool, message: str, **extra: Any) -> web.Response:
+    """SGLang's {"success", "message"} reply: 200, or 400 when not successful."""
+    return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
+
+
+async def _on_update_thread(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a blocking weight-group call on the update thread; the event loop keeps serving /health."""
+    return await asyncio.get_running_loop().run_in_executor(request.app[UPDATE_EXECUTOR], fn, *args)
+
+
+async def _init_weights_update_group(request: web.Request) -> web.Response:
+    """Join the trainer's update group as rank `rank_offset`; returns once the group is formed."""
+    body = _fields(await _read_json(request), "/init_weights_update_group", _INIT_GROUP_FIELDS)
+    if not 1 <= body["rank_offset"] < body["world_size"]:
+        raise BadRequest(f"/init_weights_update_group: rank_offset must be in [1, world_size) (rank 0 is the "
+                         f"trainer), got rank_offset={body['rank_offset']}, world_size={body['world_size']}")
+    return _outcome(*await _on_update_thread(request, request.app[GROUPS].init_group, body))
+
+
+async def _destroy_weights_update_group(request: web.Request) -> web.Response:
+    body = _fields(await _read_json(request), "/destroy_weights_update_group", _GROUP_NAME_FIELDS)
+    return _outcome(*await _on_update_thread(request, request.app[GROUPS].destroy_group, body["group_name"]))
+
+
+async def _begin_weight_update(request: web.Request) -> web.Response:
+    await _read_json(request)  # BeginWeightUpdateReqInput: only `selector`, and this server has one runner
+    return _outcome(*await _on_update_thread(request, request.app[GROUPS].begin))
+
+
+async def _end_weight_update(request: web.Request) -> web.Response:
+    await _read_json(request)
+    return _outcome(*await _on_update_thread(request, request.app[GROUPS].end))
+
+
+async def _update_weights_from_distributed(request: web.Request) -> web.Response:
+    body = _fields(await _read_json(request), "/update_weights_from_distributed", _UPDATE_FIELDS)
+    _check_update_body(body)
+    return _outcome(*await _on_update_thread(request, request.app[GROUPS].update, body))
+
+
+async def _update_weight_version(request: web.Request) -> web.Response:
+    body = _fields(await _read_json(request), "/update_weight_version", _VERSION_FIELDS)
+    engine = request.app[ENGINE]
+    if body["abort_all_requests"]:  # SGLang aborts the running requests first
+        engine.pause_generation("abort")
+        engine.continue_generation()
+    engine.set_weight_version(body["new_version"])
+    return _outcome(True, f"Weight version updated to {body['new_version']}", new_version=body["new_version"])
+
+
+async def _release_memory(request: web.Request) -> web.Response:
+    """Release memory (ReleaseMemoryOccupationReqInput{tags}); SGLang answers 200 with a null body."""
+    body = _fields(await _read_json(request), "/release_memory_occupation", _MEMORY_FIELDS)
+    try:
+        request.app[ENGINE].release_memory_occupation(body["tags"])
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return web.json_response(None)
+
+
+async def _resume_memory(request: web.Request) -> web.Response:
+    body = _fields(await _read_json(request), "/resume_memory_occupation", _MEMORY_FIELDS)
+    try:
+        request.app[ENGINE].resume_memory_occupation(body["tags"])
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return web.json_response(None)
+
+
+# (methods, paths, handler): SGLang 0.5.23's native routes this server answers. A deprecated
+# alias sits next to its new name, as SGLang keeps both.
+ROUTES: list[tuple[tuple[str, ...], tuple[str, ...], Callable[[web.Request], Any]]] = [
+    (("POST", "PUT"), ("/generate",), _generate),
+    (("GET",), ("/health",), _health),
+    (("GET",), ("/health_generate",), _health_generate),
+    (("GET",), ("/model_info", "/get_model_info"), _model_info),
+    (("GET",), ("/server_info", "/get_server_info"), _server_info),
+    (("GET", "POST"), ("/flush_cache",), _flush_cache),
+    (("POST",), ("/pause_generation",), _pause),
+    (("POST",), ("/continue_generation",), _continue),
+    (("POST",), ("/update_weights_from_disk",), _update_weights_from_disk),
+    (("POST",), ("/init_weights_update_group",), _init_weights_update_group),
+    (("POST",), ("/destroy_weights_update_group",), _destroy_weights_update_group),
+    (("POST",), ("/begin_weight_update",), _begin_weight_update),
+    (("POST",), ("/end_weight_update",), _end_weight_update),
+    (("POST",), ("/update_weights_from_distributed",), _update_weights_from_distributed),
+    (("POST",), ("/update_weight_version",), _update_weight_version),
+    (("GET", "POST"), ("/release_memory_occupation",), _release_memory),
+    (("GET", "POST"), ("/resume_memory_occupation",), _resume_memory),
+]
+
+
+def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0,
+             health_timeout: float = HEALTH_CHECK_TIMEOUT, group_timeout: timedelta = timedelta(minutes=10),
+             server_args: dict[str, Any] | None = None) -> web.Application:
+    """The aiohttp application serving `engine` (a LocalEngine) over SGLang's native API.
+
+    health_timeout: seconds /health_generate waits for a forward step; group_timeout: how
+    long joining a weight-update group (and each broadcast) may take; server_args: launch
+    options reported by /server_info (host, port, random_seed, ...).
+    """
     size = int(max_body_mb * 1024 * 1024)
     app = web.Application(client_max_size=size, middlewares=[_json_errors])
     app[ENGINE] = engine
     app[MAX_BODY] = size
     app[BATCHER] = _Batcher(engine, max_batch)
     app[UPDATE_EXECUTOR] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-weights")
+    app[GROUPS] = _UpdateGroups(engine, group_timeout)
+    app[SERVER_ARGS] = {"max_running_requests": max_batch, **(server_args or {})}
+    app[HEALTH_TIMEOUT] = float(health_timeout)
 
     async def on_startup(app: web.Application) -> None:
         app[BATCHER].start()
@@ -409,16 +783,13 @@ def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0) -> 
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    app.router.add_route("POST", "/generate", _generate)
-    app.router.add_route("PUT", "/generate", _generate)
-    app.router.add_post("/update_weights_from_disk", _update_weights_from_disk)
-    app.router.add_route("*", "/flush_cache", _flush_cache)
-    app.router.add_post("/pause_generation", _pause)
-    app.router.add_post("/continue_generation", _continue)
-    for path in ("/health", "/health_generate"):
-        app.router.add_get(path, _health)
-    for path in ("/get_model_info", "/model_info"):
-        app.router.add_get(path, _model_info)
+    for methods, paths, handler in ROUTES:
+        for path in paths:
+            for method in methods:
+                if method == "GET":
+                    app.router.add_get(path, handler)  # HEAD too, as before
+                else:
+                    app.router.add_route(method, path, handler)
     return app
 
 
@@ -430,9 +801,9 @@ class ServerThread:
     """
 
     def __init__(self, engine: Any, host: str = "127.0.0.1", port: int = 0, *, max_batch: int = 32,
-                 max_body_mb: float = 64.0):
+                 max_body_mb: float = 64.0, health_timeout: float = HEALTH_CHECK_TIMEOUT):
         self.engine, self.host, self.port = engine, host, port
-        self._app_kw = dict(max_batch=max_batch, max_body_mb=max_body_mb)
+        self._app_kw = dict(max_batch=max_batch, max_body_mb=max_body_mb, health_timeout=health_timeout)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -464,11 +835,12 @@ class ServerThread:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        runner = web.AppRunner(make_app(self.engine, **self._app_kw), access_log=None)
+        app = make_app(self.engine, **self._app_kw, server_args={"host": self.host})
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
-        self.port = _bound_port(site, self.port)
+        self.port = app[SERVER_ARGS]["port"] = _bound_port(site, self.port)
         self._ready.set()
         try:
             await self._stop.wait()
@@ -508,6 +880,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "SGLANG_RETURN_ORIGINAL_LOGPROB=1); scaled: log_softmax(logits / T) (SGLang's default)")
     parser.add_argument("--weight-version", default="default", help="initial weight_version (SGLang: 'default')")
     parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted (413 beyond)")
+    parser.add_argument("--health-check-timeout", type=float, default=HEALTH_CHECK_TIMEOUT,
+                        help="seconds /health_generate waits for a forward step before answering 503 (SGLang: 20)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -528,12 +902,14 @@ def run(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, stop.set)
             except (NotImplementedError, RuntimeError):
                 pass
-        runner = web.AppRunner(make_app(engine, max_batch=args.max_batch, max_body_mb=args.max_body_mb),
-                               access_log=None)
+        app = make_app(engine, max_batch=args.max_batch, max_body_mb=args.max_body_mb,
+                       health_timeout=args.health_check_timeout,
+                       server_args={"host": args.host, "random_seed": args.seed})
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
-        port = _bound_port(site, args.port)
+        port = app[SERVER_ARGS]["port"] = _bound_port(site, args.port)
         print(f"serving {args.model} on http://{args.host}:{port}", flush=True)
         try:
             await stop.wait()
