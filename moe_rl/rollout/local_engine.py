@@ -523,6 +523,11 @@ class LocalEngine:
     def paused(self) -> bool:
         return not self._running.is_set()
 
+    @property
+    def busy(self) -> bool:
+        """A generate call is inside the engine (running, or parked by an in-place pause)."""
+        return self._gen_lock.locked()
+
     def flush_cache(self) -> bool:
         """No prefix cache is kept between calls: nothing to flush."""
         return True

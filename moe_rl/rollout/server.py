@@ -55,6 +55,8 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
                                  "flattened_bucket", else one per name), then loads it. Refused
                                  (400, nothing loaded) outside a session, for an unknown name or a
                                  wrong shape (the message names the tensor), or while released.
+                                 With flush_cache while a generate call is in the engine, the
+                                 weights load but the call fails, as SGLang's refused flush does.
   POST /update_weight_version    {new_version, abort_all_requests} -> {"success", "message", "new_version"}
   GET|POST /release_memory_occupation, /resume_memory_occupation   {tags?: subset of
                                  ["kv_cache", "weights", "cuda_graph"]}: 200 with a null body, as
@@ -485,7 +487,9 @@ def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
         "enable_return_routed_experts": bool(engine.moe_layer_ids),
         "weight_version": engine.weight_version,
         **{k: v for k, v in server_args.items() if k not in ("max_running_requests",)},
-        "internal_states": [{"memory_released": engine.memory_released}],
+        # SGLang's internal_states hold scheduler state per dp rank; here, this engine's
+        "internal_states": [{"memory_released": engine.memory_released,
+                             "generating": bool(getattr(engine, "busy", False))}],
         "frontend": "moe-rl serve",
     }
 
@@ -601,8 +605,12 @@ class _UpdateGroups:
             if body["abort_all_requests"]:
                 engine.continue_generation()
         self.session_loaded = True
-        if body["flush_cache"]:
-            engine.flush_cache()
+        # SGLang flushes only an idle scheduler, and a refused flush fails the call although
+        # the weights were loaded (flush_cache_after_weight_update): a trainer that syncs while
+        # generation runs learns it here too.
+        if body["flush_cache"] and (getattr(engine, "busy", False) or not engine.flush_cache()):
+            return False, ("Weights were updated, but the cache was not flushed because requests are still "
+                           "running or queued. Retract or finish them, then call /flush_cache.")
         return True, "Succeeded to update parameter online."
 
 

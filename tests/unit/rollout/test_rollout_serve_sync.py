@@ -263,6 +263,34 @@ def test_session_and_group_lifecycle(server, tiny_hf_dir):
         again.close()
 
 
+def test_a_sync_while_generating_fails_on_the_cache_flush_as_sglang(server, tiny_hf_dir):
+    url = server.url
+    assert _http(url, "/pause_generation", {"mode": "in_place"})[0] == 200
+    parked: dict = {}
+    th = threading.Thread(target=lambda: parked.update(r=_http(url, "/generate", {"input_ids": PROMPT})),
+                          daemon=True)
+    th.start()  # a request inside the engine, waiting for /continue_generation
+    sync = _sync(url, "sync_busy")
+    try:
+        deadline = time.monotonic() + 20
+        while not _http(url, "/server_info")[1]["internal_states"][0]["generating"]:
+            assert time.monotonic() < deadline, "the parked request never reached the engine"
+            time.sleep(0.05)
+        with pytest.raises(WeightSyncError, match="Weights were updated, but the cache was not flushed"):
+            sync.sync(20, _weights(tiny_hf_dir).items())
+        assert _http(url, "/model_info")[1]["weight_version"] == "20"  # loaded all the same, as SGLang
+    finally:
+        _http(url, "/continue_generation", {})
+        th.join(30)
+        sync.close()
+    assert parked["r"][0] == 200
+    sync = _sync(url, "sync_idle")
+    try:  # idle again: the same sync passes
+        sync.sync(21, _weights(tiny_hf_dir).items())
+    finally:
+        sync.close()
+
+
 # ----------------------------------------------------------------- in-process engine checks
 @pytest.fixture(scope="module")
 def local(tiny_hf_dir):
