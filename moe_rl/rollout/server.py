@@ -882,7 +882,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     parser.add_argument("--max-batch", type=int, default=32, help="samples per engine batch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--device", default="auto",
+                        help="torch device; auto (default) = cuda when a GPU is visible (the nccl weight sync "
+                             "receives on it), else cpu")
     parser.add_argument("--logprob-mode", default="raw", choices=["raw", "scaled"],
                         help="raw: log_softmax(logits) at temperature 1 (SGLang with "
                              "SGLANG_RETURN_ORIGINAL_LOGPROB=1); scaled: log_softmax(logits / T) (SGLang's default)")
@@ -898,7 +900,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LocalEngine(args.model, seed=args.seed, dtype=args.dtype, device=args.device,
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    engine = LocalEngine(args.model, seed=args.seed, dtype=args.dtype, device=device,
                          max_batch=args.max_batch, logprob_mode=args.logprob_mode,
                          weight_version=args.weight_version)
 
