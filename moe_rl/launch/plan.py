@@ -136,6 +136,21 @@ def plan_servers(rollout: Any, shape: NodeShape, servers_per_node: int | None = 
     return ServerLayout(engine, tp, tuple(base + i for i in range(n)), base + n if router else None)
 
 
+def check_weight_sync(rollout: Any, shape: NodeShape) -> None:
+    """Refuse `rollout.weight_sync=nccl` for SGLang servers that share the trainer's GPUs.
+
+    In the colocated shape server 0 of a node uses the same GPUs as the trainer ranks
+    there, trainer rank 0 among them; the nccl sync puts rank 0 and the servers in one
+    communicator, and NCCL refuses two ranks on one GPU. The trainer's config check
+    refuses it too, but only once the job runs: this says so on the login node.
+    """
+    if shape.colocated and str(rollout.engine) == "sglang" and str(rollout.weight_sync) == "nccl":
+        raise LaunchError("rollout.weight_sync=nccl cannot work in the colocated shape (--rollout-nodes 0): the "
+                          "SGLang servers share the trainer's GPUs and NCCL refuses two ranks on one GPU in a "
+                          "communicator; use rollout.weight_sync=disk when colocated, or give the servers nodes "
+                          "of their own with --rollout-nodes N")
+
+
 def check_trainer_layout(parallel: Any, world_size: int) -> str:
     """Validate the trainer's parallel layout for `world_size` ranks; returns its short name.
 

@@ -175,11 +175,31 @@ def _env_exports(opts: SlurmOptions, engine: str) -> str:
     return "\n".join(lines)
 
 
+def _run_task(opts: SlurmOptions) -> str:
+    """The bash function that runs `moe_rl.launch.task` helpers where moe_rl is installed.
+
+    Without a container that is the batch host's `$PYTHON`. With one, moe_rl exists only
+    inside the image, so each helper is a one-task step in it (`--overlap`, in SRUN_OPTS
+    with the container flags, shares the node with the running steps) on the batch host
+    itself: `wait-healthy --watch` checks the pids of this shell's srun steps, and enroot
+    shares the host's process and network namespaces (it isolates users and mounts only),
+    so those pids are visible there.
+    """
+    if not opts.container_image:
+        return ("# moe_rl's helpers (moe_rl.launch.task) run on this batch host\n"
+                'run_task() { "$PYTHON" -m moe_rl.launch.task "$@"; }')
+    return ("# moe_rl's helpers (moe_rl.launch.task) run where moe_rl is installed: in the container,\n"
+            "# as a one-task step on this batch host (wait-healthy watches this shell's srun pids)\n"
+            "run_task() {\n"
+            '  srun "${SRUN_OPTS[@]}" --nodes=1 --ntasks=1 --nodelist="$SLURMD_NODENAME" \\\n'
+            '    "$PYTHON" -m moe_rl.launch.task "$@"\n'
+            "}")
+
+
 def _model_setup(cfg: Any, base_overrides: Sequence[str]) -> str:
     if cfg.model.hf_path:
         return f"MODEL_PATH={shlex.quote(str(cfg.model.hf_path))}  # model.hf_path: the trainer reads it too"
-    args = ["@@PYTHON@@", "-m", "moe_rl.launch.task", "prepare-model", "--config", "@@CONFIG@@",
-            "--run-dir", "@@RUN_DIR@@", *base_overrides]
+    args = ["run_task", "prepare-model", "--config", "@@CONFIG@@", "--run-dir", "@@RUN_DIR@@", *base_overrides]
     cmd = bash_command(args)
     return ("# model.hf_path is unset: write the fresh model once, where the trainer looks for it,\n"
             "# so the servers can load it before the trainer starts.\n"
@@ -247,8 +267,8 @@ def _router_setup(cfg: Any, servers: ServerLayout, bind_node: bool) -> str:
             f'ROUTER_URL="http://${{ROUTER_NODE}}:{port}"\n'
             f"{srun}\n"
             'SERVER_PIDS+=("$!")\n'
-            '"$PYTHON" -m moe_rl.launch.task wait-healthy --timeout "$HEALTH_TIMEOUT" --watch "${SERVER_PIDS[*]}" \\\n'
-            '  --logs "$LOG_DIR" "$ROUTER_URL"\n'
+            'run_task wait-healthy --timeout "$HEALTH_TIMEOUT" --watch "${SERVER_PIDS[*]}" --logs "$LOG_DIR" \\\n'
+            '  "$ROUTER_URL"\n'
             'GENERATE_URLS=("$ROUTER_URL")')
 
 
@@ -256,14 +276,32 @@ def _rollout_fields(cfg: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(type(cfg.rollout))}
 
 
+def _server_overrides(servers: ServerLayout, colocated: bool, fields: set[str]) -> list[str]:
+    """Overrides that tell the trainer about the servers the job runs, besides their URLs.
+
+    `rollout.tp_size`: the servers' --tp-size, which may come from `rollout.sglang_args`;
+    the nccl weight sync sizes its group by it (each server joins with tp ranks).
+    """
+    out = []
+    if servers.engine == "sglang":
+        out.append(f"rollout.tp_size={servers.tp}")
+        if colocated and "colocated" in fields:
+            out.append("rollout.colocated=true")
+    return out
+
+
 def _train_args(base: Sequence[str], servers: ServerLayout, colocated: bool, fields: set[str]) -> list[str]:
-    """Bash words of the trainer's config overrides (the URLs are filled in at run time)."""
+    """Bash words of the trainer's config overrides (the URLs are filled in at run time).
+
+    Generation goes to GENERATE_URLS (the router, when there is one); the workers behind
+    a router are `rollout.admin_urls`, where weight updates and the generate requests
+    that ask for routed experts go (sglang-router drops `return_routed_experts`).
+    """
     words = [bash_word(o) for o in base]
     words.append('"rollout.urls=[$(join_by_comma "${GENERATE_URLS[@]}")]"')
     if servers.use_router:
         words.append('"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"')
-    if colocated and servers.engine == "sglang" and "colocated" in fields:
-        words.append("rollout.colocated=true")
+    words += _server_overrides(servers, colocated, fields)
     return ["  " + w for w in words]
 
 
@@ -291,13 +329,14 @@ def render_script(config_path: str | Path, overrides: Sequence[str], shape: Node
                   run_dir: str | Path | None = None, chdir: str | Path | None = None) -> Rendered:
     """Validate the config, the node shape and the trainer layout; return the sbatch script."""
     from moe_rl.config import ConfigError, load_config
-    from moe_rl.launch.plan import check_trainer_layout, plan_servers
+    from moe_rl.launch.plan import check_trainer_layout, check_weight_sync, plan_servers
 
     shape.validate()
     try:
         cfg = load_config(str(config_path), list(overrides))
     except (ConfigError, FileNotFoundError) as e:
         raise LaunchError(str(e)) from None
+    check_weight_sync(cfg.rollout, shape)
     out = resolve_run_dir(cfg, run_dir)
     base = [*overrides, "log.run_dir=@@RUN_DIR@@", "train.resume=auto"]
     fields = _rollout_fields(cfg)
@@ -312,7 +351,8 @@ def render_script(config_path: str | Path, overrides: Sequence[str], shape: Node
         "directives": "\n".join(_directives(name, shape, out, opts, Path(chdir or os.getcwd()).absolute())),
         "log_root": shlex.quote(str(out / "logs")),
         "run_dir": shlex.quote(str(out)), "config": shlex.quote(str(Path(config_path).absolute())),
-        "python": shlex.quote(default_python(opts)), "gpus_per_node": str(shape.gpus_per_node),
+        "python": shlex.quote(default_python(opts)), "run_task": _run_task(opts),
+        "gpus_per_node": str(shape.gpus_per_node),
         "health_timeout": f"{opts.health_timeout:g}", "stop_timeout": f"{opts.stop_timeout:g}",
         "train_steps": str(cfg.train.steps), "srun_opts": " ".join(_srun_opts(opts, out)),
         "nodes": str(shape.nodes), "node_split": _node_split(shape),
@@ -343,8 +383,7 @@ def _check_overrides(config_path: str | Path, overrides: Sequence[str], run_dir:
     added = [f"log.run_dir={run_dir}", "train.resume=auto", "rollout.urls=[http://node:1]"]
     if servers.use_router:
         added.append("rollout.admin_urls=[http://node:1]")
-    if shape.colocated and servers.engine == "sglang" and "colocated" in fields:
-        added.append("rollout.colocated=true")
+    added += _server_overrides(servers, shape.colocated, fields)
     try:
         load_config(str(config_path), [*overrides, *added])
     except ConfigError as e:

@@ -17,7 +17,11 @@ What they do, as far as the rendered scripts rely on it:
   --label, --kill-on-bad-exit, --export=ALL,K=V; other options are accepted and
   ignored. Tasks are placed in blocks over the nodes and get SLURM_PROCID,
   SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS, SLURM_NNODES, SLURM_STEP_NODELIST,
-  SLURM_TASKS_PER_NODE, SLURMD_NODENAME and SLURM_STEP_ID, like real srun. Signals
+  SLURM_TASKS_PER_NODE, SLURMD_NODENAME and SLURM_STEP_ID, like real srun. There is
+  no container runtime here: with pyxis' --container-image the tasks run on the host
+  all the same, with `MOE_RL_STANDIN_CONTAINER=<image>` in their environment, so a
+  test can tell what the job would have run inside the image from what it would have
+  run on the bare host (--container-mounts is accepted and ignored). Signals
   srun receives (TERM, INT, USR1, USR2, HUP) are passed to every task; after TERM or
   INT, tasks still alive KILL_WAIT seconds later get SIGKILL (slurmstepd's KillWait).
   When its tasks have exited, what is left in their process groups is killed.
@@ -49,6 +53,7 @@ STATE_ENV = "MOE_RL_STANDIN_DIR"
 NODES_ENV = "MOE_RL_STANDIN_NODES"
 JOB_ENV = "MOE_RL_STANDIN_JOB"
 KILL_WAIT_ENV = "MOE_RL_STANDIN_KILL_WAIT"
+CONTAINER_ENV = "MOE_RL_STANDIN_CONTAINER"  # set in the tasks of a step started with --container-image
 MAX_REQUEUES = 3
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
@@ -252,7 +257,10 @@ class _Step:
 
     def env(self, task: _Task) -> dict[str, str]:
         counts = [sum(1 for t in self.tasks if t.node == n) for n in self.nodes]
-        return {**os.environ, **_export_env(self.args.export), JOB_ENV: self.job,
+        # A task "in the container" is marked; one outside must not inherit its caller's mark.
+        container = {CONTAINER_ENV: self.args.container_image} if self.args.container_image else {}
+        env = {k: v for k, v in os.environ.items() if k != CONTAINER_ENV}
+        return {**env, **_export_env(self.args.export), **container, JOB_ENV: self.job,
                 "SLURM_PROCID": str(task.rank), "SLURM_LOCALID": str(task.local_id),
                 "SLURM_NODEID": str(task.node_index), "SLURM_NTASKS": str(len(self.tasks)),
                 "SLURM_NPROCS": str(len(self.tasks)), "SLURM_NNODES": str(len(self.nodes)),

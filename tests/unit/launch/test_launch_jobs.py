@@ -40,6 +40,17 @@ def opt(name):
     return argv[argv.index(name) + 1]
 
 
+# Every call is recorded; with FAKE_ONLY_IN_CONTAINER this interpreter exists only in the
+# image, as a container's python would: outside a --container-image step it is not there.
+if os.environ.get("FAKE_DUMP"):
+    os.makedirs(os.environ["FAKE_DUMP"], exist_ok=True)
+    with open(os.path.join(os.environ["FAKE_DUMP"], "calls.jsonl"), "a") as f:
+        f.write(json.dumps({{"argv": argv, "container": os.environ.get("MOE_RL_STANDIN_CONTAINER")}}) + "\n")
+if os.environ.get("FAKE_ONLY_IN_CONTAINER") and not os.environ.get("MOE_RL_STANDIN_CONTAINER"):
+    print("fake python: not found outside the container image:", *argv, file=sys.stderr, flush=True)
+    sys.exit(127)
+
+
 def serve():
     port = int(opt("--port"))
     if str(port) == os.environ.get("FAKE_BROKEN_PORT"):
@@ -67,6 +78,7 @@ def train():
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     stop = []
     signal.signal(signal.SIGUSR1, lambda *a: stop.append(1))
+    open(os.path.join(out, f"ready-{{rank}}-restart-{{restart}}"), "w").close()  # USR1 is handled from here on
     # The first run trains until USR1 (or FAKE_TRAIN_SECONDS); a requeued run finishes at once.
     deadline = time.time() + (float(os.environ.get("FAKE_TRAIN_SECONDS", "0")) if restart == "0" else 0)
     while time.time() < deadline and not stop:
@@ -201,6 +213,38 @@ def test_launch_sglang_servers_and_router(cluster, monkeypatch):
     _assert_clean(cluster, job)
 
 
+def _calls(cluster) -> list[dict]:
+    path = cluster["dump"] / "calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_launch_container_mode_runs_nothing_of_moe_rl_on_the_batch_host(cluster, monkeypatch):
+    """--container-image: the interpreter exists only inside the image, so every moe_rl command of
+    the job (helpers included: prepare-model, wait-healthy) must run in a --container-image step."""
+    monkeypatch.setenv("FAKE_ONLY_IN_CONTAINER", "1")
+    script, rendered = _render(cluster, TINY, NodeShape(2, 1, 2), ["parallel.ep=1"], container_image="moe_rl.sqsh")
+    job = _submit(cluster, script)
+    assert wait_job(cluster["state"], job, 60) == 0, _output(cluster, job)
+    calls = _calls(cluster)
+    outside = [c["argv"] for c in calls if c["container"] != "moe_rl.sqsh"]
+    assert not outside, f"ran outside the container: {outside}"
+    subs = [c["argv"][2] for c in calls if c["argv"][:2] == ["-m", "moe_rl.launch.task"]]
+    assert {"prepare-model", "wait-healthy", "rank-env"} <= set(subs)
+    assert sorted(_ranks(cluster)) == [0, 1]
+    _assert_clean(cluster, job)
+
+
+def test_launch_fake_python_outside_the_container_fails_the_job(cluster, monkeypatch):
+    """The check above has teeth: the same job without --container-image cannot start its helpers."""
+    monkeypatch.setenv("FAKE_ONLY_IN_CONTAINER", "1")
+    script, _ = _render(cluster, TINY, NodeShape(2, 1, 2), ["parallel.ep=1"])
+    job = _submit(cluster, script)
+    assert wait_job(cluster["state"], job, 60) != 0
+    assert "not found outside the container image" in _output(cluster, job)
+    assert not _ranks(cluster)
+    _assert_clean(cluster, job)
+
+
 def test_launch_server_that_fails_to_start_fails_the_job_clearly(cluster, monkeypatch):
     monkeypatch.setenv("FAKE_BROKEN_PORT", "30000")
     script, rendered = _render(cluster, TINY, NodeShape(2, 1, 2))
@@ -225,7 +269,9 @@ def test_launch_preemption_checkpoints_requeues_and_resumes(cluster, monkeypatch
                               else ""):
         assert time.monotonic() < deadline, "the trainer never started"
         time.sleep(0.2)
-    time.sleep(1.0)  # let srun start the ranks
+    while len(list(cluster["dump"].glob("ready-*-restart-0"))) < 2:  # both ranks handle USR1 now
+        assert time.monotonic() < deadline, "the trainer ranks never got ready"
+        time.sleep(0.1)
     signal_batch(cluster["state"], job, signal.SIGUSR1)  # as --signal=B:USR1@N before the time limit
     assert wait_job(cluster["state"], job, 90) == 0, _output(cluster, job)
     out = _output(cluster, job)

@@ -23,7 +23,7 @@ CASES = [
     (TINY, 2, 1, 2, []),
     (TINY, 3, 2, 2, []),
     (TINY, 4, 0, 1, []),
-    (QWEN, 2, 0, 8, ["parallel.ep=4", "parallel.pp=2"]),
+    (QWEN, 2, 0, 8, ["parallel.ep=4", "parallel.pp=2", "rollout.weight_sync=disk"]),
     (QWEN, 4, 2, 8, ["parallel.ep=4"]),
     (QWEN, 8, 4, 8, []),
     (QWEN, 16, 8, 8, []),
@@ -162,11 +162,78 @@ def test_launch_puts_a_router_in_front_and_updates_its_workers(tmp_path):
     ((2, 1, 8), ["rollout.urls=[http://x:1]"], TINY, "rollout.urls is set"),
     ((2, 1, 8), ["rollout.sglang_args=[--tp-size,3]"], QWEN, "tp=3 does not tile a node of 8 GPUs"),
     ((2, 1, 8), ["algo.loss=nope"], TINY, "algo.loss"),
+    ((2, 0, 8), ["parallel.ep=4", "parallel.pp=2"], QWEN, "use rollout.weight_sync=disk when colocated"),
 ])
 def test_launch_refuses_what_cannot_work(tmp_path, shape, overrides, config, message):
     with pytest.raises(LaunchError) as e:
         render_script(config, overrides, NodeShape(*shape), _opts(), run_dir=tmp_path)
     assert message in str(e.value)
+
+
+def _flat(text: str) -> str:
+    """The script with continuation lines joined: one command per line."""
+    return re.sub(r" \\\n\s*", " ", text)
+
+
+HELPERS = ("prepare-model", "wait-healthy", "finished")
+
+
+@pytest.mark.parametrize("config,nodes,rollout,gpus,overrides", [
+    (TINY, 3, 2, 2, []),                  # fresh model: prepare-model runs before the servers
+    (QWEN, 4, 2, 8, ["parallel.ep=4"]),   # a router: a second wait-healthy
+    (TINY, 2, 0, 2, []),                  # colocated
+])
+def test_launch_container_runs_every_helper_inside_the_image(tmp_path, config, nodes, rollout, gpus, overrides):
+    """With --container-image moe_rl exists only in the image: no moe_rl command may run on the batch host."""
+    r = _render(config, nodes, rollout, gpus, overrides, tmp_path, container_image="/images/moe_rl.sqsh",
+                container_mounts="/shared:/shared")
+    flat = _flat(r.text)
+    opts = re.search(r"^SRUN_OPTS=\((.*)\)$", flat, re.M).group(1).split()
+    assert opts == ["--overlap", "--container-image=/images/moe_rl.sqsh", "--container-mounts=/shared:/shared"]
+    # the helper runner: a one-task step in the container, on the batch host whose srun pids it watches
+    assert ('srun "${SRUN_OPTS[@]}" --nodes=1 --ntasks=1 --nodelist="$SLURMD_NODENAME" '
+            '"$PYTHON" -m moe_rl.launch.task "$@"') in flat
+    commands = [line.strip() for line in flat.splitlines() if line.strip() and not line.strip().startswith("#")]
+    for line in commands:
+        if "$PYTHON" in line or "${PYTHON}" in line:
+            assert line.startswith("srun "), f"moe_rl runs outside the container: {line}"
+    calls = [m.group(1) for line in commands for m in re.finditer(r"\brun_task ([a-z-]+)", line)]
+    want = (["finished"] + (["prepare-model"] if config == TINY else []) +
+            ["wait-healthy"] * (2 if r.servers.use_router else 1))
+    assert sorted(calls) == sorted(want)
+    tool = _shellcheck()
+    if tool is not None:
+        path = tmp_path / "job.sbatch"
+        path.write_text(r.text)
+        res = subprocess.run([tool, "--severity=info", str(path)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_launch_without_container_runs_helpers_with_the_given_python(tmp_path):
+    flat = _flat(_render(TINY, 3, 2, 2, [], tmp_path).text)
+    assert 'run_task() { "$PYTHON" -m moe_rl.launch.task "$@"; }' in flat
+    assert "--container-image" not in flat and "PYTHON=/opt/venv/bin/python" in flat
+    assert len(re.findall(r"\brun_task (?:prepare-model|wait-healthy|finished)\b", flat)) == 3
+
+
+@pytest.mark.parametrize("overrides,tp", [(["parallel.ep=4"], 2),
+                                          (["parallel.ep=4", "rollout.sglang_args=[--tp-size,4]"], 4)])
+def test_launch_tells_the_trainer_the_servers_tp_size(tmp_path, overrides, tp):
+    """The nccl weight sync sizes its group by rollout.tp_size: it must be the --tp-size the servers got."""
+    r = _render(QWEN, 4, 2, 8, overrides, tmp_path)
+    flat = _flat(r.text)
+    assert flat.count(f"--tp-size {tp} ") == 8 // tp
+    assert f"\n  rollout.tp_size={tp}\n" in r.text
+
+
+def test_launch_router_urls_come_with_their_workers_as_admin_urls(tmp_path):
+    """Whenever rollout.urls is the router, rollout.admin_urls are the workers (weight updates, routed experts)."""
+    for nodes, rollout, ep, per_node in ((4, 2, 4, None), (2, 1, 2, None), (2, 1, 2, 1)):
+        r = _render(QWEN, nodes, rollout, 8, [f"parallel.ep={ep}"], tmp_path, servers_per_node=per_node)
+        assert r.servers.use_router == (per_node is None)  # one server in all needs no router
+        routed = 'GENERATE_URLS=("$ROUTER_URL")' in r.text
+        assert routed == r.servers.use_router
+        assert ('"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"' in r.text) == routed
 
 
 def test_launch_refuses_unsafe_sbatch_values(tmp_path):

@@ -82,6 +82,16 @@ def test_launch_srun_output_patterns(job_env, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("out-*.log")) == [f"out-7-{NODES[0]}-0.log", f"out-7-{NODES[1]}-1.log"]
 
 
+def test_launch_srun_marks_container_steps(job_env):
+    """No container runtime: a --container-image step runs on the host, marked as in the image."""
+    show = "import os; print(os.environ.get('MOE_RL_STANDIN_CONTAINER', '-'))"
+    inside = _srun(job_env, "--ntasks=1", "--container-image=img.sqsh", "--container-mounts=/a:/a",
+                   sys.executable, "-c", show)
+    assert inside.returncode == 0 and inside.stdout.split() == ["img.sqsh"]
+    outside = _srun({**job_env, "MOE_RL_STANDIN_CONTAINER": "img.sqsh"}, "--ntasks=1", sys.executable, "-c", show)
+    assert outside.returncode == 0 and outside.stdout.split() == ["-"]
+
+
 def test_launch_srun_refuses_nodes_outside_the_job(job_env):
     res = _srun(job_env, "--nodelist=10.0.0.9", "true")
     assert res.returncode == 1 and "not in the job" in res.stderr
