@@ -3,7 +3,11 @@
 The stand-in `sbatch`, `srun` and `scontrol` (moe_rl.launch.standin) run it on this
 machine with three "nodes" (127.0.0.1-3, local process groups): one trainer node with
 two ranks (EP2, gloo) and two rollout nodes, each running `moe-rl serve` on its own
-address. The story is a bad day on a cluster:
+address. It runs in container mode, as clusters with pyxis do: the stand-in srun marks
+the steps started with --container-image, and the job's interpreter refuses to run
+outside one, so every moe_rl command of the job (trainer, servers and the helpers:
+prepare-model, wait-healthy, finished) must run in a container step. The story is a
+bad day on a cluster:
 
 1. the job starts, prepares the model, starts both servers, waits for them and trains;
 2. after step 1 one rollout node dies (SIGKILL to its processes): training goes on
@@ -18,7 +22,10 @@ address. The story is a bad day on a cluster:
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +40,24 @@ STEPS = 5
 OVERRIDES = [f"train.steps={STEPS}", "train.save_every=1", "rollout.n_samples=4", "data.prompts_per_step=4",
              "algo.num_minibatches=2", "rollout.max_new_tokens=1", "model.tiny.vocab_size=16",
              "train.eval_every=0", "drift.enabled=false", "log.progress=false", "log.tensorboard=false"]
+
+
+IMAGE = "moe_rl-rehearsal.sqsh"
+# The interpreter as a container image holds it: present inside a --container-image step only.
+IMAGE_PYTHON = """#!/bin/sh
+if [ "$MOE_RL_STANDIN_CONTAINER" != {image} ]; then
+  echo "python: not found outside the container image: $*" >&2
+  exit 127
+fi
+exec {real} "$@"
+"""
+
+
+def _image_python(tmp_path: Path) -> str:
+    path = tmp_path / "image-python"
+    path.write_text(IMAGE_PYTHON.format(image=shlex.quote(IMAGE), real=shlex.quote(sys.executable)))
+    path.chmod(0o755)
+    return str(path)
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -58,7 +83,8 @@ def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
     for key, value in install(tmp_path / "bin", tmp_path / "state", NODES).items():
         monkeypatch.setenv(key, value)
     state, run_dir = tmp_path / "state", tmp_path / "run"
-    opts = SlurmOptions(nccl_ifname="lo", gloo_ifname="lo", health_timeout=180, stop_timeout=20)
+    opts = SlurmOptions(nccl_ifname="lo", gloo_ifname="lo", health_timeout=180, stop_timeout=20,
+                        container_image=IMAGE, python=_image_python(tmp_path))
     rendered = render_script("launch/configs/tiny_cpu.yaml", OVERRIDES, NodeShape(3, 2, 2), opts, run_dir=run_dir)
     job = submit(write_job(rendered, tmp_path / "job.sbatch"))
     out = run_dir / "logs" / f"slurm-{job}.out"
@@ -73,6 +99,8 @@ def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
     assert rc == 0, text
     assert "USR1: asking the trainer to checkpoint and stop" in text
     assert "requeueing job" in text and f"job-{job}-1" in text
+    assert re.search(rf"last complete checkpoint: step [1-4] of {STEPS}", text)  # `finished` ran, in the image
+    assert "not found outside the container image" not in text
     assert (job_dir(state, job) / "run0.rc").read_text() == "0"
     assert f"srun: error: {NODES[2]}" in text  # the dead node is reported, not hidden
 
