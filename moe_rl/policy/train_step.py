@@ -9,6 +9,22 @@ clip, and step.
 Losses are summed over microbatches and data-parallel ranks (DDP sums, it does not
 average: `calculate_per_token_loss=True` in the model config), so `loss_fn` must
 divide by global token or sequence counts (see `moe_rl/algo/losses.py`).
+
+The MoE router's auxiliary (load-balancing) loss needs one more step. Under
+`calculate_per_token_loss` megatron multiplies each micro-batch's aux loss by the
+number of tokens that rank's router saw (`routing_map.shape[0]`, megatron-core 0.16's
+`TopKRouter.attach_and_log_load_balancing_loss`) and expects
+`finalize_model_grads(model, num_tokens)` to divide every gradient by the same count
+summed over micro-batches and DP ranks; the aux gradient is then the token-weighted
+mean of the micro-batches' aux gradients, whatever the micro-batch split, DP size or
+batch size. Without the count it was that mean times the global token count. So
+`backward` passes this rank's router token count (`router_token_count`) to
+`finalize_model_grads`, and multiplies the policy loss by the global count first,
+which leaves the already globally normalised policy gradient as it was (megatron's
+own per-token losses are token sums of that size, so the range is the usual one).
+Counts are of router positions, as megatron counts them: padding and ignored filler
+micro-batches run through the routers (no padding mask is passed) and count, and
+under sequence parallelism each TP rank's router sees its 1/tp of the sequence.
 """
 from __future__ import annotations
 
@@ -18,8 +34,9 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from moe_rl.policy.forward import LossFn, Microbatch, Routing, run_schedule
+from moe_rl.policy.forward import LossFn, Microbatch, Routing, _device, run_schedule
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,19 @@ class OptimConfig:
 
 class NonFiniteLoss(RuntimeError):
     """The loss or gradient norm was NaN/inf; the optimizer step was skipped."""
+
+
+def router_token_count(microbatches: list[Microbatch], sequence_parallel: bool) -> int:
+    """Token positions this rank's MoE routers see over `microbatches`, as megatron's aux loss counts them.
+
+    Each micro-batch's model input is `[b_m, s_m]` (`Microbatch.model_tokens`); all of
+    it goes through the routers, padding included. Sequence parallelism gives each TP
+    rank `s_m / tp` positions (rows are padded to a multiple of tp).
+    """
+    from megatron.core import parallel_state as ps
+
+    split = ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+    return sum(mb.model_tokens.numel() for mb in microbatches) // split
 
 
 def wrap_ddp(chunks: list[Any], distributed_optimizer: bool = False) -> list[Any]:
@@ -100,10 +130,32 @@ class PolicyOptimizer:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        num_tokens, total = self._router_tokens(microbatches)
+
+        def scaled_loss(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, Any]]:
+            # finalize_model_grads divides every gradient by `total`; the policy loss is
+            # already normalised by global counts, so it is multiplied back here.
+            loss, out = loss_fn(logits, mb)
+            return loss * total, out
+
         with routing(microbatches) if routing else nullcontext():
-            outputs = run_schedule(self.chunks, microbatches, loss_fn, forward_only=False)
-        finalize_model_grads(self.chunks)
+            outputs = run_schedule(self.chunks, microbatches, scaled_loss, forward_only=False)
+        finalize_model_grads(self.chunks, num_tokens=num_tokens)
         return outputs
+
+    def _router_tokens(self, microbatches: list[Microbatch]) -> tuple[torch.Tensor, float]:
+        """This rank's router token count (0-d long tensor) and its sum over DP ranks.
+
+        The tensor is what `finalize_model_grads` reduces in place; it lives on the
+        compute device because megatron's groups are NCCL-only on GPU.
+        """
+        from megatron.core import parallel_state as ps
+
+        local = router_token_count(microbatches, self.chunks[0].config.sequence_parallel)
+        num_tokens = torch.tensor(local, dtype=torch.long, device=_device())
+        total = num_tokens.clone()
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+        return num_tokens, float(total)
 
     def step(self, microbatches: list[Microbatch], loss_fn: LossFn,
              routing: Routing | None = None) -> tuple[list[dict[str, Any]], dict[str, float]]:
