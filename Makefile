@@ -15,6 +15,9 @@ $(STAMP): setup.py
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
 	$(BIN)/pip install -q -e ".[dev]"
+	# sglang's request types and argument parser, for tests/contract/; --no-deps because its
+	# requirements pin a CUDA torch (setup.py's [dev] holds what it imports on CPU)
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	touch $(STAMP)
 
 test: $(STAMP)
