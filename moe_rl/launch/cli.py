@@ -48,9 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nccl-ifname", default=DEFAULT_NCCL_IFNAME,
                    help=f"NCCL_SOCKET_IFNAME (default {DEFAULT_NCCL_IFNAME!r}: any but loopback/docker; '' = unset)")
     g.add_argument("--gloo-ifname", help="GLOO_SOCKET_IFNAME, an interface name such as ib0 (default unset)")
-    g.add_argument("--container-image", help="run every step in this image (pyxis/enroot srun flags)")
+    g.add_argument("--container-image", help="run every moe_rl command in this image (pyxis/enroot srun flags); "
+                                             "the batch host then needs no moe_rl")
     g.add_argument("--container-mounts", help="pyxis mounts (default RUN_DIR:RUN_DIR)")
-    g.add_argument("--python", help="interpreter on the nodes (default: this one; 'python' in a container)")
+    g.add_argument("--python", help="interpreter of every moe_rl command of the job, helpers included "
+                                    "(default: this one; 'python' inside --container-image)")
     g.add_argument("--master-port", type=int, help="rendezvous port (default derived from the job id)")
     g.add_argument("--servers-per-node", type=int,
                    help="rollout servers per serving node (default: GPUs / server tp for SGLang, 1 for local)")
