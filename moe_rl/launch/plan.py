@@ -142,7 +142,7 @@ def check_weight_sync(rollout: Any, shape: NodeShape) -> None:
     In the colocated shape server 0 of a node uses the same GPUs as the trainer ranks
     there, trainer rank 0 among them; the nccl sync puts rank 0 and the servers in one
     communicator, and NCCL refuses two ranks on one GPU. The trainer's config check
-    refuses it too, but only once the job runs: this says so on the login node.
+    refuses `rollout.colocated=true` with nccl too; this message names the launch's fix.
     """
     if shape.colocated and str(rollout.engine) == "sglang" and str(rollout.weight_sync) == "nccl":
         raise LaunchError("rollout.weight_sync=nccl cannot work in the colocated shape (--rollout-nodes 0): the "
