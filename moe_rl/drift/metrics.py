@@ -27,6 +27,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from moe_rl.devices import to_compute
+
 VOLATILITY = "drift/volatility"
 ROLLOUT_MISMATCH = "drift/rollout_mismatch"
 LOGPROB_PREFIX = "drift/logp"
@@ -118,11 +120,18 @@ def _check_distinct(name: str, routes: Tensor) -> None:
 
 # ---------------------------------------------------------------- reductions
 def _all_reduce_sum(t: Tensor, group: Any = None) -> Tensor:
-    """Sum `t` in place over `group` when torch.distributed is initialised; else leave it."""
+    """Sum `t` in place over `group` when torch.distributed is initialised; else leave it.
+
+    The sum runs on the compute device (NCCL groups take no host tensors); a host `t`
+    gets the result copied back.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        buf = to_compute(t)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+        if buf is not t:
+            t.copy_(buf)
     return t
 
 

@@ -30,7 +30,8 @@ _CUDA_TYPE_NAMES = {
 }
 
 
-def _is_cuda(device: Any) -> bool:
+def is_cuda_device(device: Any) -> bool:
+    """Whether torch reads `device` (a torch.device, "cuda..." string or bare index) as a CUDA device."""
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
@@ -50,12 +51,12 @@ class _CudaToCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if "device" in kwargs and _is_cuda(kwargs["device"]):
+        if "device" in kwargs and is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to:
-            args = tuple(_CPU if (i > 0 and _is_cuda(a) and not isinstance(a, int)) else a
+            args = tuple(_CPU if (i > 0 and is_cuda_device(a) and not isinstance(a, int)) else a
                          for i, a in enumerate(args))
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
@@ -152,7 +153,8 @@ def is_active() -> bool:
 
 
 def device() -> torch.device:
-    """The device the policy lives on: the local CUDA device, or the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return _CPU
+    """The device the policy lives on: `moe_rl.devices.compute_device()` (the local CUDA
+    device, else the CPU, or the device guard's simulated accelerator)."""
+    from moe_rl.devices import compute_device
+
+    return compute_device()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.data.balance import pack_bins
+from moe_rl.devices import compute_device
 from moe_rl.policy.packing import PackedRow, model_kwargs, pack_row, unpack
 
 
@@ -340,7 +341,8 @@ def agree_on_shape(num_sequences: int, seq_len: int) -> int:
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """Where microbatches and collective tensors go (NCCL groups take no host tensors)."""
+    return compute_device()
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from moe_rl.devices import compute_device
 from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
 from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
@@ -163,7 +164,9 @@ class Policy:
         return self._all_reduce(values, dist.ReduceOp.MAX, group) if dist.is_initialized() else values
 
     def _all_reduce(self, values: torch.Tensor, op: Any, group: str) -> torch.Tensor:
-        out = values.clone()
+        """Reduce a copy on the compute device (NCCL groups take no host tensors); return it
+        on `values`' device, so callers passing host tensors get host tensors back."""
+        out = values.to(compute_device(), copy=True)
         dist.all_reduce(out, op=op, group=self.dp_group if group == "dp" else None)
-        return out
+        return out.to(values.device)
 

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from moe_rl.devices import compute_device
 from moe_rl.drift.metrics import route_dtype  # smallest int type for ids; one definition for all routes
 from moe_rl.policy.forward import Microbatch
 from moe_rl.policy.model import MoEArch
@@ -286,7 +287,11 @@ class Recording:
             for mb, ids in zip(self.microbatches, calls):
                 self._place(mb, ids, column)
         if dist.is_initialized():
-            dist.all_reduce(self.buf, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
+            # Assembled on the host (per-row placement), reduced on the compute device: NCCL
+            # groups take no host tensors.
+            buf = self.buf.to(compute_device())
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
+            self.buf = buf.cpu()
         lengths = torch.full((self.buf.shape[0],), -1, dtype=torch.long)
         for mb in self.microbatches:
             for j in range(mb.tokens.shape[0]):
