@@ -3,14 +3,23 @@
 Works the same against `python -m sglang.launch_server ... --enable-return-routed-experts`
 and against `moe-rl serve` (which speaks the same API on CPU).
 
+Behind sglang-router (`SGLangClient(urls=[router], admin_urls=workers)`): sglang-router
+0.3.2 re-serialises /generate into a fixed struct that has no `return_routed_experts`,
+so routes never come back through it. A generate request that asks for routed experts
+therefore goes straight to the workers (`admin_urls`), balanced by this client
+(least-loaded, with the same health checks and retries as without a router); every
+other generate request goes through the router. Weight updates, pause / flush and
+memory release / resume always go to the workers, which the router does not relay them to.
+
 What it does for robustness:
 - async aiohttp core with bounded concurrency (`max_concurrency` requests in flight);
 - a per-request timeout (`request_timeout`): a hung server costs a timeout, never a hang;
 - retries with exponential backoff and jitter, each attempt on the least-loaded
   healthy server; a server that fails (connection error, timeout, HTTP 5xx / 429)
-  is marked unhealthy and re-probed via GET /health every `probe_interval` s;
-  a recovered server first gets the latest weights (`update_weights_from_disk`)
-  when it missed an update;
+  is marked unhealthy and re-probed via GET /health_generate every `probe_interval` s
+  (a wedged SGLang server still answers a plain /health with 200; /health_generate
+  generates a token); a recovered server first gets the latest weights
+  (`update_weights_from_disk`) when it missed an update;
 - a sample is never dropped: it is retried elsewhere, or the call fails with a
   `RolloutError` naming the server URL and the error. Protocol errors (HTTP 4xx,
   a body that is not the expected JSON, routed experts of the wrong shape) are
@@ -26,6 +35,14 @@ sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
 The routes are decoded as `extract_routed_experts_from_meta_info` does
 (sglang/srt/state_capturer/routed_experts.py: frombuffer int32), shape-checked,
 restricted to the MoE layers and stored in the smallest integer dtype.
+
+Model info: GET /model_info (its name since sglang 0.5.23), falling back to the older
+/get_model_info on a 404.
+
+Colocated memory: `release_memory_occupation()` marks the servers released and
+`generate()` resumes them first, so a rollout after an eval or a skipped step never
+reaches a server that gave its memory away; `resume_memory_occupation()` sends nothing
+when they are not released.
 
 Seeds: a request with `seed` s and n > 1 is sent as n requests with
 `sampling_seed` s, s+1, ..., so the samples differ and rerun identically
@@ -65,7 +82,7 @@ class _Retryable(Exception):
     """A failure of one server that another server (or a later try) may not have."""
 
 
-@dataclass
+@dataclass(eq=False)  # one object per server: compared by identity
 class _Server:
     url: str
     healthy: bool = True
@@ -107,9 +124,10 @@ class SGLangClient:
 
     urls: server base URLs (`http://host:port`), or one sglang-router URL.
     admin_urls: where weight updates / pause / flush go (default: `urls`); behind a
-        router, pass the worker URLs here.
+        router, pass the worker URLs here: generate requests that ask for routed
+        experts go to them directly (the router drops that field).
     num_layers / topk / num_experts / moe_layer_ids: the model's geometry for the
-        routed-experts checks. Left None, they come from the server's /get_model_info
+        routed-experts checks. Left None, they come from the server's /model_info
         (moe-rl serve reports them) or from `<model_path>/config.json` when readable.
     retry_aborted: resubmit samples that came back with finish_reason "abort"
         (e.g. from pause_generation) instead of returning them.
@@ -118,14 +136,17 @@ class SGLangClient:
     def __init__(self, urls: Sequence[str] | str, *, admin_urls: Sequence[str] | None = None,
                  max_concurrency: int = 64, request_timeout: float = 600.0, connect_timeout: float = 10.0,
                  max_attempts: int = 4, backoff_base: float = 0.5, backoff_max: float = 10.0,
-                 probe_interval: float = 5.0, probe_timeout: float = 5.0, no_server_timeout: float = 60.0,
+                 probe_interval: float = 5.0, probe_timeout: float = 20.0, no_server_timeout: float = 60.0,
                  num_layers: int | None = None, topk: int | None = None, num_experts: int | None = None,
                  moe_layer_ids: Sequence[int] | None = None, retry_aborted: bool = False):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
         self._servers = [_Server(u.rstrip("/")) for u in urls]
-        self._admin = [_Server(u.rstrip("/")) for u in (admin_urls or [])] or self._servers
+        admin = [u.rstrip("/") for u in (admin_urls or [])]
+        # A router in front: `urls` are not the workers themselves.
+        self._behind_router = bool(admin) and set(admin) != set(self.urls)
+        self._admin = [_Server(u) for u in admin] if self._behind_router else self._servers
         self.max_concurrency = int(max_concurrency)
         self.request_timeout = float(request_timeout)
         self.connect_timeout = float(connect_timeout)
@@ -143,6 +164,8 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._health_changed: asyncio.Event | None = None
+        self._released = False  # the servers gave their memory away (release_memory_occupation)
+        self._resume_lock: asyncio.Lock | None = None
 
     # ------------------------------------------------------------------ plumbing
     def _loop_thread(self) -> _LoopThread:
@@ -172,6 +195,7 @@ class SGLangClient:
                 connector=aiohttp.TCPConnector(limit=self.max_concurrency + 2 * len(self._servers)))
             self._sem = asyncio.Semaphore(self.max_concurrency)
             self._health_changed = asyncio.Event()
+            self._resume_lock = asyncio.Lock()
         return self._session
 
     def close(self) -> None:
@@ -203,9 +227,18 @@ class SGLangClient:
     def urls(self) -> list[str]:
         return [s.url for s in self._servers]
 
+    @property
+    def released(self) -> bool:
+        """True between `release_memory_occupation()` and the next resume (explicit or by `generate`)."""
+        return self._released
+
+    def _all_servers(self) -> list[_Server]:
+        """The generate URLs, then the workers behind a router (each once)."""
+        return self._servers + [s for s in self._admin if s not in self._servers]
+
     def server_states(self) -> dict[str, dict[str, Any]]:
         return {s.url: {"healthy": s.healthy, "inflight": s.inflight, "last_error": s.last_error}
-                for s in self._servers}
+                for s in self._all_servers()}
 
     async def _request(self, server: _Server, method: str, path: str, payload: Any = None,
                        timeout: float | None = None) -> tuple[int, bytes]:
@@ -255,19 +288,23 @@ class SGLangClient:
         server.last_error = why
         server.next_probe = time.monotonic() + self.probe_interval
 
-    async def _probe(self, server: _Server) -> bool:
-        """GET /health; on success bring the server's weights up to date, then mark it healthy."""
+    async def _probe(self, server: _Server, path: str = "/health_generate") -> bool:
+        """GET `path`; on success bring the server's weights up to date, then mark it healthy.
+
+        Failed servers are re-probed with /health_generate, which generates a token: SGLang's
+        plain /health answers 200 even when the scheduler is wedged.
+        """
         if server.probing:
             return server.healthy
         server.probing = True
         try:
-            status, body = await self._request(server, "GET", "/health", timeout=self.probe_timeout)
+            status, body = await self._request(server, "GET", path, timeout=self.probe_timeout)
             if status != 200:
-                raise _Retryable(f"/health answered HTTP {status}")
+                raise _Retryable(f"{path} answered HTTP {status}")
             target = self._target_weights
             # Bring a recovered server up to date (only when it is one we update directly).
             if target is not None and not server.healthy and server in self._admin:
-                info = await self._json(server, "GET", "/get_model_info", timeout=self.probe_timeout)
+                info = await self._model_info(server)
                 if target[1] is None or str(info.get("weight_version")) != target[1]:
                     log.info("server %s missed a weight update; applying %s", server.url, target[0])
                     await self._update_one(server, target[0], target[1])
@@ -284,18 +321,20 @@ class SGLangClient:
             if self._health_changed is not None:
                 self._health_changed.set()
 
-    def _schedule_probes(self) -> None:
+    def _schedule_probes(self, pool: list[_Server]) -> None:
         now = time.monotonic()
-        for s in self._servers:
+        for s in pool:
             if not s.healthy and not s.probing and s.next_probe <= now:
                 asyncio.get_running_loop().create_task(self._probe(s))
 
-    async def _pick(self) -> _Server:
-        """The least-loaded healthy server; waits (probing) up to `no_server_timeout` for one."""
+    async def _pick(self, pool: list[_Server] | None = None) -> _Server:
+        """The least-loaded healthy server of `pool` (default: the generate URLs); waits
+        (probing) up to `no_server_timeout` for one."""
+        pool = self._servers if pool is None else pool
         deadline = time.monotonic() + self.no_server_timeout
         while True:
-            self._schedule_probes()
-            healthy = [s for s in self._servers if s.healthy]
+            self._schedule_probes(pool)
+            healthy = [s for s in pool if s.healthy]
             if healthy:
                 low = min(s.inflight for s in healthy)
                 best = [s for s in healthy if s.inflight == low]
@@ -303,7 +342,7 @@ class SGLangClient:
                 return best[self._rr % len(best)]
             left = deadline - time.monotonic()
             if left <= 0:
-                why = "; ".join(f"{s.url}: {s.last_error}" for s in self._servers)
+                why = "; ".join(f"{s.url}: {s.last_error}" for s in pool)
                 raise RolloutError(f"no healthy SGLang server for {self.no_server_timeout:g} s ({why})")
             assert self._health_changed is not None
             self._health_changed.clear()
@@ -315,12 +354,31 @@ class SGLangClient:
 
     async def _ahealth(self) -> bool:
         self._ensure_session()
-        res = await asyncio.gather(*(self._probe(s) for s in self._servers))
-        return any(res)
+        res = await asyncio.gather(*(self._probe(s, "/health") for s in self._all_servers()))
+        front = res[:len(self._servers)]
+        workers = [ok for s, ok in zip(self._all_servers(), res) if s in self._admin]
+        return any(front) and (not self._behind_router or any(workers))
 
     def health(self) -> bool:
-        """Probe every server now; True when at least one answers /health."""
+        """Quick liveness: probe every server now with GET /health. True when at least one
+        generate URL answers (and, behind a router, at least one worker too)."""
         return bool(self._run(self._ahealth()))
+
+    async def _model_info(self, server: _Server) -> Any:
+        """GET /model_info; /get_model_info (its name before sglang 0.5.23) when that is a 404."""
+        for path in ("/model_info", "/get_model_info"):
+            status, body = await self._request(server, "GET", path, timeout=self.probe_timeout)
+            if status != 404:
+                break
+        if status >= 500 or status in (408, 429):
+            raise _Retryable(f"HTTP {status} from {path}: {self._error_text(body)}")
+        if status != 200:
+            raise RolloutError(f"server {server.url} refused {path} (HTTP {status}): {self._error_text(body)}")
+        try:
+            return json.loads(body)
+        except ValueError as e:
+            raise RolloutError(f"server {server.url} answered {path} with invalid JSON ({e}): "
+                               f"{body[:200]!r}") from None
 
     # ------------------------------------------------------------------ geometry
     async def _resolve_geometry(self) -> _Geometry:
@@ -329,12 +387,12 @@ class SGLangClient:
         n_layers, topk, n_exp, moe = self._geo_args
         info: dict[str, Any] = {}
         if n_layers is None or (topk is None and moe != []):
-            server = await self._pick()
+            server = await self._pick(self._admin)  # the servers themselves, not a router
             try:
-                info = await self._json(server, "GET", "/get_model_info", timeout=self.probe_timeout)
+                info = await self._model_info(server)
             except _Retryable as e:
                 self._mark_unhealthy(server, str(e))
-                raise RolloutError(f"server {server.url}: cannot read /get_model_info: {e}") from None
+                raise RolloutError(f"server {server.url}: cannot read /model_info: {e}") from None
             cfg: dict[str, Any] = {}
             if "moe_layer_ids" not in info or info.get("num_hidden_layers") is None:
                 cfg = _read_hf_config(info.get("model_path"))
@@ -352,7 +410,7 @@ class SGLangClient:
         if not n_layers or not topk:
             raise RolloutError(
                 "cannot tell the model's number of layers / top-k to decode routed_experts: the servers' "
-                f"/get_model_info does not report them and {info.get('model_path')!r} has no readable "
+                f"/model_info does not report them and {info.get('model_path')!r} has no readable "
                 "config.json here; pass SGLangClient(num_layers=..., topk=..., num_experts=...)")
         moe = list(range(int(n_layers))) if moe is None else [int(x) for x in moe]
         self._geometry = _Geometry(int(n_layers), int(topk), None if n_exp is None else int(n_exp), moe)
@@ -369,6 +427,9 @@ class SGLangClient:
 
     async def _generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
         self._ensure_session()
+        if self._released:
+            log.debug("servers were released (release_memory_occupation): resuming them before generating")
+            await self._aresume()
         geo = await self._resolve_geometry() if any(r.return_routed_experts for r in requests) else None
         jobs: list[tuple[int, GenerateRequest]] = []
         for i, r in enumerate(requests):
@@ -395,11 +456,16 @@ class SGLangClient:
         return {"input_ids": list(req.prompt_ids), "sampling_params": req.sampling.to_sglang(),
                 "return_logprob": True, "return_routed_experts": bool(req.return_routed_experts)}
 
+    def _pool_for(self, req: GenerateRequest) -> list[_Server]:
+        """Behind a router, requests for routed experts go to the workers (the router drops the field)."""
+        return self._admin if self._behind_router and req.return_routed_experts else self._servers
+
     async def _run_job(self, req: GenerateRequest, geo: _Geometry | None) -> list[GenerateResult]:
         payload = self._payload(req)
+        pool = self._pool_for(req)
         errors: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
-            server = await self._pick()
+            server = await self._pick(pool)
             assert self._sem is not None
             async with self._sem:
                 server.inflight += 1
@@ -495,10 +561,16 @@ class SGLangClient:
             raise RolloutError(f"{where}: routed_experts: {e}") from None
 
     # -------------------------------------------------------------- weight updates
-    async def _update_one(self, server: _Server, path: str, version: str | None) -> None:
+    @staticmethod
+    def _disk_update_payload(path: str, version: str | None) -> dict[str, Any]:
+        # SGLang UpdateWeightFromDiskReqInput (sglang/srt/managers/io_struct.py)
         payload: dict[str, Any] = {"model_path": path}
         if version is not None:
             payload["weight_version"] = version
+        return payload
+
+    async def _update_one(self, server: _Server, path: str, version: str | None) -> None:
+        payload = self._disk_update_payload(path, version)
         d = await self._json(server, "POST", "/update_weights_from_disk", payload, ok_statuses=(200, 400))
         if not isinstance(d, dict) or not d.get("success"):
             msg = d.get("message") if isinstance(d, dict) else d
@@ -568,19 +640,35 @@ class SGLangClient:
 
     def release_memory_occupation(self) -> None:
         """Colocated runs: SGLang frees its weights and KV cache (ReleaseMemoryOccupationReqInput)
-        so training can use the GPU memory; needs servers started with --enable-memory-saver."""
+        so training can use the GPU memory; needs servers started with --enable-memory-saver.
+        Marks the servers released: the next `generate` resumes them first."""
         self._run(self._broadcast("POST", "/release_memory_occupation", {}))
+        self._released = True
+
+    async def _aresume(self) -> None:
+        assert self._resume_lock is not None
+        async with self._resume_lock:  # concurrent generate calls resume once
+            if self._released:
+                await self._broadcast("POST", "/resume_memory_occupation", {})
+                self._released = False
 
     def resume_memory_occupation(self) -> None:
-        """Colocated runs: SGLang takes its memory back before the next weight update and rollout."""
-        self._run(self._broadcast("POST", "/resume_memory_occupation", {}))
+        """Colocated runs: SGLang takes its memory back before the next weight update and rollout.
+        Sends nothing when the servers are not released."""
+        if self._released:
+            self._run(self._on_loop_resume())
+
+    async def _on_loop_resume(self) -> None:
+        self._ensure_session()
+        await self._aresume()
 
     def get_model_info(self) -> dict[str, Any]:
+        """GET /model_info of one server (a worker behind a router)."""
         async def go() -> Any:
             self._ensure_session()
-            server = await self._pick()
+            server = await self._pick(self._admin)
             try:
-                return await self._json(server, "GET", "/get_model_info", timeout=self.probe_timeout)
+                return await self._model_info(server)
             except _Retryable as e:
                 self._mark_unhealthy(server, str(e))
                 raise RolloutError(f"server {server.url}: {e}") from None

@@ -33,6 +33,10 @@ class FakeServer:
     def __init__(self, mode: str):
         self.mode, self.calls = mode, 0
         self.version, self.updates, self.update_status = "default", [], 200
+        self.wedged = False   # /health still answers 200, /health_generate does not (a stuck scheduler)
+        self.old_api = False  # an SGLang before 0.5.23: /get_model_info only
+        self.paths: list[str] = []
+        self.admin_calls: list[str] = []
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True)
         self._thread.start()
@@ -45,11 +49,11 @@ class FakeServer:
 
     async def _start(self) -> None:
         self.release = asyncio.Event()
-        app = web.Application()
+        app = web.Application(middlewares=[self._record])
         app.router.add_get("/health", lambda r: web.Response())
-        app.router.add_get("/get_model_info", lambda r: web.json_response(
-            {"model_path": "fake", "num_hidden_layers": LAYERS, "num_experts_per_tok": TOPK,
-             "num_experts": EXPERTS, "moe_layer_ids": list(range(LAYERS)), "weight_version": self.version}))
+        app.router.add_get("/health_generate", lambda r: web.Response(status=503 if self.wedged else 200))
+        app.router.add_get("/model_info", lambda r: web.Response(status=404) if self.old_api else self._info())
+        app.router.add_get("/get_model_info", lambda r: self._info())
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/update_weights_from_disk", self._update)
         for path in ("/release_memory_occupation", "/resume_memory_occupation"):
@@ -61,8 +65,18 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         self._ready.set()
 
+    @web.middleware
+    async def _record(self, request: web.Request, handler):
+        self.paths.append(request.path)
+        return await handler(request)
+
+    def _info(self) -> web.Response:
+        return web.json_response(
+            {"model_path": "fake", "num_hidden_layers": LAYERS, "num_experts_per_tok": TOPK,
+             "num_experts": EXPERTS, "moe_layer_ids": list(range(LAYERS)), "weight_version": self.version})
+
     async def _admin(self, request: web.Request) -> web.Response:
-        self.admin_calls = getattr(self, "admin_calls", []) + [request.path]
+        self.admin_calls.append(request.path)
         return web.json_response({"success": True})
 
     async def _update(self, request: web.Request) -> web.Response:
@@ -215,3 +229,54 @@ def test_colocated_memory_release_and_resume_reach_every_server(fake):
         client.close()
     for s in servers:
         assert s.admin_calls == ["/release_memory_occupation", "/resume_memory_occupation"]
+
+
+def test_model_info_falls_back_to_its_deprecated_name_on_older_servers(fake):
+    new, old = fake("ok"), fake("ok")
+    old.old_api = True
+    for s in (new, old):
+        with _client([s.url]) as c:
+            (res,), = c.generate(REQ)  # the routes' geometry comes from the model info
+            assert res.routed_experts.shape == (6, LAYERS, TOPK)
+            assert c.get_model_info()["num_hidden_layers"] == LAYERS
+    assert "/model_info" in new.paths and "/get_model_info" not in new.paths
+    assert old.paths.count("/model_info") == old.paths.count("/get_model_info") == 2
+
+
+def test_wedged_server_answering_health_stays_out_of_rotation(fake):
+    a, b = fake("ok"), fake("500")
+    reqs = [GenerateRequest([1, 2, k], SamplingParams(max_new_tokens=3)) for k in range(4)]
+    with _client([a.url, b.url], max_attempts=3) as c:
+        c.generate(reqs)
+        assert not c.server_states()[b.url]["healthy"]
+        b.mode, b.wedged = "ok", True           # /health says 200, but it cannot generate
+        for _ in range(10):
+            assert {r[0].server for r in c.generate(reqs)} == {a.url}
+            time.sleep(0.06)                     # > probe_interval: b is re-probed every round
+        assert not c.server_states()[b.url]["healthy"] and b.paths.count("/health_generate") >= 3
+        assert "/health" not in b.paths          # the quick /health is never taken as recovery
+        b.wedged = False
+        deadline = time.monotonic() + 5
+        while not c.server_states()[b.url]["healthy"] and time.monotonic() < deadline:
+            c.generate(reqs)
+            time.sleep(0.06)
+        assert c.server_states()[b.url]["healthy"]
+
+
+def test_released_servers_are_resumed_before_the_next_generate(fake):
+    servers = [fake("ok"), fake("ok")]
+    with _client([s.url for s in servers]) as c:
+        assert not c.released
+        c.resume_memory_occupation()             # nothing released: no call at all
+        assert all(s.admin_calls == [] for s in servers)
+        c.release_memory_occupation()
+        assert c.released
+        c.generate(REQ * 4)                      # e.g. an eval right after the training phase
+        assert not c.released
+        c.generate(REQ)
+        c.resume_memory_occupation()             # already resumed by generate: no second call
+    for s in servers:
+        assert s.admin_calls == ["/release_memory_occupation", "/resume_memory_occupation"]
+    generating = [s for s in servers if "/generate" in s.paths]
+    assert generating and all(s.paths.index("/resume_memory_occupation") < s.paths.index("/generate")
+                              for s in generating)
