@@ -4,14 +4,17 @@ Two kinds of servers, chosen by `rollout.engine`:
 
 - `local`: `python -m moe_rl.cli serve --model DIR --host H --port P` (HF
   transformers on CPU, SGLang's HTTP API). Several of them are balanced by
-  `SGLangClient` itself.
+  `SGLangClient` itself, unless `rollout.router` is true: then the real
+  sglang-router goes in front of them too (the CPU rehearsal of a cluster run).
 - `sglang`: `python -m sglang.launch_server --model-path P --tp-size N ...`
   with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` in its environment, so the log-probs it
   returns are log_softmax of the raw logits (temperature 1), the quantity the
   trainer recomputes (sglang/srt/layers/sampler.py). With several servers an
   sglang-router (`python -m sglang_router.launch_router --worker-urls ...`) goes in
-  front; `urls` is then the router and `admin_urls` the workers, which is where
-  weight updates must go (the router does not fan them out).
+  front (`rollout.router`: None = only then, true = always, false = never); `urls`
+  is then the router and `admin_urls` the workers, which is where weight updates
+  must go (the router does not fan them out) and where `SGLangClient` sends the
+  requests that ask for routed experts (the router drops that field).
 
 The command lines are built by pure functions (`sglang_server_command`,
 `router_command`, `local_server_command`, `plan_servers`) so they are checked
@@ -107,21 +110,43 @@ def sglang_server_command(model_path: str | Path, *, host: str, port: int, tp_si
     return argv + [str(a) for a in extra_args]
 
 
-def router_command(worker_urls: Sequence[str], *, host: str, port: int, python: str | None = None,
-                   extra_args: Sequence[str] = ()) -> list[str]:
-    """argv of `sglang_router.launch_router` in front of `worker_urls`."""
+def router_command(worker_urls: Sequence[str], *, host: str, port: int, prometheus_port: int | None = None,
+                   python: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
+    """argv of `sglang_router.launch_router` in front of `worker_urls`.
+
+    `prometheus_port`: where the router's metrics exporter listens, on `host`. Left
+    None the router takes its default, 0.0.0.0:29000, and a second router on the same
+    machine then dies at startup ("Address already in use").
+    """
     if not worker_urls:
         raise ValueError("the router needs at least one worker URL")
-    return [python or sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-            "--worker-urls", *worker_urls, *map(str, extra_args)]
+    argv = [python or sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
+    if prometheus_port is not None:
+        argv += ["--prometheus-host", host, "--prometheus-port", str(prometheus_port)]
+    return argv + ["--worker-urls", *worker_urls, *map(str, extra_args)]
+
+
+def wants_router(cfg: Any) -> bool:
+    """Whether `plan_servers` puts sglang-router in front of the servers `cfg` describes.
+
+    `rollout.router`: true = always (for `moe-rl serve` workers too), false = never,
+    None (or absent) = when the engine is sglang and there is more than one server.
+    """
+    choice = getattr(cfg, "router", None)
+    if choice is None:
+        return cfg.engine == "sglang" and int(cfg.num_servers) > 1
+    if not isinstance(choice, bool):
+        raise ValueError(f"rollout.router must be true, false or null (auto), got {choice!r}")
+    return choice
 
 
 def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None, ep_size: int | None = None,
                  python: str | None = None) -> tuple[list[ServerSpec], ServerSpec | None]:
     """The servers (and the router, or None) a `RolloutConfig` asks for.
 
-    Server i listens on `cfg.base_port + i`; the router, when there is one (sglang
-    engine, more than one server), on `cfg.base_port + cfg.num_servers`. Each SGLang
+    Server i listens on `cfg.base_port + i`; the router, when there is one (see
+    `wants_router`), on `cfg.base_port + cfg.num_servers` and its metrics exporter on the
+    port after. Each SGLang
     server gets its own `tp_size` GPUs (`--base-gpu-id i * tp_size`). tp_size /
     ep_size default to the config's `tp_size` / `ep_size` fields when it has them, else 1.
     """
@@ -134,7 +159,7 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
     tp = int(tp_size if tp_size is not None else getattr(cfg, "tp_size", 1) or 1)
     ep = int(ep_size if ep_size is not None else getattr(cfg, "ep_size", 1) or 1)
     host, base = str(cfg.host), int(cfg.base_port)
-    if base + n > 65535:
+    if base + n + 1 > 65535:
         raise ValueError(f"rollout.base_port={base} leaves no room for {n} servers and a router below 65536")
     servers: list[ServerSpec] = []
     for i in range(n):
@@ -150,8 +175,9 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
         else:
             raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.engine!r}")
     router = None
-    if cfg.engine == "sglang" and n > 1:
-        argv = router_command([s.url for s in servers], host=host, port=base + n, python=python)
+    if wants_router(cfg):
+        argv = router_command([s.url for s in servers], host=host, port=base + n, prometheus_port=base + n + 1,
+                              python=python)
         router = ServerSpec("router", tuple(argv), host, base + n)
     return servers, router
 

@@ -10,7 +10,8 @@ import pytest
 from moe_rl.config import RolloutConfig
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
 from moe_rl.rollout.launcher import (SGLANG_ENV, LauncherError, ServerGroup, ServerSpec, _group_members,
-                                     plan_servers, port_is_free, router_command, sglang_server_command, tail)
+                                     plan_servers, port_is_free, router_command, sglang_server_command, tail,
+                                     wants_router)
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.testing import free_port
 
@@ -52,6 +53,8 @@ def test_router_command():
                           extra_args=["--policy", "round_robin"])
     assert argv == ["py", "-m", "sglang_router.launch_router", "--host", "0.0.0.0", "--port", "9000",
                     "--worker-urls", "http://a:1", "http://b:2", "--policy", "round_robin"]
+    argv = router_command(["http://a:1"], host="10.0.0.5", port=9000, prometheus_port=9001, python="py")
+    assert _flag(argv, "--prometheus-port") == "9001" and _flag(argv, "--prometheus-host") == "10.0.0.5"
     with pytest.raises(ValueError):
         router_command([], host="h", port=1)
 
@@ -70,6 +73,7 @@ def test_plan_sglang_servers_from_config():
         assert _flag(list(s.argv), "--mem-fraction-static") == "0.6"
         assert list(s.argv[-2:]) == ["--dtype", "bfloat16"]
     assert router is not None and router.port == 31003
+    assert _flag(list(router.argv), "--prometheus-port") == "31004"  # never the shared default 29000
     assert list(router.argv[router.argv.index("--worker-urls") + 1:]) == [s.url for s in servers]
     group = ServerGroup(servers, "/tmp/unused", router=router)
     assert group.urls == ["http://127.0.0.1:31003"] and group.admin_urls == [s.url for s in servers]
@@ -85,6 +89,28 @@ def test_plan_single_sglang_server_has_no_router_and_local_has_no_sglang_env():
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in servers[0].env
     with pytest.raises(ValueError, match="already run"):
         plan_servers(RolloutConfig(urls=["http://gpu-node:30000"]), "/ckpt")
+
+
+@pytest.mark.parametrize("engine, n, choice, expected", [
+    ("sglang", 1, None, False), ("sglang", 2, None, True), ("local", 2, None, False),
+    ("local", 1, True, True), ("local", 2, True, True), ("sglang", 2, False, False), ("sglang", 1, True, True),
+])
+def test_router_in_front_when_asked_or_for_several_sglang_servers(engine, n, choice, expected):
+    cfg = RolloutConfig(engine=engine, num_servers=n, base_port=41000)
+    cfg.router = choice
+    assert wants_router(cfg) is expected
+    servers, router = plan_servers(cfg, "/ckpt", python="py")
+    assert (router is not None) is expected
+    if router is not None:  # in front of exactly these servers, on the port after them
+        assert router.port == 41000 + n
+        assert list(router.argv[router.argv.index("--worker-urls") + 1:]) == [s.url for s in servers]
+
+
+def test_router_choice_must_be_a_bool_or_auto():
+    cfg = RolloutConfig(engine="local", num_servers=2)
+    cfg.router = "yes"
+    with pytest.raises(ValueError, match="rollout.router must be true, false or null"):
+        plan_servers(cfg, "/ckpt")
 
 
 # ----------------------------------------------------------------------------- real processes
