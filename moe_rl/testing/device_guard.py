@@ -33,7 +33,12 @@ Marks are kept per storage (views, `Parameter` wrappers and `.data` share it), t
 weak references, so freed storages leave no stale marks.
 
 Use `with device_guard():` in tests, or `install_device_guard()` once at the start of a
-trainer process, before the policy is built (the CPU rehearsal's `train.device_guard`).
+trainer process, before the policy is built (the CPU rehearsal's `train.device_guard`):
+tensors made before it count as host tensors. The policy's parameters count as device
+tensors only where moe_rl puts them on `compute_device()` (on CPU megatron initialises
+them on the host), as a GPU run must for NCCL to gather them.
+
+Modes are per thread: the guard tracks tensors of the thread that installed it.
 """
 from __future__ import annotations
 
