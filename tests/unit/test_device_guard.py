@@ -1,6 +1,6 @@
 """The device guard: host tensors in moe_rl's collectives fail on CPU as they would under NCCL.
 
-Every check runs in spawned gloo ranks (`run_ranks`): the guard activates compat and
+Every check that enters the guard runs in spawned gloo ranks (`run_ranks`): the guard activates compat and
 patches torch.distributed for the life of a block, which the test process itself
 should not carry. Each worker returns plain values that the tests assert on.
 """
