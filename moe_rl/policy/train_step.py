@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_rl.policy.forward import LossFn, Microbatch, Routing, _device, run_schedule
+from moe_rl.devices import compute_device
+from moe_rl.policy.forward import LossFn, Microbatch, Routing, run_schedule
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class PolicyOptimizer:
         from megatron.core import parallel_state as ps
 
         local = router_token_count(microbatches, self.chunks[0].config.sequence_parallel)
-        num_tokens = torch.tensor(local, dtype=torch.long, device=_device())
+        num_tokens = torch.tensor(local, dtype=torch.long, device=compute_device())
         total = num_tokens.clone()
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         return num_tokens, float(total)
