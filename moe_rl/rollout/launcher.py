@@ -178,7 +178,9 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
     if wants_router(cfg):
         argv = router_command([s.url for s in servers], host=host, port=base + n, prometheus_port=base + n + 1,
                               python=python)
-        router = ServerSpec("router", tuple(argv), host, base + n)
+        # /readiness, not /health: the router answers /health at once, but refuses
+        # /generate (503) until it has registered a healthy worker.
+        router = ServerSpec("router", tuple(argv), host, base + n, health_path="/readiness")
     return servers, router
 
 

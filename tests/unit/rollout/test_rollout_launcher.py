@@ -74,6 +74,7 @@ def test_plan_sglang_servers_from_config():
         assert list(s.argv[-2:]) == ["--dtype", "bfloat16"]
     assert router is not None and router.port == 31003
     assert _flag(list(router.argv), "--prometheus-port") == "31004"  # never the shared default 29000
+    assert router.health_path == "/readiness"  # its /health answers before any worker is registered
     assert list(router.argv[router.argv.index("--worker-urls") + 1:]) == [s.url for s in servers]
     group = ServerGroup(servers, "/tmp/unused", router=router)
     assert group.urls == ["http://127.0.0.1:31003"] and group.admin_urls == [s.url for s in servers]
