@@ -183,7 +183,7 @@ def _request(run: Run, prompts: list[Prompt], step: int, greedy: bool) -> list:
                                 sampling=sampling_params(run, base + i * 101, greedy),
                                 return_routed_experts=run.cfg.rollout.return_routed_experts)
                 for i, p in enumerate(prompts)]
-    results = run.engine.generate(requests)
+    results = run.engine.generate(requests)  # resumes colocated servers released by the last call
     if run.cfg.rollout.colocated:
         run.engine.release_memory_occupation()  # training gets the GPU memory back
     return [[(r.output_ids, r.output_logprobs, r.routed_experts) for r in per_prompt] for per_prompt in results]
@@ -464,8 +464,8 @@ def sync_weights(run: Run) -> None:
     if run.pending is not None and run.pending[1] is not None:
         run.pending[1].result()  # let a prefetched rollout finish on the weights it started with
     if run.cfg.rollout.colocated and run.rank == 0:
-        run.engine.resume_memory_occupation()
-    run.weight_sync.sync(run.weight_version, run.policy.export_hf, run.engine if run.rank == 0 else None)
+        run.engine.resume_memory_occupation()  # the servers load the new weights into their memory
+    run.weight_sync.sync(run.weight_version, run.policy, run.engine if run.rank == 0 else None)
 
 
 # ---------------------------------------------------------------- drift

@@ -139,6 +139,10 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
     if rank == 0:
         (out / "config.yaml").write_text(cfg.to_yaml())  # the resolved config, overrides applied
     _Stop.install()
+    if cfg.train.device_guard:  # CPU rehearsal: a host tensor in a collective fails here, not on a GPU
+        from moe_rl.testing.device_guard import install_device_guard
+
+        install_device_guard()
     built = build_run(cfg, out, rank)
     run, eval_set, servers = built["run"], built["eval"], built["servers"]
     sinks = make_sinks(cfg.log, out, cfg.to_dict(), rank)
@@ -161,6 +165,8 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
     finally:
         progress.close()
         sinks.close()
+        if hasattr(run.weight_sync, "close"):
+            run.weight_sync.close()  # leave the nccl update group before its servers stop
         if run.engine is not None and hasattr(run.engine, "close"):
             run.engine.close()
         if servers is not None:
@@ -175,7 +181,9 @@ def _agree(flag: bool) -> bool:
     """True on every rank when any rank saw the flag (a signal may reach one rank first)."""
     if not dist.is_initialized():
         return flag
-    t = torch.tensor([1 if flag else 0])
+    from moe_rl.devices import compute_device
+
+    t = torch.tensor([1 if flag else 0], device=compute_device())  # NCCL groups take device tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -211,7 +219,8 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
     runner = RewardRunner(get_reward(cfg.reward.name, data=cfg.data.train), cfg.reward.max_failure_frac)
     engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
-    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2)
+    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2,
+                            **(update_group(cfg, servers) if cfg.rollout.weight_sync == "nccl" else {}))
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank)
     eval_set = load_dataset(cfg.data.eval, _hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
@@ -253,6 +262,44 @@ def initial_model(cfg: RunConfig, out: Path, rank: int, dataset: Any) -> Path:
         while not (path / "config.json").is_file():  # other ranks wait for rank 0's write
             time.sleep(0.2)
     return path
+
+
+def update_group(cfg: RunConfig, servers: Any) -> dict[str, Any]:
+    """Where the nccl weight sync meets the servers (collective; every rank gets rank 0's answer).
+
+    The servers join a process group whose rank 0 is trainer rank 0: they reach it at
+    MASTER_ADDR (under torchrun / srun the host of rank 0, which the servers' nodes can
+    resolve) on `rollout.weight_sync_port`, or on a port rank 0 finds free on all its
+    interfaces, never MASTER_PORT (the trainer's own rendezvous). Each server joins with
+    its `--tp-size` ranks (`rollout.tp_size`; `moe-rl serve` is one rank). The group is
+    NCCL on GPUs and gloo on CPU, where `moe-rl serve` receives the same broadcasts.
+    """
+    found = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        r = cfg.rollout
+        admin = list(r.admin_urls) or list(r.urls) or (servers.admin_urls if servers is not None else [])
+        found = {"admin_urls": admin,
+                 "master_address": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                 "master_port": r.weight_sync_port or _free_port(avoid=int(os.environ.get("MASTER_PORT", "0"))),
+                 "server_tp_sizes": r.tp_size if r.engine == "sglang" else 1,
+                 "backend": "nccl" if torch.cuda.is_available() else "gloo"}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    return found
+
+
+def _free_port(avoid: int) -> int:
+    """A TCP port free on every interface of this host (the servers connect from other nodes)."""
+    import socket
+
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        if port != avoid:
+            return port
 
 
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:

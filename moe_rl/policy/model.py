@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from moe_rl.devices import compute_device
 from moe_rl.policy.packing import use_position_ids_for_rope
 from moe_rl.policy.parallel import ParallelLayout
 
@@ -307,7 +308,9 @@ def build_model(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32", reco
         _mark_expert_params(model)
         if not use_transformer_engine():
             use_position_ids_for_rope(model)  # packed rows restart positions (TE uses THD instead)
-        chunks.append(model.to(_DTYPES[dtype]))
+        # On the compute device: on CPU megatron initialises on the host (use_cpu_initialization), and the
+        # device guard must see the weights where a GPU run has them (collectives gather them).
+        chunks.append(model.to(device=compute_device(), dtype=_DTYPES[dtype]))
     return chunks
 
 

@@ -116,10 +116,11 @@ def _from_rank0(obj: Any, group: Any = None) -> Any:
 
 
 def _comm_device(group: Any = None) -> torch.device:
-    """Device tensors must live on for point-to-point ops in `group` (cuda for NCCL)."""
-    if _world(group) > 1 and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Device tensors must live on for collectives and point-to-point ops: the compute device
+    (NCCL groups, the ones a GPU run has, take no host tensors; gloo takes either)."""
+    from moe_rl.devices import compute_device
+
+    return compute_device()
 
 
 def _engine_name(engine: Any) -> str:
@@ -745,7 +746,7 @@ class NcclSync:
                                  weight_version=str(version) if bucket.last else None, load_format=self.load_format)
         path = "/update_weights_from_distributed"
         futures = [self._pool.submit(_post_json, url, path, payload, self.http_timeout) for url in self.urls]
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        device = _comm_device()
         if self.load_format == "flattened_bucket":
             dist.broadcast(flatten_bucket([t.to(device) for t in bucket.tensors]), src=0, group=self._pg)
         else:  # one broadcast per tensor, in `names` order
@@ -786,20 +787,18 @@ WeightSync = Union[DiskSync, TensorSync, NcclSync]
 def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Sequence[str] = (),
                      master_address: str | None = None, master_port: int | None = None,
                      server_tp_sizes: int | Sequence[int] = 1, bucket_bytes: int | None = None,
-                     keep_last: int = 2, group: Any = None) -> WeightSync:
+                     keep_last: int = 2, backend: str = "nccl", group: Any = None) -> WeightSync:
     """The sync `rollout.weight_sync` names (`cfg` is a RunConfig or its RolloutConfig).
 
     disk needs `root` (a directory the trainer and the servers share); nccl needs
-    `admin_urls`, `master_address` and `master_port`.
+    `admin_urls`, `master_address` and `master_port` (`backend` "gloo" reaches
+    `moe-rl serve` on CPU over the same calls).
     """
     rollout = getattr(cfg, "rollout", cfg)
     kind, engine = rollout.weight_sync, getattr(rollout, "engine", None)
     if kind == "tensor" and engine == "sglang":
         raise ValueError("rollout.weight_sync=tensor copies into a LocalEngine in the trainer's process; "
                          "SGLang servers take disk or nccl")
-    if kind == "nccl" and engine == "local":
-        raise ValueError("rollout.weight_sync=nccl broadcasts to SGLang servers; the local engine takes "
-                         "disk or tensor")
     if kind == "disk":
         if root is None:
             raise ValueError("rollout.weight_sync=disk needs a root directory for the weight versions")
@@ -810,5 +809,6 @@ def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Se
         if not admin_urls or master_address is None or master_port is None:
             raise ValueError("rollout.weight_sync=nccl needs the servers' admin_urls, master_address and master_port")
         return NcclSync(admin_urls, master_address=master_address, master_port=master_port,
-                        server_tp_sizes=server_tp_sizes, bucket_bytes=bucket_bytes or (1 << 30), group=group)
+                        server_tp_sizes=server_tp_sizes, bucket_bytes=bucket_bytes or (1 << 30), backend=backend,
+                        http_timeout=max(600.0, float(getattr(rollout, "timeout_s", 0.0))), group=group)
     raise ValueError(f"rollout.weight_sync must be disk, tensor or nccl, got {kind!r}")

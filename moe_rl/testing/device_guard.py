@@ -116,6 +116,11 @@ class _DeviceTracker(TorchFunctionMode):
     # ------------------------------------------------------------ the mode
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch._C._nn._parse_to:
+            # nn.Module.to parses its arguments first and moves each tensor with the parsed
+            # device: keep it cuda (compat would map it to the CPU here) so the moves are seen.
+            with torch._C.DisableTorchFunction():
+                return func(*args, **kwargs)
         target = _placement(func, args, kwargs, self.is_marked)
         result = func(*args, **kwargs)  # compat, below this mode, maps cuda devices to the CPU
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]

@@ -67,6 +67,8 @@ def _guard_basics() -> dict:
             "host_after_copy_from_device": on(host.clone().copy_(dev)),
             "device_to_device_is_self": dev.to(compute_device()) is dev,
             "megatron_allocation": on(torch.empty(2, device=torch.cuda.current_device())),
+            "module_to_device": on(torch.nn.Linear(2, 2).to(device=compute_device()).weight),
+            "module_on_host": on(torch.nn.Linear(2, 2).weight),
         }
         # Point-to-point through P2POp: a host tensor is caught, a device one is sent.
         peer = 1 - rank
@@ -110,7 +112,8 @@ def test_guard_rejects_host_tensors_tracks_marks_and_restores():
             "like_of_device": True, "new_of_device": True, "explicit_host_like": False, "view_of_device": True,
             "reduction_of_device": True, "cpu_of_device": False, "to_cpu_of_device": False, "cpu_is_copy": True,
             "cuda_of_host": True, "cuda_is_copy": True, "to_like_device": True,
-            "host_after_copy_from_device": False, "device_to_device_is_self": True, "megatron_allocation": True}
+            "host_after_copy_from_device": False, "device_to_device_is_self": True, "megatron_allocation": True,
+            "module_to_device": True, "module_on_host": False}
     assert a["marks"] == want
 
 

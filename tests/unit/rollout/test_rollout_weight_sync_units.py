@@ -129,9 +129,10 @@ def test_factory_picks_by_config(tmp_path):
         make_weight_sync(RolloutConfig(engine="sglang", weight_sync="nccl"))
     with pytest.raises(ValueError, match="SGLang servers take disk or nccl"):
         make_weight_sync(RolloutConfig(engine="sglang", weight_sync="tensor"))
-    with pytest.raises(ValueError, match="local engine takes"):
-        make_weight_sync(RolloutConfig(engine="local", weight_sync="nccl"), admin_urls=["http://a:1"],
-                         master_address="h", master_port=1)
+    # moe-rl serve (engine local) joins the same update group over gloo
+    gloo = make_weight_sync(RolloutConfig(engine="local", weight_sync="nccl"), admin_urls=["http://a:1"],
+                            master_address="h", master_port=1, backend="gloo")
+    assert isinstance(gloo, NcclSync) and gloo.backend == "gloo" and gloo.world_size == 2
 
 
 # ----------------------------------------------------------------------------- DiskSync
