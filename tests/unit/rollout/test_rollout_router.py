@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -82,3 +83,18 @@ def test_requests_without_routes_go_through_the_router(group):
     samples = [s for per_request in out for s in per_request]
     assert len(samples) == 4 and all(len(s.output_ids) == 2 and s.routed_experts is None for s in samples)
     assert {s.server for s in samples} == set(group.urls)
+
+
+def test_generate_after_release_resumes_the_workers_first(group):
+    """Colocated runs release the servers after each rollout; an eval or a skipped step
+    must not reach a released server (moe-rl serve refuses /generate then, as SGLang fails)."""
+    body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}}
+    with SGLangClient(group.urls, admin_urls=group.admin_urls, request_timeout=60) as client:
+        client.release_memory_occupation()
+        assert client.released
+        with pytest.raises(urllib.error.HTTPError) as refused:  # what a rollout would hit untracked
+            _post(group.admin_urls[0], "/generate", body)
+        assert refused.value.code == 400
+        out = client.generate([GenerateRequest([3, 4], SamplingParams(max_new_tokens=2))])
+        assert not client.released and len(out[0][0].output_ids) == 2
+    assert _post(group.admin_urls[0], "/generate", body)["output_ids"]  # resumed for everybody
