@@ -142,15 +142,21 @@ class Policy:
         return iter_hf_tensors(self.chunks, self.arch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and scheduler state of this rank (for a same-layout resume)."""
+        """Model, optimizer and scheduler state of this rank (for a same-layout resume).
+
+        With the distributed optimizer this includes this rank's shard of the Adam moments
+        and main parameters; it works before the first optimizer step too.
+        """
         return {"model": [c.state_dict() for c in self.opt.chunks],
-                "optimizer": self.opt.optimizer.state_dict(),
+                "optimizer": self.opt.optimizer_state_dict(),
                 "scheduler": self.opt.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` of the same layout and optimizer settings (model first: the
+        distributed optimizer's main parameters then come from the checkpoint's own shard)."""
         for chunk, sd in zip(self.opt.chunks, state["model"]):
             chunk.load_state_dict(sd)
-        self.opt.optimizer.load_state_dict(state["optimizer"])
+        self.opt.load_optimizer_state_dict(state["optimizer"])
         self.opt.scheduler.load_state_dict(state["scheduler"])
 
     # ------------------------------------------------------------ collectives for the loop

@@ -25,6 +25,14 @@ own per-token losses are token sums of that size, so the range is the usual one)
 Counts are of router positions, as megatron counts them: padding and ignored filler
 micro-batches run through the routers (no padding mask is passed) and count, and
 under sequence parallelism each TP rank's router sees its 1/tp of the sequence.
+
+Checkpoints (`PolicyOptimizer.optimizer_state_dict`). megatron's distributed optimizer
+keeps the parameter-dependent state (fp32 main-parameter shards, Adam's exp_avg and
+exp_avg_sq) out of its `state_dict()`; its checkpoints add it through the parameter
+state methods. A same-layout resume needs this rank's shard only, which megatron
+exposes without communication as its "dp_reshardable" format; `load_state_dict`
+restores it when the state carries `param_state`. The plain optimizer's own state dict
+already holds everything and is used as is.
 """
 from __future__ import annotations
 
@@ -176,6 +184,32 @@ class PolicyOptimizer:
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
         return outputs, {"perf/grad_norm": grad_norm, "perf/lr": float(lr if lr is not None else "nan")}
 
+    def optimizer_state_dict(self) -> Any:
+        """This rank's full optimizer state, for a same-layout resume (works before the first step).
+
+        Plain optimizer: megatron's `state_dict()`. Distributed optimizer: per sub-optimizer
+        (dense, experts) megatron's `state_dict()` plus this rank's parameter state shard;
+        one dict, or a list when megatron chains several optimizers (its own layout).
+        Tensors are the live ones (like `Module.state_dict`): save them before the next step.
+        """
+        if not self.cfg.distributed_optimizer:
+            return self.optimizer.state_dict()
+        states = [_distributed_state_dict(o) for o in _sub_optimizers(self.optimizer)]
+        return states[0] if len(states) == 1 else states
+
+    def load_optimizer_state_dict(self, state: Any) -> None:
+        """Restore what `optimizer_state_dict` returned (same layout and optimizer kind)."""
+        if not self.cfg.distributed_optimizer:
+            self.optimizer.load_state_dict(state)
+            return
+        _check_distributed_state(state, len(_sub_optimizers(self.optimizer)))
+        # megatron's; the chained one dispatches per sub-optimizer. No grad: megatron copies the
+        # main parameters in place, and in fp32 those are views of the model's parameters.
+        with torch.no_grad():
+            self.optimizer.load_state_dict(state)
+        for opt in _sub_optimizers(self.optimizer):
+            _unshare_adam_steps(opt.optimizer)
+
     @property
     def bare_chunks(self) -> list[Any]:
         """The GPTModel chunks inside DDP (for log-prob passes and export)."""
@@ -193,3 +227,75 @@ def grads_as_params(chunks: list[Any]) -> None:
             if g is None:
                 g = p.grad
             p.data.copy_(g if g is not None else torch.zeros_like(p))
+
+
+def _sub_optimizers(optimizer: Any) -> list[Any]:
+    """The megatron optimizers behind `optimizer`: a ChainedOptimizer's parts, or itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _distributed_state_dict(opt: Any) -> dict[str, Any]:
+    """One DistributedOptimizer's state: megatron's `state_dict()` plus this rank's parameter state.
+
+    `param_state` is megatron's `get_parameter_state_dp_reshardable()` (per bucket, per
+    parameter: main-parameter shard, exp_avg, exp_avg_sq, step; no communication),
+    with the `padding` flag megatron's loader filters on set as its sharded-checkpoint
+    path sets it for real parameters. megatron's `load_state_dict` loads it back with
+    `load_parameter_state_from_dp_reshardable`, which also checks the bucket sizes.
+    """
+    _init_empty_adam_state(opt)
+    state = opt.state_dict()
+    param_state = opt.get_parameter_state_dp_reshardable()
+    for key, per_dtype in param_state.items():
+        if isinstance(key, int):  # buffer index -> dtype -> buckets -> parameters
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for tensors in bucket:
+                        tensors["padding"] = False
+    state["param_state"] = param_state
+    state["param_state_sharding_type"] = "dp_reshardable"
+    return state
+
+
+def _init_empty_adam_state(opt: Any) -> None:
+    """Give a DistributedOptimizer that has not stepped yet the Adam state it would start from.
+
+    torch's Adam creates its state (zero moments, step 0) lazily at the first step, and
+    megatron 0.16's `DistributedOptimizer.state_dict` asserts that a step exists without
+    TE / apex, and its parameter state methods need the moments. megatron's own
+    `init_state_fn` (the one its Float16Optimizer uses when loading) fills zero moments;
+    torch's Adam also needs its per-parameter `step` tensor, added here as torch would
+    create it. Zero moments at step 0 are exactly the state the first step starts from.
+    """
+    inner = opt.optimizer
+    params = [p for group in inner.param_groups for p in group["params"]]
+    if opt.init_state_fn is None or all(len(inner.state.get(p, {})) > 0 for p in params):
+        return
+    opt.init_state_fn(inner, opt.config)
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        for p in params:
+            inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def _unshare_adam_steps(inner: Any) -> None:
+    """Give each parameter its own `step` tensor after megatron's `load_state_dict`.
+
+    megatron 0.16 (without TE / apex) loads one step tensor into every parameter's state,
+    and torch's Adam increments each parameter's step in place: shared, the count would
+    grow by the number of parameters per step and the bias correction would be wrong.
+    """
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+
+def _check_distributed_state(state: Any, num_optimizers: int) -> None:
+    """Refuse optimizer state that the distributed optimizer cannot restore in full."""
+    states = state if isinstance(state, list) else [state]
+    if len(states) != num_optimizers or not all(isinstance(s, dict) and "param_state" in s for s in states):
+        raise ValueError(
+            "checkpoint optimizer state does not hold the distributed optimizer's parameter state "
+            f"(expected {num_optimizers} sub-optimizer state(s) with 'param_state'): it was saved with "
+            "train.distributed_optimizer=false or by an older moe_rl; resume with the same "
+            "train.distributed_optimizer setting and parallel layout it was saved with")
