@@ -259,7 +259,8 @@ def _router_setup(cfg: Any, servers: ServerLayout, bind_node: bool) -> str:
                 'GENERATE_URLS=("${WORKER_URLS[@]}")')
     port = servers.router_port
     host = "@@ROUTER_NODE@@" if bind_node else str(cfg.rollout.host)
-    argv = router_command(["@@WORKERS@@"], host=host, port=port, python="@@PYTHON@@")
+    # Its metrics exporter gets the next port (the default 0.0.0.0:29000 is shared by every router on a node).
+    argv = router_command(["@@WORKERS@@"], host=host, port=port, prometheus_port=port + 1, python="@@PYTHON@@")
     srun = _srun_line('"$ROUTER_NODE"', '"${LOG_DIR}/router-${ROUTER_NODE}.log"', argv).removeprefix("  ")
     return ("# sglang-router in front of every server: generation requests go to it, weight\n"
             "# updates go to each server (rollout.admin_urls), which the router does not relay.\n"
@@ -267,8 +268,9 @@ def _router_setup(cfg: Any, servers: ServerLayout, bind_node: bool) -> str:
             f'ROUTER_URL="http://${{ROUTER_NODE}}:{port}"\n'
             f"{srun}\n"
             'SERVER_PIDS+=("$!")\n'
-            'run_task wait-healthy --timeout "$HEALTH_TIMEOUT" --watch "${SERVER_PIDS[*]}" --logs "$LOG_DIR" \\\n'
-            '  "$ROUTER_URL"\n'
+            '# /readiness: the router answers /health before it has registered a worker\n'
+            'run_task wait-healthy --path /readiness --timeout "$HEALTH_TIMEOUT" --watch "${SERVER_PIDS[*]}" \\\n'
+            '  --logs "$LOG_DIR" "$ROUTER_URL"\n'
             'GENERATE_URLS=("$ROUTER_URL")')
 
 

@@ -81,9 +81,9 @@ def exec_with_rank_env(command: Sequence[str]) -> None:
 
 # ----------------------------------------------------------------------------- wait-healthy
 
-def _healthy(url: str, timeout: float) -> bool:
+def _healthy(url: str, timeout: float, path: str = "/health") -> bool:
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -105,8 +105,8 @@ def _alive(pid: int) -> bool:
 
 
 def wait_healthy(urls: Sequence[str], timeout: float, watch: Sequence[int] = (), interval: float = 0.5,
-                 log_hint: str = "", say: Callable[[str], None] = print) -> None:
-    """Return once every URL answers /health with 200; raise TaskError otherwise.
+                 log_hint: str = "", say: Callable[[str], None] = print, path: str = "/health") -> None:
+    """Return once every URL answers `path` (/health; a router: /readiness) with 200; raise TaskError otherwise.
 
     `watch`: pids of the processes that run the servers (the srun steps): when one
     dies the servers cannot come up, so fail now instead of at the timeout.
@@ -115,14 +115,14 @@ def wait_healthy(urls: Sequence[str], timeout: float, watch: Sequence[int] = (),
     pending = list(dict.fromkeys(urls))
     next_note = start + 30.0
     while pending:
-        pending = [u for u in pending if not _healthy(u, min(5.0, max(interval, 1.0)))]
+        pending = [u for u in pending if not _healthy(u, min(5.0, max(interval, 1.0)), path)]
         if not pending:
             break
         dead = [p for p in watch if not _alive(p)]
         hint = f"; logs: {log_hint}" if log_hint else ""
         if dead:
             raise TaskError(f"a server step exited (pid {', '.join(map(str, dead))}) before these answered "
-                            f"/health: {' '.join(pending)}{hint}")
+                            f"{path}: {' '.join(pending)}{hint}")
         now = time.monotonic()
         if now - start > timeout:
             raise TaskError(f"not healthy after {timeout:g} s: {' '.join(pending)}{hint}")
@@ -176,6 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
     w.add_argument("--watch", default="", help="space-separated pids that must stay alive meanwhile")
     w.add_argument("--logs", default="", help="where the servers' logs are (named in errors)")
+    w.add_argument("--path", default="/health",
+                   help="endpoint to poll (default /health; sglang-router: /readiness, since its /health "
+                        "answers before any worker is registered)")
     w.add_argument("urls", nargs="+")
     f = sub.add_parser("finished", help="exit 0 when the run dir holds a checkpoint of the last step")
     f.add_argument("--run-dir", required=True)
@@ -196,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "wait-healthy":
             pids = [int(p) for p in args.watch.split()]
             wait_healthy(args.urls, args.timeout, watch=pids, log_hint=args.logs,
-                         say=lambda s: print(s, flush=True))
+                         say=lambda s: print(s, flush=True), path=args.path)
         elif args.cmd == "finished":
             step = last_checkpoint_step(args.run_dir)
             print(f"last complete checkpoint: step {step} of {args.steps}")

@@ -141,6 +141,15 @@ class Policy:
         """(HF name, tensor) for the tensors this rank owns (collective)."""
         return iter_hf_tensors(self.chunks, self.arch)
 
+    # The two methods a weight sync takes (moe_rl.rollout.weight_sync.PolicyWeights).
+    def export(self, out_dir: str | Path) -> None:
+        """`export_hf`: disk sync."""
+        self.export_hf(out_dir)
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`hf_tensors`: tensor and nccl syncs."""
+        return self.hf_tensors()
+
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and scheduler state of this rank (for a same-layout resume).
 

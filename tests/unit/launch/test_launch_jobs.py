@@ -26,7 +26,7 @@ QWEN = "launch/configs/qwen3_30b_a3b_gspo.yaml"
 NODES = [f"127.0.0.{i}" for i in range(1, 7)]  # loopback addresses: each "node" binds its own ports
 
 FAKE_PYTHON = r'''#!{real}
-"""Stand-in interpreter: servers answer /health, `train` records its rank's view and exits."""
+"""Stand-in interpreter: servers answer /health (a router /readiness), `train` records its rank's view and exits."""
 import json, os, signal, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -59,7 +59,8 @@ def serve():
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
+            ready = "/readiness" if mod == "sglang_router.launch_router" else "/health"
+            self.send_response(200 if self.path == ready else 404)  # a router: /health is not enough
             self.end_headers()
 
         def log_message(self, *args):

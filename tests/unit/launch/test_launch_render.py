@@ -140,7 +140,8 @@ def test_launch_router_when_the_trainer_can_reach_the_servers_behind_it(tmp_path
     r = _render(QWEN, 4, 2, 8, ["parallel.ep=4"], tmp_path)
     assert r.servers.router_port == 30004
     flat = re.sub(r" \\\n\s*", " ", r.text)  # command lines without their wrapping
-    assert '-m sglang_router.launch_router --host 0.0.0.0 --port 30004 --worker-urls "${WORKER_URLS[@]}" &' in flat
+    assert ('-m sglang_router.launch_router --host 0.0.0.0 --port 30004 --prometheus-host 0.0.0.0 '
+            '--prometheus-port 30005 --worker-urls "${WORKER_URLS[@]}" &') in flat
     assert '"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"' in r.text
     assert 'GENERATE_URLS=("$ROUTER_URL")' in r.text
 
@@ -151,6 +152,10 @@ def test_launch_puts_a_router_in_front_and_updates_its_workers(tmp_path):
     assert '"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"' in r.text
     assert not any("no sglang-router" in n for n in r.notes)
     assert any("rollout.num_servers=16 is ignored" in n for n in r.notes)
+    # the job waits for the router's /readiness (its /health answers before a worker registers), and
+    # its metrics exporter takes the port after its own (every router's default is 0.0.0.0:29000)
+    assert 'run_task wait-healthy --path /readiness' in r.text
+    assert "--prometheus-port 30005" in r.text
 
 
 @pytest.mark.parametrize("shape,overrides,config,message", [

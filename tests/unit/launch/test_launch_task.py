@@ -90,6 +90,14 @@ def test_launch_wait_healthy_returns_when_every_server_answers(health_server):
     assert said and "healthy" in said[-1]
 
 
+def test_launch_wait_healthy_polls_the_given_path(health_server):
+    # sglang-router answers /health before it has a worker: the job waits on its /readiness
+    with pytest.raises(TaskError) as e:
+        wait_healthy([health_server], timeout=0.3, interval=0.1, say=lambda s: None, path="/readiness")
+    assert "not healthy after 0.3 s" in str(e.value)
+    assert main(["wait-healthy", "--path", "/health", "--timeout", "5", health_server]) == 0
+
+
 def test_launch_wait_healthy_times_out_naming_the_missing_server(health_server):
     dead = f"http://127.0.0.1:{_free_port()}"
     with pytest.raises(TaskError) as e:
