@@ -720,23 +720,22 @@ async def _update_weight_version(request: web.Request) -> web.Response:
     return _outcome(True, f"Weight version updated to {body['new_version']}", new_version=body["new_version"])
 
 
-async def _release_memory(request: web.Request) -> web.Response:
-    """Release memory (ReleaseMemoryOccupationReqInput{tags}); SGLang answers 200 with a null body."""
-    body = _fields(await _read_json(request), "/release_memory_occupation", _MEMORY_FIELDS)
-    try:
-        request.app[ENGINE].release_memory_occupation(body["tags"])
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
-    return web.json_response(None)
+def _memory_handler(path: str, method: str) -> Callable[[web.Request], Any]:
+    """POST|GET `path` ({tags}: Release/ResumeMemoryOccupationReqInput): the engine's `method`;
+    SGLang answers 200 with a null body."""
+    async def handler(request: web.Request) -> web.Response:
+        body = _fields(await _read_json(request), path, _MEMORY_FIELDS)
+        try:
+            getattr(request.app[ENGINE], method)(body["tags"])
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        return web.json_response(None)
+
+    return handler
 
 
-async def _resume_memory(request: web.Request) -> web.Response:
-    body = _fields(await _read_json(request), "/resume_memory_occupation", _MEMORY_FIELDS)
-    try:
-        request.app[ENGINE].resume_memory_occupation(body["tags"])
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
-    return web.json_response(None)
+_release_memory = _memory_handler("/release_memory_occupation", "release_memory_occupation")
+_resume_memory = _memory_handler("/resume_memory_occupation", "resume_memory_occupation")
 
 
 # (methods, paths, handler): SGLang 0.5.23's native routes this server answers. A deprecated

@@ -270,6 +270,11 @@ class SGLangClient:
     async def _json(self, server: _Server, method: str, path: str, payload: Any = None,
                     timeout: float | None = None, ok_statuses: tuple[int, ...] = (200,)) -> Any:
         status, body = await self._request(server, method, path, payload, timeout)
+        return self._decode(server, path, status, body, ok_statuses)
+
+    def _decode(self, server: _Server, path: str, status: int, body: bytes,
+                ok_statuses: tuple[int, ...] = (200,)) -> Any:
+        """A reply's JSON; 5xx / 408 / 429 are retryable, other refusals and bad JSON are not."""
         if status >= 500 or status in (408, 429):
             raise _Retryable(f"HTTP {status} from {path}: {self._error_text(body)}")
         if status not in ok_statuses:
@@ -370,15 +375,7 @@ class SGLangClient:
             status, body = await self._request(server, "GET", path, timeout=self.probe_timeout)
             if status != 404:
                 break
-        if status >= 500 or status in (408, 429):
-            raise _Retryable(f"HTTP {status} from {path}: {self._error_text(body)}")
-        if status != 200:
-            raise RolloutError(f"server {server.url} refused {path} (HTTP {status}): {self._error_text(body)}")
-        try:
-            return json.loads(body)
-        except ValueError as e:
-            raise RolloutError(f"server {server.url} answered {path} with invalid JSON ({e}): "
-                               f"{body[:200]!r}") from None
+        return self._decode(server, path, status, body)
 
     # ------------------------------------------------------------------ geometry
     async def _resolve_geometry(self) -> _Geometry:

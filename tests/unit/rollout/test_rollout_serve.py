@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import queue
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -27,50 +23,17 @@ from moe_rl.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from moe_rl.rollout.local_engine import LocalEngine
 from moe_rl.rollout.server import ServerThread
 from moe_rl.rollout.sglang_client import SGLangClient
-from moe_rl.testing import free_port
+from moe_rl.testing.serve import start_serve_process, stop_process
 
-REPO = Path(__file__).resolve().parents[3]
 
 
 def _start_cli_server(model_dir: Path, *extra: str, timeout: float = 120.0) -> SimpleNamespace:
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "serve", "--model", str(model_dir),
-                             "--port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    log: list[str] = []
-
-    def pump() -> None:  # keep draining the pipe for the server's lifetime
-        for line in proc.stdout:
-            log.append(line)
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            line = None
-        if line is None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("moe-rl serve did not start:\n" + "".join(log))
-        if line.startswith("serving "):
-            assert line.strip() == f"serving {model_dir} on http://127.0.0.1:{port}"
-            return SimpleNamespace(url=f"http://127.0.0.1:{port}", proc=proc, log=log)
+    srv = start_serve_process(model_dir, *extra, timeout=timeout)
+    assert srv.first_line.strip() == f"serving {model_dir} on {srv.url}"
+    return srv
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+_stop = stop_process
 
 
 @pytest.fixture(scope="module")

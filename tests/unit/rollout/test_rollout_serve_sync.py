@@ -8,10 +8,6 @@ SGLang 0.5.23's memory release / resume, update session, probe and info endpoint
 from __future__ import annotations
 
 import json
-import os
-import queue
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -29,8 +25,8 @@ from moe_rl.rollout.local_engine import LocalEngine, MemoryReleasedError
 from moe_rl.rollout.server import ServerThread
 from moe_rl.rollout.weight_sync import NcclSync, TensorMeta, WeightSyncError, plan_buckets
 from moe_rl.testing import free_port, make_tiny_qwen3_moe
+from moe_rl.testing.serve import start_serve_process, stop_process
 
-REPO = Path(__file__).resolve().parents[3]
 PROMPT = [5, 6, 7, 8, 9]
 BUCKET_BYTES = 64 << 10  # the tiny checkpoint (~650 KB) goes in about a dozen buckets
 
@@ -74,33 +70,7 @@ def _sync(url: str, group: str, **kw) -> NcclSync:
 
 
 def _start_server(model_dir: Path, timeout: float = 120.0) -> SimpleNamespace:
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "serve", "--model", str(model_dir),
-                             "--port", str(port), "--health-check-timeout", "10"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    log: list[str] = []
-
-    def pump() -> None:  # drain the pipe for the server's lifetime
-        for line in proc.stdout:
-            log.append(line)
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            line = None
-        if line is None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("moe-rl serve did not start:\n" + "".join(log))
-        if line.startswith("serving "):
-            return SimpleNamespace(url=f"http://127.0.0.1:{port}", proc=proc, log=log)
+    return start_serve_process(model_dir, "--health-check-timeout", "10", timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +83,7 @@ def new_dir(tmp_path_factory):
 def server(tiny_hf_dir):
     srv = _start_server(tiny_hf_dir)
     yield srv
-    srv.proc.terminate()
-    try:
-        srv.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        srv.proc.kill()
+    stop_process(srv.proc)
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
