@@ -48,6 +48,24 @@ def test_launch_gpu_image_pins_transformer_engine_inside_megatron_cores_range():
         assert spec.contains(te, prereleases=True), f"TE_VERSION={te} is outside megatron-core's {spec}"
 
 
+def test_gpu_extra_pins_transformer_engine_inside_megatron_cores_range():
+    """setup.py's [gpu] extra may allow only versions megatron-core 0.16.1's metadata allows."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    ours = [Requirement(m.group(1)) for m in re.finditer(r'"(transformer-engine[^"]*)"', Path("setup.py").read_text())]
+    assert len(ours) == 1, ours
+    theirs = [Requirement(r).specifier for r in requires("megatron-core") or []
+              if Requirement(r).name.replace("_", "-") == "transformer-engine"]
+    assert theirs, "megatron-core declares no transformer-engine requirement to check against"
+    allowed = [v for v in ("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.11.9", "2.12.0", "2.20.2")
+               if ours[0].specifier.contains(v)]
+    assert allowed, f"{ours[0]} allows none of the released versions"
+    for v in allowed:
+        assert all(spec.contains(v, prereleases=True) for spec in theirs), f"{ours[0]} allows {v}, megatron {theirs}"
+
+
 def test_launch_gpu_image_builds_nvidia_apex_from_source():
     text = GPU.read_text()
     assert 'git clone --depth 1 --branch "${APEX_REF}" https://github.com/NVIDIA/apex' in text
