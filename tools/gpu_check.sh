@@ -5,10 +5,11 @@
 #   WHEELS=dir bash tools/gpu_check.sh     # optional: install missing wheels from dir first
 #
 # Prints the environment, runs tests/gpu and `moe-rl check-parity` on one GPU, then
-# `moe-rl train` for 3 steps with R2 and with R3 (one rank under NCCL, fp32, padded micro-batches
-# since TE has no fp32 packed attention, `moe-rl serve` on the
-# same GPU, weights broadcast over the nccl update group), and writes parity.json, the pytest
-# log and each run's metrics under $OUT (default /tmp/moe_rl_gpu_check).
+# `moe-rl train` for 3 steps with R2 and with R3: one trainer rank under NCCL (fp32, padded
+# micro-batches since TE has no fp32 packed attention) and `moe-rl serve` on the same GPU
+# (weights synced from disk: NCCL refuses two ranks of one GPU in the nccl update group).
+# Writes parity.json, the pytest log and each run's metrics under $OUT
+# (default /tmp/moe_rl_gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 # shellcheck source=tools/gpu_env.sh
@@ -33,7 +34,7 @@ $PY -m moe_rl.cli check-parity --hf-model "$OUT/tiny_hf" --layouts single --json
 status=$(( status || $? ))
 for replay in r2 r3; do
   $PY -m moe_rl.cli train --config launch/configs/tiny_cpu.yaml train.steps=3 train.world_size=1 \
-    parallel.ep=1 parallel.max_tokens_per_microbatch=null algo.replay=$replay rollout.weight_sync=nccl train.eval_every=0 train.save_every=0 \
+    parallel.ep=1 parallel.max_tokens_per_microbatch=null algo.replay=$replay train.eval_every=0 train.save_every=0 \
     log.progress=false log.tensorboard=false log.run_dir="$OUT/train_$replay" 2>&1 | tail -n 20
   status=$(( status || PIPESTATUS[0] ))
   echo "--- metrics of the $replay run (step, reward, pg_loss, rollout mismatch, |d logp|, step s) ---"
