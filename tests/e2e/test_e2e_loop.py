@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import load_config
-from moe_rl.testing import free_port, run_ranks
+from moe_rl.testing import free_ports, run_ranks
 from moe_rl.testing.e2e import objective_matrix_worker
 
 LOSSES = ["grpo", "dapo", "gspo", "gspo_token", "sapo"]
@@ -37,13 +37,13 @@ LOSS_KEYS = {"sapo": "loss/sapo_gate_mean"}  # SAPO has no hard clip; the others
 
 def _cli(args, **kw):
     """`moe-rl ARGS`, with the rollout server on a free port (tests may run beside other servers)."""
-    args = [*args, f"rollout.base_port={free_port()}"] if args and args[0] == "train" else args
+    args = [*args, f"rollout.base_port={free_ports(1)}"] if args and args[0] == "train" else args
     return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, **kw)
 
 
 def test_every_objective_and_replay_mode(tmp_path):
     cfg = load_config("launch/configs/tiny_cpu.yaml", SMALL + [f"log.run_dir={tmp_path}",
-                                                               f"rollout.base_port={free_port()}"])
+                                                               f"rollout.base_port={free_ports(1)}"])
     combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS]
     results = run_ranks(objective_matrix_worker, 2, cfg.to_dict(), str(tmp_path), combos, timeout=900)
     assert sum(1 for r in results[0] if r.get("packed")) == 2  # then two packed steps (r2, r3) with DP balancing
@@ -97,7 +97,7 @@ def test_resume_gives_the_same_next_steps(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu.yaml",
-                             *SMALL, "train.steps=200", f"log.run_dir={tmp_path}", f"rollout.base_port={free_port()}"],
+                             *SMALL, "train.steps=200", f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 600

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.testing import free_port
+from moe_rl.testing import free_ports
 
 pytestmark = pytest.mark.slow
 
 
 def _train(config: str, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "moe_rl.cli", "train", "--config", config, f"log.run_dir={run_dir}",
-            f"rollout.base_port={free_port()}", *overrides]
+            f"rollout.base_port={free_ports(4)}", *overrides]  # 2 servers, the router and its metrics
     return subprocess.run(args, capture_output=True, text=True, timeout=600)
 
 

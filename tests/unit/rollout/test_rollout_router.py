@@ -15,27 +15,18 @@ import pytest
 
 from moe_rl.config import RolloutConfig
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
-from moe_rl.rollout.launcher import ServerGroup, port_is_free
+from moe_rl.rollout.launcher import ServerGroup
 from moe_rl.rollout.sglang_client import SGLangClient
-from moe_rl.testing import free_port
+from moe_rl.testing import free_ports
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
                                 reason="sglang-router is not installed (setup.py [dev] installs it)")
 
 
-def _free_ports(n: int) -> int:
-    """A base port with n consecutive free ports after it."""
-    for _ in range(50):
-        base = free_port()
-        if base + n < 65536 and all(port_is_free("127.0.0.1", base + i) for i in range(n)):
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 @pytest.fixture(scope="module")
 def group(tiny_hf_dir, tmp_path_factory):
     cfg = RolloutConfig(engine="local", num_servers=2, router=True)
-    cfg.base_port = _free_ports(4)  # 2 workers, the router, its metrics exporter
+    cfg.base_port = free_ports(4)  # 2 workers, the router, its metrics exporter
     g = ServerGroup.from_config(cfg, tiny_hf_dir, tmp_path_factory.mktemp("router-logs"),
                                 env={"OMP_NUM_THREADS": "1"})
     assert g.router is not None, "rollout.router=true must put the router in front of moe-rl serve"
