@@ -1,4 +1,4 @@
-"""The prepared GPU scripts pass shellcheck (they only run on a lent GPU machine, so this is their CPU check)."""
+"""The prepared scripts pass shellcheck (the GPU ones only run on a lent GPU machine, slurm_cluster.sh only as root: this is their CPU check)."""
 from __future__ import annotations
 
 import shutil
@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_bench.sh", "gpu_env.sh"])
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_bench.sh", "gpu_env.sh", "slurm_cluster.sh"])
 def test_gpu_scripts_pass_shellcheck(script):
     tool = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     if not Path(tool).exists():

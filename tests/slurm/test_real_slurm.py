@@ -1,0 +1,92 @@
+"""Real jobs through `moe-rl launch slurm` (no --dry-run) on a two-node SLURM cluster on this
+machine (tests/slurm/conftest.py, tools/slurm_cluster.sh): the disaggregated and the colocated
+shape of the CPU rehearsal, preemption by USR1 with requeue and resume, and a rollout server
+killed mid-job. Every job must leave no queue entry and no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def _completed(job, timeout: float, steps: int) -> None:
+    """The job ends COMPLETED with exit 0, every step 1..steps once in metrics.jsonl, nothing left."""
+    state = job.wait(timeout)
+    exit_code = job.info().get("ExitCode", "?")
+    assert state == "COMPLETED", f"job {job.id}: {state} (ExitCode {exit_code})\n{job.report()}"
+    assert job.steps() == list(range(1, steps + 1)), f"metrics steps {job.steps()}\n{job.report()}"
+    job.assert_no_leftovers()
+
+
+def _wait_for_step(job, step: int, timeout: float) -> None:
+    """Block until metrics.jsonl holds `step` while the job runs; fail with its logs otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if step in job.steps():
+            return
+        if job.state() not in {"PENDING", "RUNNING", "CONFIGURING"}:
+            pytest.fail(f"job {job.id} ended ({job.state()}) before step {step}\n{job.report()}")
+        time.sleep(1)
+    job.cancel()
+    pytest.fail(f"job {job.id}: step {step} not in metrics.jsonl after {timeout:g} s\n{job.report()}")
+
+
+def test_disaggregated_rehearsal_completes(slurm_cluster, tmp_path):
+    """rehearsal_cpu.yaml: trainer on node1, the servers and the router on node2, 3 steps."""
+    job = slurm_cluster.launch("launch/configs/rehearsal_cpu.yaml", 2, 1, tmp_path / "run", "train.steps=3")
+    _completed(job, timeout=600, steps=3)
+
+
+def test_colocated_rehearsal_completes(slurm_cluster, tmp_path):
+    """rehearsal_cpu_colocated.yaml on 2 nodes, every node trains and serves, 3 steps."""
+    job = slurm_cluster.launch("launch/configs/rehearsal_cpu_colocated.yaml", 2, 0, tmp_path / "run", "train.steps=3")
+    _completed(job, timeout=600, steps=3)
+
+
+@pytest.mark.timeout(1500)
+def test_preempted_job_requeues_and_resumes_every_step_once(slurm_cluster, tmp_path):
+    """USR1 to the batch shell (as --signal=B:USR1 before the time limit) once step 2 is logged:
+    the trainer checkpoints, the job requeues itself, the restart resumes and finishes; every
+    step is in metrics.jsonl exactly once and the restart has its own logs/job-<id>-1."""
+    steps = 6
+    job = slurm_cluster.launch("launch/configs/rehearsal_cpu.yaml", 2, 1, tmp_path / "run", f"train.steps={steps}",
+                 "train.save_every=100")
+    _wait_for_step(job, 2, timeout=600)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job.id], check=True)
+    _completed(job, timeout=1200, steps=steps)
+    assert job.info().get("Restarts") == "1", f"Restarts {job.info().get('Restarts')}\n{job.report()}"
+    logs = job.run_dir / "logs"
+    assert (logs / f"job-{job.id}-0").is_dir() and (logs / f"job-{job.id}-1").is_dir(), job.report()
+    first = (logs / f"slurm-{job.id}.out").read_text()
+    assert "requeueing job" in first, job.report()
+
+
+def _server_pids(job) -> list[int]:
+    """PIDs of the job's `moe_rl.cli serve` processes (they carry the job's SLURM_JOB_ID)."""
+    return [int(line.split()[0]) for line in job.processes()
+            if "moe_rl.cli serve" in line or "moe-rl serve" in line]
+
+
+def test_killed_rollout_server_ends_the_job_with_a_clear_message(slurm_cluster, tmp_path):
+    """SIGKILL the only rollout server after step 1: the job ends within a bounded time, either
+    COMPLETED or failed with a message naming the lost server, and leaves nothing behind."""
+    job = slurm_cluster.launch("launch/configs/tiny_cpu.yaml", 2, 1, tmp_path / "run", "train.steps=200")
+    _wait_for_step(job, 1, timeout=300)
+    pids = _server_pids(job)
+    assert pids, f"no moe-rl serve process of job {job.id}: {job.processes()}\n{job.report()}"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    state = job.wait(timeout=400)
+    took = time.monotonic() - killed_at
+    if state != "COMPLETED":
+        logs = "\n".join(p.read_text(errors="replace") for p in (job.run_dir / "logs").rglob("*")
+                         if p.is_file())
+        assert "node2:30000" in logs and "RolloutError" in logs, \
+            f"job {job.id} {state} {took:.0f} s after the kill without naming the server\n{job.report()}"
+    job.assert_no_leftovers()
