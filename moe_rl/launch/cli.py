@@ -4,7 +4,13 @@
         --partition gpu --time 24:00:00 parallel.ep=4 --dry-run
 
 `--rollout-nodes 0` (the default) is the colocated shape; `--rollout-nodes R` gives the
-last R nodes to rollout servers. Trailing `key.sub=value` words override the config
+last R nodes to rollout servers. `--gpus-per-node 0` is CPU mode, for clusters without
+GPUs (CI, rehearsals): no GPU is requested, the trainer runs `--tasks-per-node` gloo ranks
+per node with `--cpus-per-task` CPUs each, and the servers are `moe-rl serve`:
+
+    moe-rl launch slurm --config launch/configs/rehearsal_cpu.yaml --nodes 2 --rollout-nodes 1 \\
+        --gpus-per-node 0 train.steps=3
+ Trailing `key.sub=value` words override the config
 for the trainer (and are checked now). Without `--dry-run` the config is copied to
 `RUN_DIR/launch/config.yaml`, the script written to `RUN_DIR/launch/job.sbatch` and
 submitted with sbatch; the job id is printed.
@@ -30,7 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
     p.add_argument("--rollout-nodes", type=int, default=0,
                    help="nodes that only serve rollouts (default 0: colocated, every node trains and serves)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node = trainer ranks per trainer node")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node = trainer ranks per trainer node (default 8); 0 = CPU mode: no GPU "
+                        "request, gloo ranks, rollout.engine=local (`moe-rl serve`)")
+    p.add_argument("--tasks-per-node", type=int,
+                   help="CPU mode: trainer ranks per trainer node (default: the config's train.world_size "
+                        "divided by the trainer nodes, so a CPU config keeps its parallel layout)")
+    p.add_argument("--cpus-per-task", type=int,
+                   help="CPU mode: CPUs (and torch threads) of each trainer rank and server (default 1)")
     p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     p.add_argument("--run-dir", help="run directory (default: log.run_dir, else runs/<name>-<time>)")
     p.add_argument("--out", help="where to write the script (default RUN_DIR/launch/job.sbatch)")
@@ -55,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                     "(default: this one; 'python' inside --container-image)")
     g.add_argument("--master-port", type=int, help="rendezvous port (default derived from the job id)")
     g.add_argument("--servers-per-node", type=int,
-                   help="rollout servers per serving node (default: GPUs / server tp for SGLang, 1 for local)")
+                   help="rollout servers per serving node (default: GPUs / server tp for SGLang; local engine: "
+                        "rollout.num_servers spread over the serving nodes)")
     g.add_argument("--health-timeout", type=float, default=1800.0,
                    help="seconds the servers get to answer /health (large checkpoints load slowly)")
     g.add_argument("--stop-timeout", type=float, default=60.0, help="seconds from SIGTERM to SIGKILL on exit")
@@ -73,7 +87,7 @@ def _options(args: argparse.Namespace) -> SlurmOptions:
 
 def run_slurm(args: argparse.Namespace) -> int:
     """Render; then print it (--dry-run) or freeze the config, write the script and submit it."""
-    shape = NodeShape(args.nodes, args.rollout_nodes, args.gpus_per_node)
+    shape = NodeShape(args.nodes, args.rollout_nodes, args.gpus_per_node, args.tasks_per_node, args.cpus_per_task)
     opts = _options(args)
     rendered = render_script(args.config, args.overrides, shape, opts, run_dir=args.run_dir)
     for note in rendered.notes:

@@ -9,6 +9,12 @@ at run time.
 
 Placeholders in the template are `@{name}`: bash never writes `@{`, so the template
 stays plain bash around them.
+
+Every srun step states its own --nodes, --ntasks and --ntasks-per-node. A step that
+leaves one out inherits the job's value from the environment (srun reads SLURM_NTASKS
+and SLURM_NTASKS_PER_NODE, which sbatch sets for the whole allocation): a trainer step
+on fewer nodes than the job then asks for the job's task count, and SLURM 22.05 warns
+"can't honor --ntasks-per-node" and places the job's tasks on the trainer nodes.
 """
 from __future__ import annotations
 
@@ -82,7 +88,8 @@ class Rendered:
 # Sentinel strings passed through the launcher's command builders in place of values
 # known only when the job runs; `bash_word` turns them into variable expansions.
 _VARS = {"@@PYTHON@@": "PYTHON", "@@MODEL@@": "MODEL_PATH", "@@NODE@@": "node",
-         "@@ROUTER_NODE@@": "ROUTER_NODE", "@@RUN_DIR@@": "RUN_DIR", "@@CONFIG@@": "CONFIG"}
+         "@@ROUTER_NODE@@": "ROUTER_NODE", "@@ROUTER_ADDR@@": "ROUTER_ADDR", "@@RUN_DIR@@": "RUN_DIR",
+         "@@CONFIG@@": "CONFIG"}
 _ARRAYS = {"@@WORKERS@@": '"${WORKER_URLS[@]}"'}
 _SENTINEL = re.compile("|".join(re.escape(s) for s in _VARS))
 
@@ -119,11 +126,21 @@ def bash_command(argv: Sequence[str], indent: str = "    ", width: int = 100) ->
 
 # ----------------------------------------------------------------------------- pieces of the script
 
-def _directives(name: str, shape: NodeShape, run_dir: Path, opts: SlurmOptions, chdir: Path) -> list[str]:
-    """#SBATCH lines; values are checked because sbatch does not unquote them."""
+def _directives(name: str, shape: NodeShape, servers: ServerLayout, run_dir: Path, opts: SlurmOptions,
+                chdir: Path) -> list[str]:
+    """#SBATCH lines; values are checked because sbatch does not unquote them.
+
+    CPU mode requests no GPU (a cluster without GPU GRES refuses any GPU request) and
+    sizes each node for its busiest role: the trainer's ranks or a serving node's servers,
+    `cpus_per_task` CPUs each.
+    """
+    if shape.cpu:
+        per_node = max(shape.ranks_per_node, servers.per_node)
+        tasks: list[tuple[str, Any]] = [("ntasks-per-node", per_node), ("cpus-per-task", shape.cpus_per_task)]
+    else:
+        tasks = [("ntasks-per-node", shape.gpus_per_node), ("gpus-per-node", shape.gpus_per_node)]
     pairs: list[tuple[str, Any]] = [
-        ("job-name", name), ("nodes", shape.nodes), ("ntasks-per-node", shape.gpus_per_node),
-        ("gpus-per-node", shape.gpus_per_node), ("exclusive", None), ("mem", 0),
+        ("job-name", name), ("nodes", shape.nodes), *tasks, ("exclusive", None), ("mem", 0),
         ("time", opts.time), ("partition", opts.partition), ("account", opts.account),
         ("chdir", chdir), ("output", run_dir / "logs" / "slurm-%j.out"), ("open-mode", "append"),
         ("signal", f"B:USR1@{opts.signal_secs}" if opts.signal_secs else None),
@@ -157,10 +174,16 @@ def _node_split(shape: NodeShape) -> str:
             f'ROLLOUT_NODES=("${{NODES[@]:{shape.train_nodes}}}")')
 
 
-def _env_exports(opts: SlurmOptions, engine: str) -> str:
+def _env_exports(opts: SlurmOptions, engine: str, shape: NodeShape) -> str:
     from moe_rl.rollout.launcher import SGLANG_ENV
 
     lines = []
+    if shape.cpu:
+        # torch sizes its thread pool from OMP_NUM_THREADS; without it (and without SLURM task
+        # affinity) every rank and server would start one thread per core of the node.
+        lines.append(f"export OMP_NUM_THREADS={shape.cpus_per_task}  # CPU mode: threads = --cpus-per-task")
+        # No GPU was requested: on nodes that have GPUs anyway, torch must not pick them (and NCCL).
+        lines.append('export CUDA_VISIBLE_DEVICES=""  # CPU mode: ranks use gloo, servers the CPU')
     if opts.nccl_ifname:
         lines.append(f"export NCCL_SOCKET_IFNAME={shlex.quote(opts.nccl_ifname)}  # NCCL bootstrap + socket transport")
     else:
@@ -191,7 +214,7 @@ def _run_task(opts: SlurmOptions) -> str:
     return ("# moe_rl's helpers (moe_rl.launch.task) run where moe_rl is installed: in the container,\n"
             "# as a one-task step on this batch host (wait-healthy watches this shell's srun pids)\n"
             "run_task() {\n"
-            '  srun "${SRUN_OPTS[@]}" --nodes=1 --ntasks=1 --nodelist="$SLURMD_NODENAME" \\\n'
+            '  srun "${SRUN_OPTS[@]}" --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist="$SLURMD_NODENAME" \\\n'
             '    "$PYTHON" -m moe_rl.launch.task "$@"\n'
             "}")
 
@@ -235,7 +258,9 @@ def _without_tp_flags(args: list[str]) -> list[str]:
 
 
 def _srun_line(nodelist: str, log: str, argv: Sequence[str]) -> str:
-    head = f'  srun "${{SRUN_OPTS[@]}}" --nodes=1 --ntasks=1 --nodelist={nodelist} --output={log} \\\n    '
+    """A one-task step on one node (a server or the router), every count stated (see the module doc)."""
+    head = (f'  srun "${{SRUN_OPTS[@]}}" --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist={nodelist} \\\n'
+            f'    --output={log} \\\n    ')
     return head + bash_command(argv, indent="    ") + " &"
 
 
@@ -258,7 +283,7 @@ def _router_setup(cfg: Any, servers: ServerLayout, bind_node: bool) -> str:
                 "# keeps going without one that stops answering.\n"
                 'GENERATE_URLS=("${WORKER_URLS[@]}")')
     port = servers.router_port
-    host = "@@ROUTER_NODE@@" if bind_node else str(cfg.rollout.host)
+    host = "@@ROUTER_ADDR@@" if bind_node else str(cfg.rollout.host)
     # Its metrics exporter gets the next port (the default 0.0.0.0:29000 is shared by every router on a node).
     argv = router_command(["@@WORKERS@@"], host=host, port=port, prometheus_port=port + 1, python="@@PYTHON@@")
     srun = _srun_line('"$ROUTER_NODE"', '"${LOG_DIR}/router-${ROUTER_NODE}.log"', argv).removeprefix("  ")
@@ -266,6 +291,7 @@ def _router_setup(cfg: Any, servers: ServerLayout, bind_node: bool) -> str:
             "# updates go to each server (rollout.admin_urls), which the router does not relay.\n"
             'ROUTER_NODE="${ROLLOUT_NODES[0]}"\n'
             f'ROUTER_URL="http://${{ROUTER_NODE}}:{port}"\n'
+            f"{_router_addr() if bind_node else ''}"
             f"{srun}\n"
             'SERVER_PIDS+=("$!")\n'
             '# /readiness: the router answers /health before it has registered a worker\n'
@@ -274,17 +300,37 @@ def _router_setup(cfg: Any, servers: ServerLayout, bind_node: bool) -> str:
             'GENERATE_URLS=("$ROUTER_URL")')
 
 
+def _router_addr() -> str:
+    """Bash that sets ROUTER_ADDR, the IPv4 address the router node's name resolves to.
+
+    sglang-router 0.3.2 binds IP addresses only: a host name as --host fails at start
+    ("Invalid address: invalid socket address syntax"), and as --prometheus-host it
+    quietly becomes 0.0.0.0. Node names resolve alike on every node of a cluster, so the
+    batch host resolves it.
+    """
+    return ("# sglang-router binds IP addresses only (a host name fails): the router node's address\n"
+            "ROUTER_ADDR=$(getent ahostsv4 \"$ROUTER_NODE\" | awk 'NR == 1 { print $1 }' || true)\n"
+            'if [[ -z $ROUTER_ADDR ]]; then\n'
+            '  echo "cannot resolve the router node ${ROUTER_NODE} to an IPv4 address (getent ahostsv4)" >&2\n'
+            "  exit 1\n"
+            "fi\n")
+
+
 def _rollout_fields(cfg: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(type(cfg.rollout))}
 
 
-def _server_overrides(servers: ServerLayout, colocated: bool, fields: set[str]) -> list[str]:
+def _server_overrides(rollout: Any, servers: ServerLayout, colocated: bool, fields: set[str]) -> list[str]:
     """Overrides that tell the trainer about the servers the job runs, besides their URLs.
 
     `rollout.tp_size`: the servers' --tp-size, which may come from `rollout.sglang_args`;
     the nccl weight sync sizes its group by it (each server joins with tp ranks).
+    `rollout.router=null` when the config asks for a router: the job has started it, and
+    the trainer, given `rollout.urls`, refuses to start another.
     """
     out = []
+    if getattr(rollout, "router", None):
+        out.append("rollout.router=null")
     if servers.engine == "sglang":
         out.append(f"rollout.tp_size={servers.tp}")
         if colocated and "colocated" in fields:
@@ -292,7 +338,8 @@ def _server_overrides(servers: ServerLayout, colocated: bool, fields: set[str]) 
     return out
 
 
-def _train_args(base: Sequence[str], servers: ServerLayout, colocated: bool, fields: set[str]) -> list[str]:
+def _train_args(rollout: Any, base: Sequence[str], servers: ServerLayout, colocated: bool,
+                fields: set[str]) -> list[str]:
     """Bash words of the trainer's config overrides (the URLs are filled in at run time).
 
     Generation goes to GENERATE_URLS (the router, when there is one); the workers behind
@@ -303,7 +350,7 @@ def _train_args(base: Sequence[str], servers: ServerLayout, colocated: bool, fie
     words.append('"rollout.urls=[$(join_by_comma "${GENERATE_URLS[@]}")]"')
     if servers.use_router:
         words.append('"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"')
-    words += _server_overrides(servers, colocated, fields)
+    words += _server_overrides(rollout, servers, colocated, fields)
     return ["  " + w for w in words]
 
 
@@ -329,63 +376,73 @@ def resolve_run_dir(cfg: Any, run_dir: str | Path | None) -> Path:
 
 def render_script(config_path: str | Path, overrides: Sequence[str], shape: NodeShape, opts: SlurmOptions,
                   run_dir: str | Path | None = None, chdir: str | Path | None = None) -> Rendered:
-    """Validate the config, the node shape and the trainer layout; return the sbatch script."""
+    """Validate the config, the node shape and the trainer layout; return the sbatch script.
+
+    CPU mode (`shape.gpus_per_node == 0`): the returned `Rendered.shape` has the ranks per
+    node and CPUs per task filled in (`plan.with_cpu_ranks`).
+    """
     from moe_rl.config import ConfigError, load_config
-    from moe_rl.launch.plan import check_trainer_layout, check_weight_sync, plan_servers
+    from moe_rl.launch.plan import check_trainer_layout, check_weight_sync, plan_servers, with_cpu_ranks
 
     shape.validate()
     try:
         cfg = load_config(str(config_path), list(overrides))
     except (ConfigError, FileNotFoundError) as e:
         raise LaunchError(str(e)) from None
+    shape = with_cpu_ranks(shape, int(cfg.train.world_size))
     check_weight_sync(cfg.rollout, shape)
     out = resolve_run_dir(cfg, run_dir)
     base = [*overrides, "log.run_dir=@@RUN_DIR@@", "train.resume=auto"]
     fields = _rollout_fields(cfg)
     servers = plan_servers(cfg.rollout, shape, opts.servers_per_node, router_supported="admin_urls" in fields)
-    layout = check_trainer_layout(cfg.parallel, shape.world_size)
-    _check_overrides(config_path, overrides, out, servers, shape, fields)
+    layout = check_trainer_layout(cfg.parallel, shape.world_size,
+                                  "--tasks-per-node" if shape.cpu else "--gpus-per-node")
+    _check_overrides(config_path, overrides, out, cfg.rollout, servers, shape, fields)
     notes = _notes(cfg, shape, servers, fields)
     bind_node = str(cfg.rollout.host) not in WILDCARD_HOSTS
     name = opts.job_name or f"moe_rl-{cfg.log.name}"
     values = {
         "header": _header(name, cfg, shape, servers, layout, config_path, overrides, out),
-        "directives": "\n".join(_directives(name, shape, out, opts, Path(chdir or os.getcwd()).absolute())),
+        "directives": "\n".join(_directives(name, shape, servers, out, opts, Path(chdir or os.getcwd()).absolute())),
         "log_root": shlex.quote(str(out / "logs")),
         "run_dir": shlex.quote(str(out)), "config": shlex.quote(str(Path(config_path).absolute())),
         "python": shlex.quote(default_python(opts)), "run_task": _run_task(opts),
-        "gpus_per_node": str(shape.gpus_per_node),
+        "ranks_per_node": str(shape.ranks_per_node),
         "health_timeout": f"{opts.health_timeout:g}", "stop_timeout": f"{opts.stop_timeout:g}",
-        "train_steps": str(cfg.train.steps), "srun_opts": " ".join(_srun_opts(opts, out)),
+        "train_steps": str(cfg.train.steps), "srun_opts": " ".join(_srun_opts(opts, out, shape)),
         "nodes": str(shape.nodes), "node_split": _node_split(shape),
         "master_port": str(opts.master_port) if opts.master_port else
         f"$(( {MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_SPAN} ))",
-        "env_exports": _env_exports(opts, servers.engine), "model_setup": _model_setup(cfg, base[:-1]),
+        "env_exports": _env_exports(opts, servers.engine, shape), "model_setup": _model_setup(cfg, base[:-1]),
         "server_lines": _server_lines(cfg, servers, bind_node, shape.colocated),
         "router_setup": _router_setup(cfg, servers, bind_node),
-        "train_args": "\n".join(_train_args(base, servers, shape.colocated, fields)),
+        "train_args": "\n".join(_train_args(cfg.rollout, base, servers, shape.colocated, fields)),
     }
     text = _Template(TEMPLATE.read_text()).substitute(values)
     return Rendered(text, shape, servers, out, tuple(base), tuple(notes))
 
 
-def _srun_opts(opts: SlurmOptions, run_dir: Path) -> list[str]:
+def _srun_opts(opts: SlurmOptions, run_dir: Path, shape: NodeShape) -> list[str]:
+    """Options of every step. CPU mode states each task's CPUs: srun 22.05 no longer reads
+    the job's SLURM_CPUS_PER_TASK, so a step without --cpus-per-task would get one CPU."""
     words = ["--overlap"]
+    if shape.cpu:
+        words.append(f"--cpus-per-task={shape.cpus_per_task}")
     if opts.container_image:
         mounts = opts.container_mounts or f"{run_dir}:{run_dir}"
         words += [bash_word(f"--container-image={opts.container_image}"), bash_word(f"--container-mounts={mounts}")]
     return words
 
 
-def _check_overrides(config_path: str | Path, overrides: Sequence[str], run_dir: Path, servers: ServerLayout,
-                     shape: NodeShape, fields: set[str]) -> None:
+def _check_overrides(config_path: str | Path, overrides: Sequence[str], run_dir: Path, rollout: Any,
+                     servers: ServerLayout, shape: NodeShape, fields: set[str]) -> None:
     """Load the config with every override the job adds (sample URLs), so the job cannot fail on them."""
     from moe_rl.config import ConfigError, load_config
 
     added = [f"log.run_dir={run_dir}", "train.resume=auto", "rollout.urls=[http://node:1]"]
     if servers.use_router:
         added.append("rollout.admin_urls=[http://node:1]")
-    added += _server_overrides(servers, shape.colocated, fields)
+    added += _server_overrides(rollout, servers, shape.colocated, fields)
     try:
         load_config(str(config_path), [*overrides, *added])
     except ConfigError as e:
@@ -406,6 +463,10 @@ def _notes(cfg: Any, shape: NodeShape, servers: ServerLayout, fields: set[str]) 
     if cfg.rollout.num_servers != total:
         notes.append(f"rollout.num_servers={cfg.rollout.num_servers} is ignored: the job runs {total} server(s) "
                      f"({servers.per_node} on each of {shape.serve_nodes} node(s))")
+    if cfg.train.world_size != shape.world_size:
+        per_node = "--tasks-per-node" if shape.cpu else "--gpus-per-node"
+        notes.append(f"train.world_size={cfg.train.world_size} is ignored: the job runs {shape.world_size} trainer "
+                     f"rank(s) ({shape.ranks_per_node} on each of {shape.train_nodes} node(s), {per_node})")
     return notes
 
 
@@ -417,9 +478,13 @@ def _header(name: str, cfg: Any, shape: NodeShape, servers: ServerLayout, layout
         nodes = f"{shape.nodes} node(s) = {shape.train_nodes} trainer + {shape.rollout_nodes} rollout"
     kind = {"local": "moe-rl serve (CPU)", "sglang": f"SGLang tp={servers.tp}"}[servers.engine]
     router = f"; sglang-router on port {servers.router_port}" if servers.use_router else ""
+    if shape.cpu:
+        ranks = f"{shape.ranks_per_node} per node, CPU mode: {shape.cpus_per_task} CPU(s) each, gloo"
+    else:
+        ranks = f"{shape.gpus_per_node} per node"
     lines = [
         f"# moe_rl RL job {name}: {shape.name}, {nodes}",
-        f"#   trainer:  {shape.world_size} rank(s) ({shape.gpus_per_node} per node), layout {layout}",
+        f"#   trainer:  {shape.world_size} rank(s) ({ranks}), layout {layout}",
         f"#   rollouts: {servers.per_node} x {kind} per node, ports {servers.ports[0]}-{servers.ports[-1]}{router}",
         f"#   config:   {Path(config_path).absolute()} {' '.join(overrides)}".rstrip(),
         f"#   run dir:  {run_dir} (checkpoints, metrics, report/; logs/ per job and restart)",

@@ -7,15 +7,20 @@ process group, so a test can kill a whole "node" with one signal.
 
 What they do, as far as the rendered scripts rely on it:
 
-- `sbatch [--parsable] SCRIPT`: reads `#SBATCH` lines (--nodes, --output, --chdir,
-  --job-name), gives the job the first N stand-in nodes and runs the script with
-  bash in the background, with SLURM_JOB_ID, SLURM_JOB_NODELIST, SLURM_JOB_NUM_NODES,
-  SLURM_RESTART_COUNT (after a requeue) set. When the script ends, every process the
+- `sbatch [--parsable] SCRIPT`: reads `#SBATCH` lines (--nodes, --ntasks-per-node,
+  --cpus-per-task, --output, --chdir, --job-name), gives the job the first N stand-in
+  nodes and runs the script with bash in the background, with SLURM_JOB_ID,
+  SLURM_JOB_NODELIST, SLURM_JOB_NUM_NODES, SLURM_RESTART_COUNT (after a requeue) set,
+  and, as sbatch does for --ntasks-per-node, the job's SLURM_NTASKS,
+  SLURM_NTASKS_PER_NODE and SLURM_TASKS_PER_NODE (SLURM_CPUS_PER_TASK likewise). When the script ends, every process the
   job started that is still alive is recorded as a leftover and killed (SLURM kills
   them at job end too; a correct script leaves none). A requeued job runs again.
 - `srun`: --nodes, --ntasks, --ntasks-per-node, --nodelist, --output (%j %s %N %n %t),
   --label, --kill-on-bad-exit, --export=ALL,K=V; other options are accepted and
-  ignored. Tasks are placed in blocks over the nodes and get SLURM_PROCID,
+  ignored. As SLURM 22.05's srun, a step takes --ntasks and --ntasks-per-node it does
+  not give from SLURM_NTASKS / SLURM_NTASKS_PER_NODE (the job's, inside a batch script),
+  and when --ntasks over --nodes disagrees with --ntasks-per-node it prints "can't
+  honor --ntasks-per-node" (only when the tasks outnumber it, as srun) and drops it. Tasks are placed in blocks over the nodes and get SLURM_PROCID,
   SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS, SLURM_NNODES, SLURM_STEP_NODELIST,
   SLURM_TASKS_PER_NODE, SLURMD_NODENAME and SLURM_STEP_ID, like real srun. There is
   no container runtime here: with pyxis' --container-image the tasks run on the host
@@ -47,7 +52,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator, Sequence
+from typing import IO, Iterator, Mapping, Sequence
 
 STATE_ENV = "MOE_RL_STANDIN_DIR"
 NODES_ENV = "MOE_RL_STANDIN_NODES"
@@ -136,8 +141,33 @@ def _srun_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _inherit_counts(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Fill --ntasks / --ntasks-per-node from the environment where the command line leaves them
+    out: srun reads SLURM_NTASKS (and the older SLURM_NPROCS) and SLURM_NTASKS_PER_NODE as those
+    options, and a batch script's environment holds the job's values."""
+    if args.ntasks is None:
+        value = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS")
+        args.ntasks = int(value) if value else None
+    if args.ntasks_per_node is None and environ.get("SLURM_NTASKS_PER_NODE"):
+        args.ntasks_per_node = int(environ["SLURM_NTASKS_PER_NODE"])
+
+
+def _reconcile_counts(nodes: int, ntasks: int | None, per_node: int | None) -> int | None:
+    """SLURM 22.05 srun's rule (opt.c, _opt_verify) when --nodes and --ntasks are both set: a
+    --ntasks-per-node that disagrees with ntasks / nodes is dropped, with a warning when the
+    tasks outnumber it. Returns the per-node count that stands."""
+    if ntasks is None or per_node is None or per_node == ntasks // nodes:
+        return per_node
+    if ntasks > per_node:
+        print(f"srun: Warning: can't honor --ntasks-per-node set to {per_node} which doesn't match the requested "
+              f"tasks {ntasks} with the number of requested nodes {nodes}. Ignoring --ntasks-per-node.",
+              file=sys.stderr, flush=True)
+    return None
+
+
 def _place_tasks(nodes: list[str], ntasks: int | None, per_node: int | None) -> list[_Task]:
     """Block distribution: node 0 gets the first tasks, as srun's default."""
+    per_node = _reconcile_counts(len(nodes), ntasks, per_node)
     if per_node is not None:
         counts = [per_node] * len(nodes)
     else:
@@ -246,7 +276,8 @@ class _Step:
 
     def __init__(self, args: argparse.Namespace, job: str, job_nodes: list[str], state: Path):
         self.args, self.job, self.state = args, job, state
-        nodes = _step_nodes(args, job_nodes)
+        nodes = _step_nodes(args, job_nodes)  # before the inherited counts: the step's own flags pick its nodes
+        _inherit_counts(args, os.environ)
         self.tasks = _place_tasks(nodes, args.ntasks, args.ntasks_per_node)
         self.nodes = nodes
         self.step = _next_number(job_dir(state, job), "next_step", 0)
@@ -386,13 +417,32 @@ def sbatch_main(argv: Sequence[str]) -> int:
     spec = {"script": str(script), "args": argv[script_at + 1:], "nodes": available[:wanted],
             "output": _option(opts, "--output", "-o") or str(Path.cwd() / "slurm-%j.out"),
             "chdir": _option(opts, "--chdir", "-D") or str(Path.cwd()),
-            "name": _option(opts, "--job-name", "-J") or script.name}
+            "name": _option(opts, "--job-name", "-J") or script.name,
+            "task_env": _job_task_env(opts, wanted)}
     (jd / "spec.json").write_text(json.dumps(spec, indent=1))
     subprocess.Popen([sys.executable, "-m", "moe_rl.launch.standin", "_job", str(state), job],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)
     print(job if "--parsable" in cli_opts else f"Submitted batch job {job}", flush=True)
     return 0
+
+
+# Variables sbatch sets from the job's task options; the batch script's srun steps read them.
+_TASK_VARS = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_CPUS_PER_TASK")
+
+
+def _job_task_env(opts: Sequence[str], nodes: int) -> dict[str, str]:
+    """SLURM_NTASKS & co. as sbatch sets them for `--ntasks-per-node` / `--cpus-per-task`."""
+    env = {}
+    per_node = _option(opts, "--ntasks-per-node")
+    if per_node is not None:
+        env.update({"SLURM_NTASKS_PER_NODE": per_node, "SLURM_NTASKS": str(nodes * int(per_node)),
+                    "SLURM_NPROCS": str(nodes * int(per_node)),
+                    "SLURM_TASKS_PER_NODE": _tasks_per_node_text([int(per_node)] * nodes)})
+    cpus = _option(opts, "--cpus-per-task", "-c")
+    if cpus is not None:
+        env["SLURM_CPUS_PER_TASK"] = cpus
+    return env
 
 
 def _job_processes(job: str) -> Iterator[tuple[int, str]]:
@@ -439,7 +489,8 @@ def job_main(state: str, job: str) -> int:
     spec = json.loads((jd / "spec.json").read_text())
     rc = 0
     for run in range(MAX_REQUEUES + 1):
-        env = {**os.environ, JOB_ENV: job, "SLURM_JOB_ID": job, "SLURM_JOBID": job,
+        outer = {k: v for k, v in os.environ.items() if k not in _TASK_VARS}  # only this job's counts
+        env = {**outer, **spec.get("task_env", {}), JOB_ENV: job, "SLURM_JOB_ID": job, "SLURM_JOBID": job,
                "SLURM_JOB_NODELIST": ",".join(spec["nodes"]), "SLURM_NODELIST": ",".join(spec["nodes"]),
                "SLURM_JOB_NUM_NODES": str(len(spec["nodes"])), "SLURM_NNODES": str(len(spec["nodes"])),
                "SLURM_JOB_NAME": spec["name"], "SLURM_SUBMIT_DIR": spec["chdir"],

@@ -161,7 +161,7 @@ def test_launch_puts_a_router_in_front_and_updates_its_workers(tmp_path):
 @pytest.mark.parametrize("shape,overrides,config,message", [
     ((2, 2, 8), [], TINY, "--rollout-nodes must be in [0, 1]"),
     ((0, 0, 8), [], TINY, "--nodes must be >= 1"),
-    ((2, 1, 0), [], TINY, "--gpus-per-node must be >= 1"),
+    ((2, 1, -1), [], TINY, "--gpus-per-node must be >= 0 (0 = CPU mode)"),
     ((2, 1, 8), [], QWEN, "ep*etp = 8*1 must divide world_size/pp = 2"),
     ((2, 1, 6), ["parallel.ep=1"], QWEN, "world size 6 is not divisible by tp*pp = 2*4"),
     ((2, 1, 8), ["rollout.urls=[http://x:1]"], TINY, "rollout.urls is set"),
@@ -196,7 +196,7 @@ def test_launch_container_runs_every_helper_inside_the_image(tmp_path, config, n
     opts = re.search(r"^SRUN_OPTS=\((.*)\)$", flat, re.M).group(1).split()
     assert opts == ["--overlap", "--container-image=/images/moe_rl.sqsh", "--container-mounts=/shared:/shared"]
     # the helper runner: a one-task step in the container, on the batch host whose srun pids it watches
-    assert ('srun "${SRUN_OPTS[@]}" --nodes=1 --ntasks=1 --nodelist="$SLURMD_NODENAME" '
+    assert ('srun "${SRUN_OPTS[@]}" --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist="$SLURMD_NODENAME" '
             '"$PYTHON" -m moe_rl.launch.task "$@"') in flat
     commands = [line.strip() for line in flat.splitlines() if line.strip() and not line.strip().startswith("#")]
     for line in commands:
