@@ -6,7 +6,9 @@
 #   bash tools/slurm_cluster.sh down     # stop the daemons this script started (safe when none are)
 #
 # Debian's slurm-wlm 22.05 is built with MULTIPLE_SLURMD: two slurmd (node1, node2) on one host,
-# both at 127.0.0.1 on their own ports, share its cores (OverSubscribe). Needs root (apt-get, the
+# each on its own port, share its cores (OverSubscribe). Each node has its own loopback address
+# (node1 127.0.0.1, node2 127.0.0.2, in /etc/hosts): servers bind to their node's name, so one
+# port on two nodes (the colocated shape: a server per node on the same port) must not collide. Needs root (apt-get, the
 # daemons, /etc/hosts). Everything lives under one root (--root DIR or MOE_RL_SLURM_ROOT, default
 # /var/tmp/moe_rl_slurm): slurm.conf, a private munged and its socket, state, spool, logs, pid files.
 # Nothing global is rewritten: the daemons and clients read that slurm.conf through SLURM_CONF /
@@ -30,6 +32,7 @@ while (( $# )); do
 done
 
 NODES=(node1 node2)
+NODE_ADDRS=(127.0.0.1 127.0.0.2)
 NODE_PORTS=(17001 17002)
 CTLD_PORT=16817                 # not the default 6817, so a site slurmctld on this host is no clash
 CPUS_PER_NODE=2
@@ -75,12 +78,17 @@ install_packages() {
 
 # ------------------------------------------------------------------ configuration
 add_hosts() {
-  # The job script uses node names as host names (MASTER_ADDR=node1): they must resolve.
-  local node
-  for node in "${NODES[@]}"; do
-    if ! grep -Eq "^[^#]*[[:space:]]${node}([[:space:]]|\$)" /etc/hosts; then
-      log "adding '127.0.0.1 ${node}' to /etc/hosts"
-      echo "127.0.0.1 ${node}" >> /etc/hosts
+  # The job script uses node names as host names (MASTER_ADDR=node1, servers bound to their
+  # node's name): they must resolve, each to its node's address.
+  local i node addr have
+  for i in "${!NODES[@]}"; do
+    node=${NODES[i]}; addr=${NODE_ADDRS[i]}
+    have=$(getent ahostsv4 "$node" 2>/dev/null | awk 'NR == 1 {print $1}' || true)
+    if [[ -z $have ]]; then
+      log "adding '${addr} ${node}' to /etc/hosts"
+      echo "${addr} ${node}" >> /etc/hosts
+    elif [[ $have != "$addr" ]]; then
+      die "${node} resolves to ${have}, this cluster needs ${addr}: change that line of /etc/hosts (or its other source) to '${addr} ${node}'"
     fi
   done
 }
@@ -147,7 +155,8 @@ KillWait=5
 InactiveLimit=0
 MinJobAge=300
 Waittime=0
-NodeName=node[1-2] NodeHostname=${host} NodeAddr=127.0.0.1 Port=${NODE_PORTS[0]}-${NODE_PORTS[1]} CPUs=${CPUS_PER_NODE} State=UNKNOWN
+NodeName=${NODES[0]} NodeHostname=${host} NodeAddr=${NODE_ADDRS[0]} Port=${NODE_PORTS[0]} CPUs=${CPUS_PER_NODE} State=UNKNOWN
+NodeName=${NODES[1]} NodeHostname=${host} NodeAddr=${NODE_ADDRS[1]} Port=${NODE_PORTS[1]} CPUs=${CPUS_PER_NODE} State=UNKNOWN
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 }
