@@ -3,7 +3,8 @@
 The stand-in `sbatch`, `srun` and `scontrol` (moe_rl.launch.standin) run it on this
 machine with three "nodes" (127.0.0.1-3, local process groups): one trainer node with
 two ranks (EP2, gloo) and two rollout nodes, each running `moe-rl serve` on its own
-address. It runs in container mode, as clusters with pyxis do: the stand-in srun marks
+address. The job is rendered in CPU mode (`--gpus-per-node 0`), as a cluster without
+GPUs runs it: the trainer's ranks per node come from the config's train.world_size. It runs in container mode, as clusters with pyxis do: the stand-in srun marks
 the steps started with --container-image, and the job's interpreter refuses to run
 outside one, so every moe_rl command of the job (trainer, servers and the helpers:
 prepare-model, wait-healthy, finished) must run in a container step. The story is a
@@ -85,7 +86,8 @@ def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
     state, run_dir = tmp_path / "state", tmp_path / "run"
     opts = SlurmOptions(nccl_ifname="lo", gloo_ifname="lo", health_timeout=180, stop_timeout=20,
                         container_image=IMAGE, python=_image_python(tmp_path))
-    rendered = render_script("launch/configs/tiny_cpu.yaml", OVERRIDES, NodeShape(3, 2, 2), opts, run_dir=run_dir)
+    rendered = render_script("launch/configs/tiny_cpu.yaml", OVERRIDES, NodeShape(3, 2, 0), opts, run_dir=run_dir)
+    assert rendered.shape.world_size == 2 and "--gpus-per-node" not in rendered.text
     job = submit(write_job(rendered, tmp_path / "job.sbatch"))
     out = run_dir / "logs" / f"slurm-{job}.out"
 
@@ -103,6 +105,7 @@ def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
     assert "not found outside the container image" not in text
     assert (job_dir(state, job) / "run0.rc").read_text() == "0"
     assert f"srun: error: {NODES[2]}" in text  # the dead node is reported, not hidden
+    assert "can't honor" not in text  # every step's task counts agree
 
     steps = _steps(run_dir)
     assert sorted(set(steps)) == list(range(1, STEPS + 1)), steps
