@@ -122,3 +122,30 @@ def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
     assert live_job_processes(job) == [], "processes of the job are still running"
     leftovers = job_dir(state, job) / "leftovers.txt"
     assert not leftovers.exists(), f"the script left processes behind:\n{leftovers.read_text()}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_e2e_slurm_rehearsal_cpu_mode_router_and_weight_sync(tmp_path, monkeypatch):
+    """launch/configs/rehearsal_cpu.yaml as `--nodes 2 --rollout-nodes 1 --gpus-per-node 0` renders it:
+    2 gloo ranks (tp2+ep2) on node 1, two `moe-rl serve` workers behind the real sglang-router on node 2,
+    weights synced every step; 3 steps, exit 0, nothing left running, no srun count warning."""
+    nodes = NODES[:2]
+    for key, value in install(tmp_path / "bin", tmp_path / "state", nodes).items():
+        monkeypatch.setenv(key, value)
+    state, run_dir = tmp_path / "state", tmp_path / "run"
+    opts = SlurmOptions(nccl_ifname="lo", gloo_ifname="lo", health_timeout=180, stop_timeout=20)
+    rendered = render_script("launch/configs/rehearsal_cpu.yaml", ["train.steps=3", "log.progress=false"],
+                             NodeShape(2, 1, 0), opts, run_dir=run_dir)
+    assert rendered.shape.world_size == 2 and rendered.servers.use_router
+    job = submit(write_job(rendered, tmp_path / "job.sbatch"))
+    rc = wait_job(state, job, 360)
+    text = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert rc == 0, text
+    assert "can't honor" not in text and "trainer exited with 0" in text
+    assert _steps(run_dir) == [1, 2, 3]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert all("perf/weight_sync_s" in m for m in metrics)
+    assert (run_dir / "logs" / f"job-{job}-0" / f"router-{nodes[1]}.log").is_file()
+    assert live_job_processes(job) == []
+    assert not (job_dir(state, job) / "leftovers.txt").exists()
