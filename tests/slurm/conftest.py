@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.testing import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "slurm_cluster.sh"
 CLUSTER_ROOT = Path(os.environ.get("MOE_RL_SLURM_ROOT", "/var/tmp/moe_rl_slurm"))
@@ -72,7 +74,9 @@ class SlurmCluster:
         """Submit `moe-rl launch slurm --gpus-per-node 0` (no --dry-run) and return the job."""
         cmd = [sys.executable, "-m", "moe_rl.cli", "launch", "slurm", "--config", str(ROOT / config),
                "--nodes", str(nodes), "--rollout-nodes", str(rollout_nodes), "--gpus-per-node", "0",
-               "--run-dir", str(run_dir), "--python", sys.executable, *overrides]
+               "--run-dir", str(run_dir), "--python", sys.executable,
+               # ports of its own (servers, router, its metrics), below the ephemeral range
+               f"rollout.base_port={free_ports(4)}", *overrides]
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, f"moe-rl launch slurm failed:\n{res.stdout}\n{res.stderr}"
         match = re.search(r"submitted job (\d+)", res.stdout)
