@@ -283,11 +283,9 @@ def update_group(cfg: RunConfig, servers: Any) -> dict[str, Any]:
                  "master_port": r.weight_sync_port or _free_port(avoid=int(os.environ.get("MASTER_PORT", "0"))),
                  "server_tp_sizes": r.tp_size if r.engine == "sglang" else 1,
                  "backend": "nccl" if torch.cuda.is_available() else "gloo"}
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [found]
-        dist.broadcast_object_list(box, src=0)
-        found = box[0]
-    return found
+    from moe_rl.loop import broadcast
+
+    return broadcast(found)
 
 
 def _free_port(avoid: int) -> int:

@@ -151,10 +151,3 @@ def is_active() -> bool:
     """True once the CPU redirections are installed in this process."""
     return _ACTIVE
 
-
-def device() -> torch.device:
-    """The device the policy lives on: `moe_rl.devices.compute_device()` (the local CUDA
-    device, else the CPU, or the device guard's simulated accelerator)."""
-    from moe_rl.devices import compute_device
-
-    return compute_device()

@@ -181,7 +181,7 @@ def _agree_max(*values: int) -> tuple[int, ...]:
     """Element-wise maximum of small integers over all ranks."""
     if not dist.is_initialized():
         return values
-    t = torch.tensor(values, dtype=torch.long, device=_device())
+    t = torch.tensor(values, dtype=torch.long, device=compute_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return tuple(int(v) for v in t.tolist())
 
@@ -284,7 +284,7 @@ def run_schedule(chunks: list[Any], microbatches: list[Microbatch], loss_fn: Los
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator: Iterator[Microbatch], model: Any):
-        mb = next(data_iterator).to(_device())
+        mb = next(data_iterator).to(compute_device())
         if mb.packed is not None:
             output = model(mb.packed.tokens, mb.packed.positions, **model_kwargs(mb.packed))
         else:
@@ -332,17 +332,12 @@ def agree_on_shape(num_sequences: int, seq_len: int) -> int:
     """
     if not dist.is_initialized():
         return seq_len
-    t = torch.tensor([seq_len, num_sequences, -num_sequences], dtype=torch.long, device=_device())
+    t = torch.tensor([seq_len, num_sequences, -num_sequences], dtype=torch.long, device=compute_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if int(t[1]) != -int(t[2]):
         raise ValueError(f"data-parallel ranks hold different numbers of sequences (between {-int(t[2])} and "
                          f"{int(t[1])}); shard the batch evenly across data-parallel ranks")
     return int(t[0])
-
-
-def _device() -> torch.device:
-    """Where microbatches and collective tensors go (NCCL groups take no host tensors)."""
-    return compute_device()
 
 
 @dataclass
@@ -407,7 +402,7 @@ def _broadcast_from_last_stage(t: torch.Tensor) -> None:
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return
-    buf = t.to(_device())
+    buf = t.to(compute_device())
     dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
                    group=ps.get_pipeline_model_parallel_group())
     t.copy_(buf.cpu())

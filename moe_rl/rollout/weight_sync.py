@@ -57,6 +57,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequenc
 import torch
 import torch.distributed as dist
 
+from moe_rl.devices import compute_device
+
 log = logging.getLogger(__name__)
 
 ExportFn = Callable[[Path], Any]
@@ -113,14 +115,6 @@ def _from_rank0(obj: Any, group: Any = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
     return box[0]
-
-
-def _comm_device(group: Any = None) -> torch.device:
-    """Device tensors must live on for collectives and point-to-point ops: the compute device
-    (NCCL groups, the ones a GPU run has, take no host tensors; gloo takes either)."""
-    from moe_rl.devices import compute_device
-
-    return compute_device()
 
 
 def _engine_name(engine: Any) -> str:
@@ -446,7 +440,7 @@ def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any 
     metas = [m for per_rank in metas_per_rank for m in per_rank]
     _check_unique(metas)
     mine = iter(t for _, t in local)
-    device = _comm_device(group)
+    device = compute_device()  # NCCL groups take no host tensors; gloo takes either
     plan = plan_buckets(metas, bucket_bytes)
     for index, (tag_base, bucket) in enumerate(_numbered(plan)):
         tensors = _exchange(bucket, mine, me, device, tag_base, group)
@@ -746,7 +740,7 @@ class NcclSync:
                                  weight_version=str(version) if bucket.last else None, load_format=self.load_format)
         path = "/update_weights_from_distributed"
         futures = [self._pool.submit(_post_json, url, path, payload, self.http_timeout) for url in self.urls]
-        device = _comm_device()
+        device = compute_device()
         if self.load_format == "flattened_bucket":
             dist.broadcast(flatten_bucket([t.to(device) for t in bucket.tensors]), src=0, group=self._pg)
         else:  # one broadcast per tensor, in `names` order
