@@ -392,3 +392,83 @@ def _metrics(out: Objective, stats: dict[str, Tensor], scalars: dict[str, Tensor
     values |= {key: mean(x) for key, x in per_token_stats.items() if x is not None}
     host = torch.stack([v.detach().to(torch.float64) for v in values.values()]).tolist()
     return {f"loss/{key}": value for key, value in zip(values, host)}
+
+
+# --- preference objectives ------------------------------------------------------
+
+DPO_KINDS = ("sigmoid", "ipo")
+
+
+def dpo_loss(
+    chosen_logp: Tensor,
+    rejected_logp: Tensor,
+    ref_chosen_logp: Tensor,
+    ref_rejected_logp: Tensor,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    kind: str = "sigmoid",
+    sft_coef: float = 0.0,
+    chosen_len: Tensor | None = None,
+    weight: Tensor | None = None,
+    num_pairs: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """DPO (or IPO) loss of B preference pairs, and its metrics.
+
+    Inputs are `[B]` summed response log-probs: `chosen_logp` / `rejected_logp` under
+    π_θ (carry the gradient), `ref_*` under π_ref (treated as constants). With
+    h = (log π_c − log π_ref,c) − (log π_r − log π_ref,r), the per-pair loss is
+
+        sigmoid: −(1 − ε)·log σ(β·h) − ε·log σ(−β·h)      (ε = label_smoothing: conservative DPO)
+        ipo:     (h − 1/(2β))²
+
+    plus `sft_coef` · (−log π_c / chosen_len) (the chosen response's per-token NLL;
+    `chosen_len` `[B]` is needed when `sft_coef` > 0).
+
+    `weight` `[B]` (0/1) marks the pairs that count (filler rows of a microbatch: 0) and
+    `num_pairs` is the normaliser: loss = Σ_i weight_i·ℓ_i / num_pairs. Pass the number of
+    pairs of the whole step (all microbatches, all data-parallel ranks) and the losses of
+    any split add up to the loss of the whole batch; default: this call's weight sum.
+
+    Metrics (means over counted pairs; rewards are β-scaled log-ratios β·(log π − log π_ref)):
+    `dpo/reward_accuracy` (chosen reward > rejected reward), `dpo/reward_margin`,
+    `dpo/chosen_reward`, `dpo/rejected_reward`, `loss/dpo` (this call's loss) and
+    `dpo/num_pairs` (pairs counted here).
+    """
+    require_choice(kind, DPO_KINDS, "dpo_loss", "kind")
+    require(beta > 0, "dpo_loss", "beta", beta, "> 0")
+    require(0 <= label_smoothing < 0.5, "dpo_loss", "label_smoothing", label_smoothing, "in [0, 0.5)")
+    require(kind == "sigmoid" or label_smoothing == 0, "dpo_loss", "label_smoothing", label_smoothing,
+            "0 with kind='ipo' (label smoothing is conservative DPO's, for kind='sigmoid')")
+    require(sft_coef >= 0, "dpo_loss", "sft_coef", sft_coef, ">= 0")
+    require(sft_coef == 0 or chosen_len is not None, "dpo_loss", "chosen_len", None, "given when sft_coef > 0")
+    for name, t in (("rejected_logp", rejected_logp), ("ref_chosen_logp", ref_chosen_logp),
+                    ("ref_rejected_logp", ref_rejected_logp)):
+        require(t.shape == chosen_logp.shape, "dpo_loss", f"{name}.shape", tuple(t.shape),
+                f"chosen_logp's {tuple(chosen_logp.shape)}")
+    dtype = torch.promote_types(chosen_logp.dtype, torch.float32)
+    w = torch.ones_like(chosen_logp, dtype=dtype) if weight is None else weight.to(dtype)
+    chosen_ratio = chosen_logp.to(dtype) - ref_chosen_logp.detach().to(dtype)
+    rejected_ratio = rejected_logp.to(dtype) - ref_rejected_logp.detach().to(dtype)
+    h = chosen_ratio - rejected_ratio
+    if kind == "sigmoid":
+        log_sigmoid = torch.nn.functional.logsigmoid
+        per_pair = -(1 - label_smoothing) * log_sigmoid(beta * h) - label_smoothing * log_sigmoid(-beta * h)
+    else:
+        per_pair = (h - 1 / (2 * beta)).square()
+    if sft_coef > 0:
+        per_pair = per_pair - sft_coef * chosen_logp.to(dtype) / chosen_len.to(dtype).clamp(min=1)
+    norm = w.sum().clamp(min=1) if num_pairs is None else num_pairs
+    loss = (per_pair * w).sum() / norm
+    chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    count = w.sum()
+
+    def mean(x: Tensor) -> Tensor:
+        return (x.to(dtype) * w).sum() / count.clamp(min=1)
+
+    values = {"dpo/reward_accuracy": mean(chosen_reward > rejected_reward),
+              "dpo/reward_margin": mean(chosen_reward - rejected_reward),
+              "dpo/chosen_reward": mean(chosen_reward), "dpo/rejected_reward": mean(rejected_reward),
+              "loss/dpo": loss.detach(), "dpo/num_pairs": count}
+    host = torch.stack([v.detach().to(torch.float64) for v in values.values()]).tolist()
+    return loss, dict(zip(values, host))
