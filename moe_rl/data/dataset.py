@@ -175,13 +175,24 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
 def _build(rows: Iterable[tuple[int, dict[str, Any] | str]], source: str,
            tokenizer: TokenizerLike | None, prompt_key: str, answer_key: str,
            max_prompt_len: int | None) -> PromptDataset:
+    prompts = parse_rows(rows, source, lambda row, line_no: _prompt(row, line_no, source, tokenizer,
+                                                                    prompt_key, answer_key))
+    return _drop_long(prompts, source, tokenizer, max_prompt_len)
+
+
+def parse_rows(rows: Iterable[tuple[int, dict[str, Any] | str]], source: str,
+               make: Callable[[dict[str, Any], int], Any]) -> list[Any]:
+    """`make(row, line_no)` of every row; a `DataError` lists the bad rows as `file:line: ...`.
+
+    `make` raises `_RowError` for a bad row; an empty file is an error too.
+    """
     where = _locator(source)
-    prompts, problems = [], []
+    items, problems = [], []
     for line_no, row in rows:
         try:
             if isinstance(row, str):
                 raise _RowError(row)
-            prompts.append(_prompt(row, line_no, source, tokenizer, prompt_key, answer_key))
+            items.append(make(row, line_no))
         except _RowError as e:
             problems.append(f"{where(line_no)}: {e}")
             if len(problems) >= MAX_REPORTED_PROBLEMS:
@@ -189,9 +200,9 @@ def _build(rows: Iterable[tuple[int, dict[str, Any] | str]], source: str,
                 break
     if problems:
         raise DataError(problems)
-    if not prompts:
+    if not items:
         raise DataError(f"{source}: the file has no rows")
-    return _drop_long(prompts, source, tokenizer, max_prompt_len)
+    return items
 
 
 class _RowError(Exception):
