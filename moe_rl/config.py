@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 __all__ = [
-    "AlgoConfig", "ConfigError", "DataConfig", "DriftConfig", "LogConfig", "ModelConfig",
+    "AlgoConfig", "ConfigError", "DPOConfig", "DataConfig", "DriftConfig", "LogConfig", "ModelConfig",
     "ParallelConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TinyModel", "TrainConfig",
     "load_config",
 ]
@@ -105,6 +105,8 @@ TIS_LEVELS = ("token", "sequence")
 REPLAYS = ("off", "r2", "r3")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LOG_LEVELS = ("debug", "info", "warning")
+MODES = ("rl", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo")
 DATA_SUFFIXES = (".jsonl", ".parquet")
 
 
@@ -364,6 +366,9 @@ class TrainConfig:
     device_guard: bool = False
     """CPU only, for CI and debugging: fail when one of moe_rl's collectives gets a host tensor,
     which NCCL would refuse on a GPU (moe_rl.testing.device_guard). The CPU rehearsal runs with it."""
+    mode: str = choice("rl", MODES)
+    """rl = RL steps on rollouts (`algo`, `rollout`, `reward`); dpo = DPO steps on preference pairs
+    (`dpo`; data.train / data.eval name preference data; no rollout servers)."""
 
 
 @dataclass
@@ -380,6 +385,27 @@ class DriftConfig:
     """Also measure on the step's own training tokens (the volatility that replay removes)."""
     every: int = ranged(1, ge=1)
     """Measure step-token drift every N steps: each measurement costs one extra forward pass."""
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimisation, used when train.mode=dpo (moe_rl/dpo.py)."""
+
+    loss: str = choice("sigmoid", DPO_LOSSES)
+    """sigmoid = DPO, −log σ(β·h) (conservative DPO with label_smoothing > 0); ipo = IPO's (h − 1/(2β))²."""
+    beta: float = ranged(0.1, gt=0.0)
+    """β: how far the policy may move from the reference (the implicit KL weight); 0.1 as in the DPO paper."""
+    label_smoothing: float = ranged(0.0, ge=0.0, lt=0.5)
+    """Conservative DPO's ε, the share of preference labels assumed flipped; 0 = plain DPO (sigmoid only)."""
+    sft_coef: float = ranged(0.0, ge=0.0)
+    """Weight of the chosen response's per-token NLL added to the loss; 0 = off."""
+    ref_path: str | None = None
+    """Reference model (a HF checkpoint of the policy's architecture); None = the initial policy.
+    Its log-probs are computed once before training and cached in the run directory."""
+    pairs_per_step: int = ranged(32, ge=1)
+    """Preference pairs per optimizer step, over all data-parallel ranks (a multiple of their number)."""
+    max_len: int = ranged(1024, ge=2)
+    """Pairs whose prompt + longer response has more tokens are skipped, not truncated."""
 
 
 @dataclass
@@ -417,6 +443,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     drift: DriftConfig = field(default_factory=DriftConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def validate(self) -> RunConfig:
         """Check every field and cross-field rule; raise one ConfigError listing all problems."""
@@ -713,9 +740,12 @@ def _check_parallel(cfg: RunConfig) -> Iterator[str]:
         yield (f"parallel.sp: false is not allowed with parallel.tp={p.tp}: megatron MoE layers "
                "need sequence parallel when tp > 1 (use true or null for auto)")
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    what = "the longest sequence, data.max_prompt_len + rollout.max_new_tokens"
+    if cfg.train.mode == "dpo":  # chosen and rejected of a pair share a packed row
+        longest, what = 2 * cfg.dpo.max_len, "the longest pair, 2 * dpo.max_len"
     if p.max_tokens_per_microbatch is not None and p.max_tokens_per_microbatch < longest:
-        yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} cannot hold the longest "
-               f"sequence, data.max_prompt_len + rollout.max_new_tokens = {longest}; use at least {longest}")
+        yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} cannot hold {what} = "
+               f"{longest}; use at least {longest}")
     shape = _model_shape(cfg.model)
     yield from _divides("parallel.tp", p.tp, shape, "num_attention_heads")
     yield from _divides("parallel.tp", p.tp, shape, "num_key_value_heads")
@@ -809,5 +839,24 @@ def _check_log(cfg: RunConfig) -> Iterator[str]:
         yield "log.wandb_project: '' must be set when log.wandb=true"
 
 
+def _check_dpo(cfg: RunConfig) -> Iterator[str]:
+    d, p = cfg.dpo, cfg.parallel
+    if cfg.train.mode != "dpo":
+        return
+    for key, spec in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if spec is not None and spec.startswith("toy:") and not spec.startswith("toy:pref-"):
+            yield (f"{key}: {spec!r} is a prompt task; train.mode=dpo needs preference pairs: "
+                   f"toy:pref-{spec[4:]} or a file of prompt/chosen/rejected rows")
+    if d.loss == "ipo" and d.label_smoothing > 0:
+        yield f"dpo.label_smoothing: {d.label_smoothing} applies to dpo.loss=sigmoid only (it is ipo); use 0"
+    if p.max_tokens_per_microbatch is None and p.micro_batch_size % 2:
+        yield (f"parallel.micro_batch_size: {p.micro_batch_size} must be even with train.mode=dpo "
+               "(chosen and rejected of a pair share a micro-batch)")
+    dp = cfg.train.world_size // (p.tp * p.pp)
+    if cfg.train.world_size > 1 and dp > 1 and d.pairs_per_step % dp:
+        yield (f"dpo.pairs_per_step: {d.pairs_per_step} must be a multiple of the data-parallel size "
+               f"{dp} (train.world_size / (tp * pp))")
+
+
 _CROSS_CHECKS = (_check_model, _check_parallel, _check_rollout, _check_algo, _check_data,
-                 _check_reward, _check_train, _check_log)
+                 _check_reward, _check_train, _check_log, _check_dpo)

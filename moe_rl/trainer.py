@@ -126,7 +126,6 @@ class _Stop:
 
 def train_rank(cfg: RunConfig, run_dir: str) -> int:
     """Everything one trainer rank does, start to end."""
-    from moe_rl.loop import evaluate, rl_step
     from moe_rl.observe.logging import setup_logging
     from moe_rl.observe.progress import Progress
     from moe_rl.observe.report import write_report
@@ -143,14 +142,19 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
         from moe_rl.testing.device_guard import install_device_guard
 
         install_device_guard()
-    built = build_run(cfg, out, rank)
+    dpo = cfg.train.mode == "dpo"
+    if dpo:  # preference pairs, no rollout servers, no weight sync (moe_rl/dpo.py)
+        from moe_rl.dpo import build_dpo_run, dpo_step as step_fn, evaluate
+    else:
+        from moe_rl.loop import evaluate, rl_step as step_fn
+    built = (build_dpo_run if dpo else build_run)(cfg, out, rank)
     run, eval_set, servers = built["run"], built["eval"], built["servers"]
     sinks = make_sinks(cfg.log, out, cfg.to_dict(), rank)
     start_step = resume(run, cfg, out, log) + 1
     progress = Progress(cfg.train.steps, enabled=rank == 0, live=None if cfg.log.progress else False)
     try:
         for step in range(start_step, cfg.train.steps + 1):
-            metrics = rl_step(run, step)
+            metrics = step_fn(run, step)
             if eval_set is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 metrics |= evaluate(run, eval_set, step)
             metrics["step"] = step
@@ -171,6 +175,8 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
             run.engine.close()
         if servers is not None:
             servers.stop()
+    if dpo:
+        run.policy.export_hf(out / "hf")  # the trained policy as a HF checkpoint (collective)
     if rank == 0:
         figures = write_report(out)
         log.info("report: %s", ", ".join(str(f) for f in figures))
@@ -193,9 +199,6 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
     from moe_rl.loop import Run
-    from moe_rl.policy.parallel import ParallelLayout, read_dist_env
-    from moe_rl.policy.policy import Policy, PolicySpec
-    from moe_rl.policy.train_step import OptimConfig
     from moe_rl.reward.registry import get_reward
     from moe_rl.reward.runner import RewardRunner
     from moe_rl.rollout.weight_sync import make_weight_sync
@@ -203,15 +206,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     dataset = load_dataset(cfg.data.train, _hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                            cfg.data.max_prompt_len)
     hf_dir = initial_model(cfg, out, rank, dataset)
-    p, t = cfg.parallel, cfg.train
-    layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp,
-                            world_size=read_dist_env().world_size)
-    optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-                        adam_beta2=t.adam_beta2, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
-                        total_steps=t.steps * cfg.algo.num_minibatches, lr_schedule=t.lr_schedule,
-                        distributed_optimizer=t.distributed_optimizer)
-    policy = Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
-                               p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch))
+    policy = make_policy(cfg, hf_dir, cfg.algo.num_minibatches)
     eos = getattr(dataset.tokenizer, "eos_token_id", None)
     if eos is None:
         eos = policy.hf_config.get("eos_token_id")
@@ -226,6 +221,23 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     eval_set = load_dataset(cfg.data.eval, _hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                             cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None
     return {"run": run, "eval": eval_set, "servers": servers}
+
+
+def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int) -> Any:
+    """The megatron policy of `hf_dir` in the configured layout, optimizer and LR schedule."""
+    from moe_rl.policy.parallel import ParallelLayout, read_dist_env
+    from moe_rl.policy.policy import Policy, PolicySpec
+    from moe_rl.policy.train_step import OptimConfig
+
+    p, t = cfg.parallel, cfg.train
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp,
+                            world_size=read_dist_env().world_size)
+    optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                        adam_beta2=t.adam_beta2, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
+                        total_steps=t.steps * updates_per_step, lr_schedule=t.lr_schedule,
+                        distributed_optimizer=t.distributed_optimizer)
+    return Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
+                             p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch))
 
 
 def _hf_tokenizer(cfg: RunConfig) -> Any:
@@ -334,7 +346,7 @@ def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
         tmp.mkdir(parents=True)
     _barrier()
     state = {"policy": run.policy.state_dict(), "sampler": run.sampler.state_dict(),
-             "rewards": run.rewards.state_dict(), "step": step, "weight_version": run.weight_version,
+             "rewards": run.rewards.state_dict() if run.rewards is not None else None, "step": step, "weight_version": run.weight_version,
              "drift_state": run.drift_state, "rng": _rng_state()}
     torch.save(state, tmp / f"rank_{run.rank:05d}.pt")
     _barrier()
@@ -368,13 +380,15 @@ def resume(run: Any, cfg: RunConfig, out: Path, log: Any) -> int:
     state = torch.load(path / f"rank_{run.rank:05d}.pt", weights_only=False)
     run.policy.load_state_dict(state["policy"])
     run.sampler.load_state_dict(state["sampler"])
-    run.rewards.load_state_dict(state["rewards"])
+    if run.rewards is not None:  # DPO runs have no reward runner
+        run.rewards.load_state_dict(state["rewards"])
     run.weight_version = state["weight_version"]
     run.drift_state = state["drift_state"]
     _set_rng_state(state["rng"])
-    from moe_rl.loop import sync_weights
+    if run.weight_sync is not None:
+        from moe_rl.loop import sync_weights
 
-    sync_weights(run)  # the engine starts from the initial weights: give it the resumed ones
+        sync_weights(run)  # the engine starts from the initial weights: give it the resumed ones
     log.info("resumed from %s (step %d)", path, state["step"])
     return int(state["step"])
 

@@ -143,8 +143,11 @@ def packed_format(chunks: list[Any]) -> str:
 
 def make_packed_microbatches(sequences: list[torch.Tensor], max_tokens: int, pad_multiple: int = 1,
                              extras: dict[str, torch.Tensor] | None = None, pad_id: int = 0,
-                             fmt: str = "mask") -> list[Microbatch]:
+                             fmt: str = "mask", group_size: int = 1) -> list[Microbatch]:
     """Pack sequences into microbatches of one row each, holding at most `max_tokens` tokens.
+
+    `group_size`: consecutive sequences that stay in one row, in order (DPO's chosen and
+    rejected of a pair: group_size 2).
 
     Rows are padded to one common length (the fullest row, rounded up to `pad_multiple`).
 
@@ -158,7 +161,9 @@ def make_packed_microbatches(sequences: list[torch.Tensor], max_tokens: int, pad
     lengths = [len(s) for s in sequences]
     if min(lengths) < 2:
         raise ValueError("every sequence needs at least 2 tokens (a prompt token and one to score)")
-    bins = pack_bins(lengths, max_tokens)
+    k = group_size
+    bins = [[g * k + j for g in b for j in range(k)]
+            for b in pack_bins([sum(lengths[i: i + k]) for i in range(0, len(lengths), k)], max_tokens)]
     fill = max(sum(lengths[i] for i in b) for b in bins)
     fill, count = _agree_max(pad_length(fill, pad_multiple), len(bins))
     out = []
@@ -188,14 +193,18 @@ def _agree_max(*values: int) -> tuple[int, ...]:
 
 def build_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, max_tokens: int | None = None,
                        extras: dict[str, torch.Tensor] | None = None, seq_len: int | None = None,
-                       chunks: list[Any] | None = None) -> list[Microbatch]:
+                       chunks: list[Any] | None = None, group_size: int = 1) -> list[Microbatch]:
     """This rank's microbatches: packed by token budget when `max_tokens` is set, else padded rows.
 
     Collective: every rank calls it. Padded rows need equal sequence counts on DP
     ranks; packing does not. `seq_len`: pad rows to at least this (padded rows only);
     `chunks`: the model the microbatches are for, which decides how packed rows keep
-    sequences apart (`packed_format`).
+    sequences apart (`packed_format`). `group_size`: each run of that many consecutive
+    sequences lands in one microbatch, in order (a loss over pairs needs both).
     """
+    if len(sequences) % group_size or (max_tokens is None and micro_batch_size % group_size):
+        raise ValueError(f"{len(sequences)} sequences in micro-batches of {micro_batch_size} cannot keep groups of "
+                         f"{group_size} together; use a multiple of {group_size} (parallel.micro_batch_size)")
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -203,7 +212,7 @@ def build_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, max
     if max_tokens:
         extras = {k: fit_width(v, longest - 1) for k, v in (extras or {}).items()}
         return make_packed_microbatches(sequences, max_tokens, pad_multiple=tp, extras=extras,
-                                        fmt=packed_format(chunks or []))
+                                        fmt=packed_format(chunks or []), group_size=group_size)
     seq_len = pad_length(agree_on_shape(len(sequences), max(seq_len or 0, longest)), tp)
     extras = {k: fit_width(v, seq_len - 1) for k, v in (extras or {}).items()}
     return make_microbatches(sequences, micro_batch_size, pad_multiple=tp, seq_len=seq_len, extras=extras)

@@ -113,15 +113,17 @@ class Policy:
     # ------------------------------------------------------------ updates
 
     def update(self, sequences: list[torch.Tensor], extras: dict[str, torch.Tensor], loss: PolicyLoss,
-               replay_routes: torch.Tensor | None = None) -> "UpdateResult":
+               replay_routes: torch.Tensor | None = None, group_size: int = 1) -> "UpdateResult":
         """One optimizer step on this DP rank's `sequences` (all DP ranks step together).
 
         extras: per-sequence tensors the loss reads from `mb.extras`, padded to `[B, T - 1]`
         for per-token values. Returns the loss metrics of each microbatch this rank ran
         (how to combine them is the loss's business) and the step's metrics.
+        group_size: runs of that many consecutive sequences share a microbatch, in order
+        (DPO pairs: 2), so the loss sees them together.
         """
         mbs = build_microbatches(sequences, self.spec.micro_batch_size, self.spec.max_tokens_per_microbatch,
-                                 extras=extras, chunks=self.chunks)
+                                 extras=extras, chunks=self.chunks, group_size=group_size)
 
         def loss_fn(logits: torch.Tensor, mb: Microbatch):
             value, metrics = loss(microbatch_logprobs(logits, mb), mb)
@@ -132,6 +134,12 @@ class Policy:
         return UpdateResult([{k: float(v) for k, v in out["metrics"].items()} for out in outputs], step_metrics)
 
     # ------------------------------------------------------------ weights
+
+    def load_hf_weights(self, hf_dir: str | Path) -> None:
+        """Copy a HF checkpoint of the same architecture into the model (e.g. a reference model
+        for one pass). The optimizer's master copies are not touched: load the policy's own
+        checkpoint back before the next update."""
+        load_hf_weights(self.chunks, hf_dir, self.arch)
 
     def export_hf(self, out_dir: str | Path) -> None:
         """Write the current weights as a HF checkpoint (collective)."""
