@@ -361,6 +361,7 @@ def _drift_figure(m: Metrics) -> Figure:
                            "exact top-k set match, between updates")
     panels = [
         (_present(m, [("drift/volatility", "between updates (volatility)"),
+                      ("drift/probe_volatility", "probe set, between probes"),
                       ("drift/rollout_mismatch", "rollout engine vs trainer (mismatch)")]) + exact
          + _present(m, [("drift/volatility/tokens_changed_any_layer", "tokens changed in any layer")]),
          "share", "Expert routes: share of top-k experts changed", False),
@@ -373,7 +374,8 @@ def _drift_figure(m: Metrics) -> Figure:
     ]
     panels = [p for p in panels if p[0]]
     if not panels:
-        raise _Skip(f"no drift/volatility, drift/rollout_mismatch or drift/logp_* metrics in {METRICS_FILE}")
+        raise _Skip(f"no drift/volatility, drift/probe_volatility, drift/rollout_mismatch or drift/logp_* metrics "
+                    f"in {METRICS_FILE}")
     fig, axes = _new_figure(len(panels))
     for ax, (curves, ylabel, title, logy) in zip(axes, panels):
         _lines(ax, m, curves, ylabel, title, logy=logy)
@@ -401,6 +403,27 @@ def _loss_figure(m: Metrics) -> Figure:
     fig, axes = _new_figure(len(panels), ncols=ncols, width=11.0 if ncols == 2 else 9.0)
     for ax, (curves, ylabel, title, logy) in zip(axes, panels):
         _lines(ax, m, curves, ylabel, title, logy=logy)
+    return fig
+
+
+def _preference_figure(m: Metrics) -> Figure:
+    """DPO: reward accuracy (train per step, held-out pairs as points), then the implicit rewards."""
+    from matplotlib.ticker import PercentFormatter
+
+    if not (m.has("dpo/reward_accuracy") or m.has("eval/reward_accuracy")):
+        raise _Skip(f"no dpo/reward_accuracy or eval/reward_accuracy metrics in {METRICS_FILE}")
+    rewards = _present(m, [("dpo/reward_margin", "margin"), ("dpo/chosen_reward", "chosen"),
+                           ("dpo/rejected_reward", "rejected"), ("eval/reward_margin", "eval margin")])
+    fig, axes = _new_figure(1 + bool(rewards))
+    steps, values = m.series("eval/reward_accuracy")
+    if len(steps):
+        axes[0].scatter(steps, values, color="tab:red", zorder=3, label="held-out pairs")
+    _lines(axes[0], m, _present(m, [("dpo/reward_accuracy", "train pairs")]), "accuracy",
+           "Reward accuracy: chosen reward > rejected reward (held-out pairs as points)")
+    axes[0].set_ylim(-0.03, 1.03)
+    axes[0].yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+    if rewards:
+        _lines(axes[1], m, rewards, "β · log(π / π_ref)", "Implicit rewards (means over the step's pairs)")
     return fig
 
 
@@ -434,6 +457,14 @@ _FIGURES = (
                 "that changed across the step's policy updates.",
                 _heatmap_figure("drift/volatility", "Routed-expert volatility between updates, per layer",
                                 "volatility (1 − overlap / k)")),
+    _FigureSpec("probe_volatility_heatmap.png", "probe-set volatility",
+                "volatility per MoE layer and step on a fixed probe set: share of each token's top-k experts "
+                "that changed since the previous probe.",
+                _heatmap_figure("drift/probe_volatility", "Routed-expert volatility on the probe set, per layer",
+                                "volatility (1 − overlap / k)")),
+    _FigureSpec("preference.png", "preference (DPO)",
+                "DPO reward accuracy on the step's pairs and on held-out pairs, and the implicit rewards.",
+                _preference_figure),
     _FigureSpec("rollout_mismatch_heatmap.png", "rollout vs trainer routes",
                 "route mismatch per MoE layer and step between the rollout engine and the trainer.",
                 _heatmap_figure("drift/rollout_mismatch", "Route mismatch, rollout engine vs trainer, per layer",

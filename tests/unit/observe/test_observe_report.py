@@ -107,3 +107,22 @@ def test_report_of_crashed_run_with_truncated_line(tmp_path):
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 5, "reward/mean": 0.9})[:12])
     assert [p.name for p in write_report(run_dir)] == ["reward.png", "index.md"]
+
+
+def test_report_of_a_dpo_run(tmp_path):
+    """A run without RL metrics: preference and probe-volatility figures, RL figures skipped, no crash."""
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for step in range(1, 11):
+        m = {"loss/dpo": 0.69 - 0.03 * step, "dpo/reward_accuracy": 0.05 * step, "dpo/reward_margin": 0.1 * step,
+             "dpo/chosen_reward": 0.05 * step, "dpo/rejected_reward": -0.05 * step, "perf/grad_norm": 1.0,
+             "drift/probe_volatility": 0.1, "perf/tokens_per_s": 2000.0}
+        m.update({f"drift/probe_volatility/layer_{i:02d}": 0.02 * (i + 1) for i in range(N_LAYERS)})
+        if step % 5 == 0:
+            m["eval/reward_accuracy"] = 0.08 * step
+        sink.log(step, m)
+    sink.close()
+    names = {p.name for p in write_report(tmp_path)}
+    assert {"preference.png", "probe_volatility_heatmap.png", "drift.png", "loss.png", "perf.png"} <= names
+    assert "reward.png" not in names and "volatility_heatmap.png" not in names
+    index = (tmp_path / "report" / "index.md").read_text()
+    assert "reward.png" in index  # listed as skipped, with its reason
