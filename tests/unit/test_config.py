@@ -283,3 +283,27 @@ def test_to_dict_from_dict_round_trip():
     d = cfg.to_dict()
     assert d["parallel"]["ep"] == 2 and d["model"]["tiny"]["num_experts"] == 4
     assert RunConfig.from_dict(d) == cfg
+
+
+# -- DPO (train.mode=dpo) ----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["tiny_cpu_dpo.yaml", "qwen3_30b_a3b_dpo.yaml"])
+def test_dpo_configs_load(name):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.train.mode == "dpo" and cfg.data.train and cfg.dpo.pairs_per_step > 0
+
+
+def test_dpo_mistakes_name_the_field():
+    dpo = ["train.mode=dpo", "data.train=toy:pref-add-easy", "data.eval=toy:pref-add-easy-eval",
+           "parallel.max_tokens_per_microbatch=null", "dpo.max_len=64"]
+    assert "data.train: 'toy:add-easy' is a prompt task" in error_of(["train.mode=dpo", "data.eval=null"])
+    assert "toy:pref-add-easy" in error_of(["train.mode=dpo", "data.eval=null"])
+    assert "parallel.micro_batch_size: 3 must be even" in error_of(dpo + ["parallel.micro_batch_size=3"])
+    assert "dpo.label_smoothing: 0.1 applies to dpo.loss=sigmoid" in error_of(
+        dpo + ["dpo.loss=ipo", "dpo.label_smoothing=0.1"])
+    assert "dpo.pairs_per_step: 7 must be a multiple of the data-parallel size 2" in error_of(
+        dpo + ["train.world_size=2", "dpo.pairs_per_step=7"])
+    assert "parallel.max_tokens_per_microbatch: 100 cannot hold the longest pair, 2 * dpo.max_len = 128" in error_of(
+        dpo + ["parallel.max_tokens_per_microbatch=100"])
+    assert "train.mode: 'ppo' is not one of rl, dpo" in error_of(["train.mode=ppo"])
+    load_config(None, dpo + ["parallel.micro_batch_size=4"])  # a sound DPO config passes
