@@ -103,9 +103,8 @@ def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], inde
     `index`: this DP rank's sequences; `pack_tokens`: pack them into rows of that many
     tokens. The weights are left as they were.
     """
-    from moe_rl.policy.convert import iter_hf_tensors
     from moe_rl.policy.forward import build_microbatches, microbatch_logprobs
-    from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, grads_as_params
+    from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer
 
     weights = token_weights(sequences)
     total = sum(len(w) for w in weights)
@@ -123,14 +122,23 @@ def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], inde
         return loss, {}
 
     opt = opt or PolicyOptimizer(chunks, OptimConfig())
+    return hf_gradients(opt, arch, mbs, loss_fn), opt
+
+
+def hf_gradients(opt: Any, arch: Any, microbatches: list[Any], loss_fn: Any) -> dict[str, torch.Tensor]:
+    """This rank's HF-named share of the reduced gradient of `loss_fn` over `microbatches`
+    (`PolicyOptimizer.backward`, no optimizer step); the weights are left as they were."""
+    from moe_rl.policy.convert import iter_hf_tensors
+    from moe_rl.policy.train_step import grads_as_params
+
     saved = [p.detach().clone() for c in opt.chunks for p in c.parameters()]
-    opt.backward(mbs, loss_fn)
+    opt.backward(microbatches, loss_fn)
     grads_as_params(opt.chunks)
     grads = {k: v.clone() for k, v in iter_hf_tensors(opt.bare_chunks, arch)}
     with torch.no_grad():
         for p, old in zip((p for c in opt.chunks for p in c.parameters()), saved):
             p.copy_(old)
-    return grads, opt
+    return grads
 
 
 @dataclass
