@@ -14,7 +14,9 @@ Every function runs on every trainer rank.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ from moe_rl.data.sampler import PromptSampler
 from moe_rl.drift.metrics import route_stats
 from moe_rl.loop import Stopwatch, _all_keys, broadcast, share_indices
 from moe_rl.policy.policy import Policy
+
+log = logging.getLogger(__name__)
 
 REF_CACHE = "ref_logps.pt"
 REF_CHUNK = 256  # pairs per reference / eval pass on each rank: bounds the [B, T] log-prob buffers
@@ -156,7 +160,9 @@ def reference_logps(cfg: RunConfig, policy: Policy, out: Path, hf_dir: Path, tra
     cached = torch.load(path, weights_only=True) if path.is_file() else None
     if cached is not None and cached.get("key") == key:
         logps = cached["logps"]
+        log.info("reference log-probs of %d pairs: read from %s", len(pairs), path)
     else:
+        start = time.monotonic()
         if cfg.dpo.ref_path:
             policy.load_hf_weights(ref_dir)
         logps = pair_logps(policy, pairs).float()
@@ -165,6 +171,8 @@ def reference_logps(cfg: RunConfig, policy: Policy, out: Path, hf_dir: Path, tra
         if _rank() == 0:
             torch.save({"key": key, "logps": logps}, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)
+        log.info("reference log-probs of %d pairs: computed by %s in %.1f s, cached in %s", len(pairs), ref_dir,
+                 time.monotonic() - start, path)
     return logps[: len(train)], (logps[len(train):] if evals is not None else None)
 
 
