@@ -28,6 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import dpo_step
 import losses
 import memory
 import overhead
@@ -76,6 +77,9 @@ def sections() -> list[Section]:
         ("routes", "Stored routes per token vs log-probs",
          lambda q: memory.format_table(memory.bench_rows(shapes=memory.SHAPES[:2]) if q else memory.bench_rows())),
     ]
+    out.append(("dpo", "DPO step vs the RL update: tokens/s on the same tokens and layout",
+                lambda q: dpo_step.format_table(dpo_step.bench_rows(rounds=2, worlds=(1,)) if q
+                                                else dpo_step.bench_rows())))
     if (HERE / "packing.py").is_file():
         out.append(("packing", "Packing: packed vs padded tokens/s", _packing))
     return out
