@@ -27,8 +27,7 @@ from moe_rl.algo.losses import dpo_loss
 from moe_rl.config import RunConfig
 from moe_rl.data.preference import PreferenceDataset, PreferencePair, load_preference_dataset
 from moe_rl.data.sampler import PromptSampler
-from moe_rl.drift.metrics import route_stats
-from moe_rl.loop import Stopwatch, _all_keys, broadcast, share_indices
+from moe_rl.loop import Stopwatch, _all_keys, broadcast, probe_volatility, share_indices
 from moe_rl.policy.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -210,16 +209,7 @@ def probe_drift(run: DPORun) -> dict[str, float]:
         dp = run.policy.dp_size  # pairs: a multiple of dp, so padded micro-batches get equal counts
         n = min(max(dp, run.cfg.drift.probe_size // 2 // dp * dp), len(run.train) // dp * dp)
         state["probe"] = [s for i in range(run.policy.dp_rank, n, dp) for s in run.train[i].sequences()]
-    probe = state["probe"]
-    routes = run.policy.logprobs(probe, record_routes=True).routes
-    lengths = torch.tensor([len(s) for s in probe])
-    tokens = torch.arange(routes.shape[1]).view(1, -1) < (lengths - 1).view(-1, 1)
-    out = {}
-    if "probe_routes" in state:
-        out = route_stats(state["probe_routes"][tokens], routes[tokens]).all_reduce(
-            run.policy.dp_group).summary("drift/probe_volatility", list(run.policy.arch.moe_layers))
-    state["probe_routes"] = routes
-    return out
+    return probe_volatility(run.policy, state)
 
 
 # ---------------------------------------------------------------- building the run

@@ -486,14 +486,20 @@ def probe_drift(run: Run, mine: Samples, step: int) -> dict[str, float]:
     state = run.drift_state
     if "probe" not in state:
         state["probe"] = [s.clone() for s in mine.sequences[: run.cfg.drift.probe_size]]
+    return probe_volatility(run.policy, state)
+
+
+def probe_volatility(policy: Policy, state: dict[str, Any]) -> dict[str, float]:
+    """Routes of the probe sequences `state["probe"]` against those of the previous call
+    (`state["probe_routes"]`, then replaced); {} on the first call. Collective over DP ranks."""
     probe = state["probe"]
-    routes = run.policy.logprobs(probe, record_routes=True).routes
+    routes = policy.logprobs(probe, record_routes=True).routes
     lengths = torch.tensor([len(s) for s in probe])
     tokens = torch.arange(routes.shape[1]).view(1, -1) < (lengths - 1).view(-1, 1)
     out = {}
     if "probe_routes" in state:
         out = route_stats(state["probe_routes"][tokens], routes[tokens]).all_reduce(
-            run.policy.dp_group).summary("drift/probe_volatility", list(run.policy.arch.moe_layers))
+            policy.dp_group).summary("drift/probe_volatility", list(policy.arch.moe_layers))
     state["probe_routes"] = routes
     return out
 
