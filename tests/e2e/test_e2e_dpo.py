@@ -3,13 +3,17 @@
 - the loss falls and the reward accuracy rises on the toy preference task; eval, the
   report, the reference cache and the exported HF checkpoint are there;
 - a run of 6 steps resumed to 12 logs the same metrics as an uninterrupted 12-step run,
-  and reads the reference log-probs from the cache instead of recomputing them.
+  and reads the reference log-probs from the cache instead of recomputing them;
+- SIGTERM saves a checkpoint at the end of the current step and exits 0.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,9 +22,13 @@ SMALL = ["log.tensorboard=false", "log.progress=false", "train.eval_every=6", "t
 COMPARED = ["loss/dpo", "dpo/reward_accuracy", "dpo/reward_margin", "perf/grad_norm", "drift/probe_volatility"]
 
 
+def _args(run_dir, *overrides):
+    return [sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu_dpo.yaml",
+            f"log.run_dir={run_dir}", *SMALL, *overrides]
+
+
 def _train(run_dir, *overrides):
-    args = ["train", "--config", "launch/configs/tiny_cpu_dpo.yaml", f"log.run_dir={run_dir}", *SMALL, *overrides]
-    done = subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_args(run_dir, *overrides), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -56,3 +64,20 @@ def test_resume_gives_the_uninterrupted_run(full, tmp_path):
         for key in COMPARED:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (got["step"], key)
     assert "reference log-probs of 225 pairs: read from" in (tmp_path / "train.log").read_text()
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
+    from moe_rl.trainer import latest_checkpoint
+
+    proc = subprocess.Popen(_args(tmp_path, "train.steps=2000", "train.save_every=0"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM signals the whole job step
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    ckpt = latest_checkpoint(tmp_path)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert ckpt is not None and json.loads((ckpt / "meta.json").read_text())["step"] == max(steps) < 2000
