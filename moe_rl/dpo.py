@@ -127,7 +127,7 @@ def combine(policy: Policy, microbatches: list[dict[str, float]]) -> dict[str, f
 
 # ---------------------------------------------------------------- summed log-probs, reference, eval
 
-def pair_logps(policy: Policy, pairs: list[PreferencePair], record_routes: bool = False) -> torch.Tensor:
+def pair_logps(policy: Policy, pairs: list[PreferencePair]) -> torch.Tensor:
     """`[N, 2]` summed response log-probs of (chosen, rejected) for every pair, on every rank.
 
     The pairs are split over data-parallel ranks (equal counts, the last pair repeated to fill)
@@ -153,6 +153,9 @@ def reference_logps(cfg: RunConfig, policy: Policy, out: Path, hf_dir: Path, tra
     """(train `[N, 2]`, eval `[M, 2]` or None) reference log-probs: the run directory's cache when its
     key matches the pairs and the reference checkpoint, else one pass of the reference (and cache it)."""
     ref_dir = Path(cfg.dpo.ref_path) if cfg.dpo.ref_path else hf_dir
+    if not (ref_dir / "config.json").is_file():
+        raise FileNotFoundError(f"dpo.ref_path: {ref_dir} has no config.json; give a HF checkpoint directory "
+                                "of the policy's architecture, or null for the initial policy")
     pairs = list(train) + (list(evals) if evals is not None else [])
     key = broadcast(cache_key(pairs, ref_dir) if _rank() == 0 else None)
     path = out / REF_CACHE

@@ -32,19 +32,22 @@ def dpo_layout_worker(layout_name: str, hf_dir: str, pairs: list[PreferencePair]
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
 
-    policy = Policy(PolicySpec(hf_dir, ParallelLayout.parse(layout_name), OptimConfig(), micro_batch_size=micro_batch_size))
+    layout = ParallelLayout.parse(layout_name)
+    policy = Policy(PolicySpec(hf_dir, layout, OptimConfig(), micro_batch_size=micro_batch_size))
     cfg = RunConfig()
     cfg.dpo.beta, cfg.dpo.sft_coef = 0.5, 0.1
     out: dict[str, Any] = {"logps": pair_logps(policy, pairs), "whole_pairs": True}
     for key, tokens in (("grads", None), ("grads_packed", pack_tokens)):
         if key == "grads_packed" and tokens is None:
             continue
-        mine = share_indices([len(p) for p in pairs], policy.dp_size, policy.dp_rank, 1, by_tokens=tokens is not None)[0]
+        mine = share_indices([len(p) for p in pairs], policy.dp_size, policy.dp_rank, 1,
+                             by_tokens=tokens is not None)[0]
         seqs, extras = pair_batch([pairs[i] for i in mine], ref[mine])
         mbs = build_microbatches(seqs, micro_batch_size, tokens, extras=extras, chunks=policy.chunks, group_size=2)
         for mb in mbs:
             rows = mb.index[mb.index >= 0].tolist()
-            out["whole_pairs"] &= rows == [r for c in rows[0::2] for r in (c, c + 1)] and all(c % 2 == 0 for c in rows[0::2])
+            firsts = rows[0::2]  # chosen rows: even, each followed by its rejected row
+            out["whole_pairs"] &= rows == [r for c in firsts for r in (c, c + 1)] and all(c % 2 == 0 for c in firsts)
         loss = pair_loss(cfg, len(pairs))
 
         def loss_fn(logits: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, Any]]:
