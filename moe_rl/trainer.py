@@ -346,8 +346,8 @@ def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
         tmp.mkdir(parents=True)
     _barrier()
     state = {"policy": run.policy.state_dict(), "sampler": run.sampler.state_dict(),
-             "rewards": run.rewards.state_dict() if run.rewards is not None else None, "step": step, "weight_version": run.weight_version,
-             "drift_state": run.drift_state, "rng": _rng_state()}
+             "rewards": run.rewards.state_dict() if run.rewards is not None else None,  # None in DPO runs
+             "step": step, "weight_version": run.weight_version, "drift_state": run.drift_state, "rng": _rng_state()}
     torch.save(state, tmp / f"rank_{run.rank:05d}.pt")
     _barrier()
     if run.rank == 0:
