@@ -58,3 +58,21 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
 
 def _weights_fingerprint(policy: Any) -> torch.Tensor:
     return torch.stack([p.detach().float().sum() for c in policy.chunks for p in c.parameters()])
+
+
+def sigterm_after_first_step(args: list[str], run_dir: Path, timeout: float = 600.0) -> tuple[int, str]:
+    """Start `moe-rl train` (`args`: its command line) in a new session, wait until it logged a step
+    to `run_dir/metrics.jsonl`, SIGTERM the whole process group (as SLURM signals a job step), and
+    return its exit code and output."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = Path(run_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out

@@ -9,13 +9,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
+
+from moe_rl.testing.e2e import sigterm_after_first_step
 
 SMALL = ["log.tensorboard=false", "log.progress=false", "train.eval_every=6", "train.save_every=6",
          "drift.probe_size=8"]
@@ -69,15 +68,8 @@ def test_resume_gives_the_uninterrupted_run(full, tmp_path):
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
     from moe_rl.trainer import latest_checkpoint
 
-    proc = subprocess.Popen(_args(tmp_path, "train.steps=2000", "train.save_every=0"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM signals the whole job step
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
+    code, out = sigterm_after_first_step(_args(tmp_path, "train.steps=2000", "train.save_every=0"), tmp_path)
+    assert code == 0, out[-3000:]
     ckpt = latest_checkpoint(tmp_path)
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert ckpt is not None and json.loads((ckpt / "meta.json").read_text())["step"] == max(steps) < 2000

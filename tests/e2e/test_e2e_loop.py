@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from moe_rl.config import load_config
 from moe_rl.testing import free_ports, run_ranks
-from moe_rl.testing.e2e import objective_matrix_worker
+from moe_rl.testing.e2e import objective_matrix_worker, sigterm_after_first_step
 
 LOSSES = ["grpo", "dapo", "gspo", "gspo_token", "sapo"]
 REPLAYS = ["off", "r2", "r3"]
@@ -96,16 +93,10 @@ def test_resume_gives_the_same_next_steps(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu.yaml",
-                             *SMALL, "train.steps=200", f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM signals the whole job step
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
+    code, out = sigterm_after_first_step([sys.executable, "-m", "moe_rl.cli", "train", "--config",
+                                          "launch/configs/tiny_cpu.yaml", *SMALL, "train.steps=200",
+                                          f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"], tmp_path)
+    assert code == 0, out[-3000:]
     from moe_rl.trainer import latest_checkpoint
 
     ckpt = latest_checkpoint(tmp_path)

@@ -75,7 +75,7 @@ def test_at_pi_equal_ref_the_loss_is_log2_and_the_gradient_is_minus_half_beta():
     logp = lambda x, y: torch.log_softmax(x @ w, -1)[y]  # noqa: E731
     c, r = logp(xc, 1).reshape(1), logp(xr, 2).reshape(1)
     loss, m = dpo_loss(c, r, c.detach(), r.detach(), beta=beta)
-    assert float(loss) == pytest.approx(math.log(2), abs=1e-12)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-12)
     assert m["dpo/reward_accuracy"] == 0.0 and m["dpo/reward_margin"] == 0.0
     (grad,) = torch.autograd.grad(loss, w, retain_graph=True)
     gc, gr = torch.autograd.grad(c.sum(), w, retain_graph=True)[0], torch.autograd.grad(r.sum(), w)[0]
@@ -85,7 +85,7 @@ def test_at_pi_equal_ref_the_loss_is_log2_and_the_gradient_is_minus_half_beta():
 def test_ipo_at_pi_equal_ref():
     pc, pr, _, _ = batch(2)
     loss, _ = dpo_loss(pc, pr, pc.detach(), pr.detach(), beta=0.5, kind="ipo")
-    assert float(loss) == pytest.approx(1.0, abs=1e-12)  # (0 − 1/(2·0.5))²
+    assert loss.item() == pytest.approx(1.0, abs=1e-12)  # (0 − 1/(2·0.5))²
 
 
 @pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
