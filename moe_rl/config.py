@@ -216,12 +216,17 @@ class RolloutConfig:
     than one server); true also puts it in front of `moe-rl serve` workers (the CPU rehearsal)."""
     n_samples: int = ranged(8, ge=2)
     """Responses per prompt (G); group advantages need at least 2. 8 as in the GSPO/DAPO setups."""
-    temperature: float = ranged(1.0, ge=0.0)
-    """Sampling temperature; 1.0 so rollout log-probs are the policy's own."""
+    temperature: float = ranged(1.0, gt=0.0)
+    """Sampling temperature T. The trainer trains the distribution sampled from: every
+    log-prob (engine, old pass, updates, drift) is log_softmax(logits / T). 1.0 = the model's own."""
     top_p: float = ranged(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling; 1.0 (off) so the sampled distribution is the policy's."""
+    """Nucleus sampling; 1.0 (off). < 1 needs `allow_truncated_sampling` (see there)."""
     top_k: int = -1
-    """Top-k sampling; -1 = off, for the same reason as top_p."""
+    """Top-k sampling; -1 (off). >= 1 needs `allow_truncated_sampling` (see there)."""
+    allow_truncated_sampling: bool = False
+    """Accept top_p < 1 or top_k >= 1. The engine then samples from a truncated distribution
+    whose log-probs neither it (SGLang returns them before truncation) nor the trainer
+    reproduce, so the update is silently off-policy; true says you accept that."""
     max_new_tokens: int = ranged(64, ge=1)
     """Response length cap; 64 fits the toy tasks."""
     concurrency: int = ranged(64, ge=1)
@@ -286,7 +291,12 @@ class AlgoConfig:
     num_minibatches: int = ranged(4, ge=1)
     """Optimizer updates per step (the step's samples split evenly); 4 as in GSPO."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (DAPO); off so every step has a fixed size."""
+    """DAPO's dynamic sampling: drop groups whose task rewards (before overlong shaping) are all
+    equal, and sample further prompts until the step has data.prompts_per_step informative groups
+    or dynamic_sampling_max_rounds rounds were generated; off so every step has a fixed size."""
+    dynamic_sampling_max_rounds: int = ranged(3, ge=1)
+    """Rollout rounds (each of data.prompts_per_step prompts) a step may generate to fill its groups
+    with dynamic sampling; 1 = never refill (train on the informative groups of one round)."""
     overlong_max_len: int | None = ranged(None, ge=1)
     """DAPO overlong shaping L_max in tokens; None = off."""
     overlong_cache_len: int = ranged(0, ge=0)
@@ -732,6 +742,11 @@ def _check_rollout(cfg: RunConfig) -> Iterator[str]:
     r = cfg.rollout
     if r.top_k == 0 or r.top_k < -1:
         yield f"rollout.top_k: {r.top_k} must be -1 (off) or >= 1"
+    elif (r.top_p < 1.0 or r.top_k >= 1) and not r.allow_truncated_sampling:
+        yield (f"rollout.top_p={r.top_p} / rollout.top_k={r.top_k}: truncated sampling draws tokens from a "
+               "distribution whose log-probs neither the engine nor the trainer compute, so every update would be "
+               "off-policy without correction; use top_p=1.0 and top_k=-1, or set "
+               "rollout.allow_truncated_sampling=true to accept the bias")
     for i, url in enumerate(r.urls):
         if not url.startswith(("http://", "https://")):
             yield f"rollout.urls[{i}]: {url!r} must start with http:// or https://"

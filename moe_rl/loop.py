@@ -57,7 +57,8 @@ class Samples:
 
     sequences: prompt + completion ids, each `[T_i]`; prompt_lens: `[N]`;
     engine_logp: per completion token, each `[T_i - P_i]`; routes: engine routes,
-    each `[T_i - 1, L, K]` (None when the engine does not return them).
+    each `[T_i - 1, L, K]` in the engine's compact id dtype (None when the engine does
+    not return them); completions: the text before EOS; rewards: the task's `[N]`.
     """
 
     prompts: list[Prompt]
@@ -76,6 +77,18 @@ class Samples:
                        None if self.rewards is None else self.rewards[idx],
                        None if self.advantages is None else self.advantages[idx])
 
+    def completion_ids(self) -> list[list[int]]:
+        """Each sample's generated ids, as the engine returned them (a stop token included)."""
+        return [s[p:].tolist() for s, p in zip(self.sequences, self.prompt_lens.tolist())]
+
+    def __add__(self, other: "Samples") -> "Samples":
+        both = lambda a, b: None if a is None or b is None else a + b  # noqa: E731
+        cat = lambda a, b: None if a is None or b is None else torch.cat([a, b])  # noqa: E731
+        return Samples(self.prompts + other.prompts, self.sequences + other.sequences,
+                       torch.cat([self.prompt_lens, other.prompt_lens]), self.engine_logp + other.engine_logp,
+                       both(self.routes, other.routes), self.completions + other.completions,
+                       cat(self.rewards, other.rewards), cat(self.advantages, other.advantages))
+
     def __len__(self) -> int:
         return len(self.sequences)
 
@@ -84,8 +97,10 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     """One RL step; returns the step's metrics (identical on every rank)."""
     clock = Stopwatch()
     samples, staleness = rollout(run, step)                       # data/ -> rollout engine (rank 0) -> all ranks
-    clock.lap("rollout")
     metrics = score(run, samples) | {"rollout/staleness": float(staleness)}  # reward/
+    samples, more = dynamic_sampling_rounds(run, samples, step)  # DAPO: refill with informative groups
+    clock.lap("rollout")
+    metrics |= more
     samples, more = advantages_and_filters(run, samples)          # algo/advantages.py, algo/filters.py
     metrics |= more
     if samples is None:
@@ -218,8 +233,9 @@ def broadcast(obj: Any) -> Any:
 # ---------------------------------------------------------------- rewards and advantages
 
 def score(run: Run, samples: Samples) -> dict[str, float]:
-    """Rewards of every sample (every rank computes the same, so no broadcast is needed)."""
-    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions), dtype=torch.float32)
+    """Task rewards of every sample (every rank computes the same, so no broadcast is needed)."""
+    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()),
+                           dtype=torch.float32)
     samples.rewards = rewards
     lengths = torch.tensor([len(s) for s in samples.sequences]) - samples.prompt_lens
     return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -228,32 +244,47 @@ def score(run: Run, samples: Samples) -> dict[str, float]:
             "rollout/response_len": float(lengths.float().mean())}
 
 
-def advantages_and_filters(run: Run, samples: Samples) -> tuple[Samples | None, dict[str, float]]:
-    """Overlong shaping, DAPO dynamic sampling, then group advantages."""
+def dynamic_sampling_rounds(run: Run, samples: Samples, step: int) -> tuple[Samples | None, dict[str, float]]:
+    """DAPO's dynamic sampling: keep the groups whose task rewards differ, generating further
+    rounds of prompts until `data.prompts_per_step` groups are kept or
+    `algo.dynamic_sampling_max_rounds` rounds were generated. Returns the kept samples (the
+    most whole groups that split evenly over DP ranks x minibatches; None when there are none).
+
+    Refill rounds are generated with the current weights (under off-policy overlap, after the
+    prefetched rollout has finished).
+    """
+    a, g, want = run.cfg.algo, run.cfg.rollout.n_samples, run.cfg.data.prompts_per_step
+    if not a.dynamic_sampling:
+        return samples, {}
+    informative = lambda s: s.select(dynamic_sampling(s.rewards, group_size=g).keep.tolist())  # noqa: E731
+    kept, generated, rounds = informative(samples), len(samples) // g, 1
+    while len(kept) < want * g and rounds < a.dynamic_sampling_max_rounds:
+        wait_for_prefetch(run)
+        more = generate(run, next_prompts(run), step)
+        score(run, more)
+        kept, generated, rounds = kept + informative(more), generated + len(more) // g, rounds + 1
+    use = usable_groups(min(len(kept) // g, want), g, run.policy.dp_size * a.num_minibatches)
+    metrics = {"filter/rounds": float(rounds), "filter/generated_groups": float(generated),
+               "filter/kept_groups": float(use), "filter/dropped_groups": float(generated - use)}
+    if use == 0:
+        return None, metrics | {"filter/skipped_step": 1.0}
+    return kept.select(list(range(use * g))), metrics
+
+
+def advantages_and_filters(run: Run, samples: Samples | None) -> tuple[Samples | None, dict[str, float]]:
+    """Overlong shaping of the task rewards (DAPO), then group advantages (None: step skipped)."""
     a, g = run.cfg.algo, run.cfg.rollout.n_samples
+    if samples is None:
+        return None, {}
     rewards = samples.rewards
-    metrics: dict[str, float] = {}
     if a.overlong_max_len:
         lengths = torch.tensor([len(s) for s in samples.sequences]) - samples.prompt_lens
         rewards = shape_overlong_rewards(rewards, lengths, max_len=a.overlong_max_len,
                                          cache_len=a.overlong_cache_len)
-    if a.dynamic_sampling:
-        kept = dynamic_sampling(rewards, group_size=g)
-        metrics |= {"filter/dropped_groups": float(kept.num_dropped_groups),
-                    "filter/kept_groups": float(kept.num_kept_groups)}
-        usable = _usable_groups(run, kept.num_kept_groups)
-        if kept.all_dropped or usable == 0:
-            return None, metrics | {"filter/skipped_step": 1.0}
-        idx = kept.keep[: usable * g].tolist()
-        samples, rewards = samples.select(idx), rewards[idx]
     samples.rewards = rewards
     samples.advantages = compute_advantages(a.advantage, rewards, group_size=g, eps=a.adv_eps) \
         if a.advantage == "grpo" else compute_advantages(a.advantage, rewards, group_size=g)
-    return samples, metrics | {"adv/abs_mean": float(samples.advantages.abs().mean())}
-
-
-def _usable_groups(run: Run, kept_groups: int) -> int:
-    return usable_groups(kept_groups, run.cfg.rollout.n_samples, run.policy.dp_size * run.cfg.algo.num_minibatches)
+    return samples, {"adv/abs_mean": float(samples.advantages.abs().mean())}
 
 
 def usable_groups(kept_groups: int, group_size: int, unit: int) -> int:
@@ -337,8 +368,9 @@ def engine_routes(samples: Samples) -> torch.Tensor:
         raise ValueError("algo.replay=r3 needs routed experts from the rollout engine; "
                          "set rollout.return_routed_experts=true (SGLang: --enable-return-routed-experts)")
     width = max(r.shape[0] for r in samples.routes)
-    return torch.stack([torch.nn.functional.pad(r.long(), (0, 0, 0, 0, 0, width - r.shape[0]))
-                        for r in samples.routes])
+    # The engine's compact id dtype (uint8 for <= 256 experts) is kept: the replay hook widens
+    # one microbatch's ids at a time.
+    return torch.stack([torch.nn.functional.pad(r, (0, 0, 0, 0, 0, width - r.shape[0])) for r in samples.routes])
 
 
 def response_mask(samples: Samples, width: int) -> torch.Tensor:
@@ -459,10 +491,15 @@ def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {k: total[k] / weight[k] if weight[k] else 0.0 for k in total}
 
 
+def wait_for_prefetch(run: Run) -> None:
+    """Let a prefetched rollout (off-policy overlap) finish before the engine is used otherwise."""
+    if run.pending is not None and run.pending[1] is not None:
+        run.pending[1].result()
+
+
 def sync_weights(run: Run) -> None:
     """Push the updated weights to the rollout engine (collective)."""
-    if run.pending is not None and run.pending[1] is not None:
-        run.pending[1].result()  # let a prefetched rollout finish on the weights it started with
+    wait_for_prefetch(run)  # it finishes on the weights it started with
     if run.cfg.rollout.colocated and run.rank == 0:
         run.engine.resume_memory_occupation()  # the servers load the new weights into their memory
     run.weight_sync.sync(run.weight_version, run.policy, run.engine if run.rank == 0 else None)
@@ -525,5 +562,5 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
 def evaluate(run: Run, dataset: PromptDataset, step: int) -> dict[str, float]:
     """Greedy success rate on a held-out prompt set (rank 0 generates, all ranks score)."""
     samples = generate(run, list(dataset), step, greedy=True)
-    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions))
+    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()))
     return {"eval/success_rate": float((rewards >= 1.0).float().mean()), "eval/reward_mean": float(rewards.mean())}

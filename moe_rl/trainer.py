@@ -202,6 +202,11 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
 
     dataset = load_dataset(cfg.data.train, _hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                            cfg.data.max_prompt_len)
+    runner = RewardRunner(get_reward(cfg.reward.name, data=cfg.data.train), cfg.reward.max_failure_frac)
+    if getattr(dataset.tokenizer, "decode", None) is None and not runner.reads_ids:
+        raise ConfigError(f"reward.name={cfg.reward.name!r} reads only the completion text, but {cfg.data.train} "
+                          "comes without a tokenizer to decode completions with: set model.hf_path to a checkpoint "
+                          "with tokenizer files, or use a reward that takes completion_ids")
     hf_dir = initial_model(cfg, out, rank, dataset)
     p, t = cfg.parallel, cfg.train
     layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp,
@@ -211,13 +216,13 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
                         total_steps=t.steps * cfg.algo.num_minibatches, lr_schedule=t.lr_schedule,
                         distributed_optimizer=t.distributed_optimizer)
     policy = Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
-                               p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch))
+                               p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch,
+                               temperature=cfg.rollout.temperature))
     eos = getattr(dataset.tokenizer, "eos_token_id", None)
     if eos is None:
         eos = policy.hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
-    runner = RewardRunner(get_reward(cfg.reward.name, data=cfg.data.train), cfg.reward.max_failure_frac)
     engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2,
                             **(update_group(cfg, servers) if cfg.rollout.weight_sync == "nccl" else {}))

@@ -6,10 +6,10 @@ Two kinds of servers, chosen by `rollout.engine`:
   transformers on CPU, SGLang's HTTP API). Several of them are balanced by
   `SGLangClient` itself, unless `rollout.router` is true: then the real
   sglang-router goes in front of them too (the CPU rehearsal of a cluster run).
-- `sglang`: `python -m sglang.launch_server --model-path P --tp-size N ...`
-  with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` in its environment, so the log-probs it
-  returns are log_softmax of the raw logits (temperature 1), the quantity the
-  trainer recomputes (sglang/srt/layers/sampler.py). With several servers an
+- `sglang`: `python -m sglang.launch_server --model-path P --tp-size N ...`, whose
+  log-probs are log_softmax(logits / T) by default: the distribution the tokens
+  were sampled from, which the trainer recomputes (sglang/srt/layers/sampler.py;
+  `SGLANG_RETURN_ORIGINAL_LOGPROB` stays unset). With several servers an
   sglang-router (`python -m sglang_router.launch_router --worker-urls ...`) goes in
   front (`rollout.router`: None = only then, true = always, false = never); `urls`
   is then the router and `admin_urls` the workers, which is where weight updates
@@ -46,8 +46,6 @@ from typing import Any, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
-# Makes SGLang return log_softmax(raw logits) (temperature 1) instead of log_softmax(logits / T).
-SGLANG_ENV: dict[str, str] = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -171,7 +169,7 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
             argv = sglang_server_command(model_path, host=host, port=port, tp_size=tp, ep_size=ep,
                                          mem_fraction=float(cfg.mem_fraction), base_gpu_id=i * tp,
                                          python=python, extra_args=list(cfg.sglang_args))
-            servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port, dict(SGLANG_ENV)))
+            servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port))
         else:
             raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.engine!r}")
     router = None

@@ -67,8 +67,8 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
 
 Differences from SGLang, on purpose: `sampling_seed` is always honoured (SGLang needs
 --enable-deterministic-inference), and with n > 1 sample j uses seed s + j (SGLang
-gives every copy the same seed); log-probs are temperature-1 by default (see
---logprob-mode and local_engine.py); there is no prefix cache, so /flush_cache is a no-op.
+gives every copy the same seed); log-probs are log_softmax(logits / T) as SGLang's
+(see --logprob-mode and local_engine.py); there is no prefix cache, so /flush_cache is a no-op.
 
 Generation runs in one worker thread; requests that arrive while it is busy are
 batched together into the next engine call (up to --max-batch samples), so
@@ -884,9 +884,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto",
                         help="torch device; auto (default) = cuda when a GPU is visible (the nccl weight sync "
                              "receives on it), else cpu")
-    parser.add_argument("--logprob-mode", default="raw", choices=["raw", "scaled"],
-                        help="raw: log_softmax(logits) at temperature 1 (SGLang with "
-                             "SGLANG_RETURN_ORIGINAL_LOGPROB=1); scaled: log_softmax(logits / T) (SGLang's default)")
+    parser.add_argument("--logprob-mode", default="scaled", choices=["scaled", "raw"],
+                        help="scaled: log_softmax(logits / T), the distribution sampled from (SGLang's default, "
+                             "what the trainer recomputes); raw: log_softmax(logits) at any T (SGLang with "
+                             "SGLANG_RETURN_ORIGINAL_LOGPROB=1), for comparisons")
     parser.add_argument("--weight-version", default="default", help="initial weight_version (SGLang: 'default')")
     parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted (413 beyond)")
     parser.add_argument("--health-check-timeout", type=float, default=HEALTH_CHECK_TIMEOUT,

@@ -106,6 +106,16 @@ def test_probability_range():
     assert "reward.max_failure_frac: 1.5 must be in [0.0, 1.0]" in error_of(["reward.max_failure_frac=1.5"])
 
 
+def test_truncated_sampling_refused_unless_accepted():
+    for override in ("rollout.top_p=0.9", "rollout.top_k=20"):
+        msg = error_of([override])
+        assert "off-policy" in msg and "rollout.allow_truncated_sampling=true" in msg
+    cfg = load_config(None, ["rollout.top_p=0.9", "rollout.top_k=20", "rollout.allow_truncated_sampling=true"])
+    assert (cfg.rollout.top_p, cfg.rollout.top_k) == (0.9, 20)
+    # greedy training samples would be identical within a group, and log_softmax(logits / 0) is undefined
+    assert "rollout.temperature: 0.0 must be > 0.0" in error_of(["rollout.temperature=0"])
+
+
 def test_wrong_type_names_field_value_and_source():
     msg = error_of(["parallel.tp=two"])
     assert "parallel.tp: 'two' is not an integer" in msg and "parallel.tp=two" in msg
