@@ -27,8 +27,8 @@ from moe_rl.testing.e2e import objective_matrix_worker
 LOSSES = ["grpo", "dapo", "gspo", "gspo_token", "sapo"]
 REPLAYS = ["off", "r2", "r3"]
 SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=2",
-         "parallel.max_tokens_per_microbatch=null",  # padded micro-batches; the matrix ends with packed steps "rollout.n_samples=4",
-         "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
+         "parallel.max_tokens_per_microbatch=null",  # padded micro-batches; the matrix ends with packed steps
+         "rollout.n_samples=4", "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
          "train.lr=1e-3", "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy"]
 KEYS = ["reward/mean", "reward/success_rate", "loss/pg_loss", "perf/grad_norm", "loss/ratio_mean",
         "drift/volatility", "drift/rollout_mismatch", "drift/logp_abs_diff", "perf/tokens_per_s"]
@@ -42,8 +42,11 @@ def _cli(args, **kw):
 
 
 def test_every_objective_and_replay_mode(tmp_path):
-    cfg = load_config("launch/configs/tiny_cpu.yaml", SMALL + [f"log.run_dir={tmp_path}",
-                                                               f"rollout.base_port={free_ports(1)}"])
+    # T = 0.7: engine and trainer both give log_softmax(logits / T); a reward that differs between
+    # samples, so every step has advantages and must move the weights.
+    cfg = load_config("launch/configs/tiny_cpu.yaml", SMALL + [
+        f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}", "rollout.temperature=0.7",
+        "reward.name=moe_rl.testing.e2e:varied_reward"])
     combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS]
     results = run_ranks(objective_matrix_worker, 2, cfg.to_dict(), str(tmp_path), combos, timeout=900)
     assert sum(1 for r in results[0] if r.get("packed")) == 2  # then two packed steps (r2, r3) with DP balancing
@@ -61,12 +64,12 @@ def test_every_objective_and_replay_mode(tmp_path):
         # Two microbatches per minibatch: per-token means are combined, not added up.
         assert 0.5 < m["loss/ratio_mean"] < 1.5, f"{name}: loss/ratio_mean {m['loss/ratio_mean']}"
         assert m["loss/ratio_min"] <= m["loss/ratio_mean"] <= m["loss/ratio_max"], name
-        if m["adv/abs_mean"] > 0:  # all-equal rewards give zero advantages: nothing to learn
-            assert r["weight_change"] > 0, f"{name}: weights did not change"
-        # The engine serves the weights of the previous step's sync: same log-probs as the trainer.
+        assert m["adv/abs_mean"] > 0, f"{name}: the varied reward gave no advantages"
+        assert r["weight_change"] > 0, f"{name}: weights did not change"
+        # The engine serves the weights of the previous step's sync: same log-probs as the trainer (at T = 0.7).
         assert m["drift/logp_abs_diff"] <= 1e-4, f"{name}: engine vs trainer |Δ log p| {m['drift/logp_abs_diff']}"
-        if r["replay"] == "r3":
-            pass  # the trainer replays the engine's routes; mismatch is measured on its own free routes
+        if "replay_check" in r:
+            assert r["replay_check"] == "ok", f"{name}: {r['replay_check']}"
     ranks_agree = [r["metrics"]["reward/mean"] for r in results[1]] == [r["metrics"]["reward/mean"] for r in results[0]]
     assert ranks_agree
 
