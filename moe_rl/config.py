@@ -390,6 +390,9 @@ class DriftConfig:
     """Also measure on the step's own training tokens (the volatility that replay removes)."""
     every: int = ranged(1, ge=1)
     """Measure step-token drift every N steps: each measurement costs one extra forward pass."""
+    per_update: bool = False
+    """Also measure probe-set volatility across each optimizer update (`drift/volatility_per_update`,
+    the per-gradient-update figure of the GSPO paper); costs one probe forward per update."""
 
 
 @dataclass

@@ -397,6 +397,7 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
                   "rollout_logp": engine_logp_tokens(mine, width)}
     logged: list[dict[str, float]] = []
     step_metrics: dict[str, float] = {}
+    per_update = PerUpdateVolatility(run, mine) if run.cfg.drift.enabled and run.cfg.drift.per_update else None
     for idx in share.minibatches:
         extras = {name: t[idx] for name, t in extras_all.items()}
         counts = run.policy.all_reduce_sum(torch.tensor(
@@ -406,7 +407,9 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
         out = run.policy.update([mine.sequences[i] for i in idx], extras, loss, replay_routes=replay)
         step_metrics = out.step
         logged.append(combine_loss_metrics(run.policy, out.microbatches))
-    return _mean(logged) | step_metrics
+        if per_update:
+            per_update.after_update()
+    return _mean(logged) | step_metrics | (per_update.metrics() if per_update else {})
 
 
 def _loss_fn(run: Run, num_tokens: float, num_seqs: float):
@@ -518,21 +521,47 @@ def measure_drift(run: Run, mine: Samples, old: OldPass, step: int) -> dict[str,
     return out
 
 
-def probe_drift(run: Run, mine: Samples, step: int) -> dict[str, float]:
-    """Volatility on a fixed probe set (the first step's first samples) since the last probe."""
+def probe_routes(run: Run, mine: Samples) -> torch.Tensor:
+    """Routes `[N, L, K]` of every token of the fixed probe set (this rank's first samples of the
+    first step that measured drift) under the current weights."""
     state = run.drift_state
     if "probe" not in state:
         state["probe"] = [s.clone() for s in mine.sequences[: run.cfg.drift.probe_size]]
     probe = state["probe"]
     routes = run.policy.logprobs(probe, record_routes=True).routes
     lengths = torch.tensor([len(s) for s in probe])
-    tokens = torch.arange(routes.shape[1]).view(1, -1) < (lengths - 1).view(-1, 1)
+    return routes[torch.arange(routes.shape[1]).view(1, -1) < (lengths - 1).view(-1, 1)]
+
+
+def probe_drift(run: Run, mine: Samples, step: int) -> dict[str, float]:
+    """Volatility on the probe set since the last probe (`drift.probe_every` steps)."""
+    state = run.drift_state
+    routes = probe_routes(run, mine)
     out = {}
-    if "probe_routes" in state:
-        out = route_stats(state["probe_routes"][tokens], routes[tokens]).all_reduce(
+    if getattr(state.get("probe_routes"), "ndim", 0) == 3:  # [N, L, K] (older checkpoints kept [B, T - 1, L, K])
+        out = route_stats(state["probe_routes"], routes).all_reduce(
             run.policy.dp_group).summary("drift/probe_volatility", list(run.policy.arch.moe_layers))
     state["probe_routes"] = routes
     return out
+
+
+class PerUpdateVolatility:
+    """Probe-set volatility across each optimizer update of a step, averaged over the step's
+    updates (`drift/volatility_per_update`); `drift/volatility` spans all of them."""
+
+    def __init__(self, run: Run, mine: Samples) -> None:
+        self.run, self.mine = run, mine
+        self.routes = probe_routes(run, mine)
+        self.stats: Any = None
+
+    def after_update(self) -> None:
+        routes = probe_routes(self.run, self.mine)
+        stats = route_stats(self.routes, routes)
+        self.stats, self.routes = stats if self.stats is None else self.stats + stats, routes
+
+    def metrics(self) -> dict[str, float]:
+        return self.stats.all_reduce(self.run.policy.dp_group).summary(
+            "drift/volatility_per_update", list(self.run.policy.arch.moe_layers))
 
 
 def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:

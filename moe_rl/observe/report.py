@@ -360,7 +360,9 @@ def _drift_figure(m: Metrics) -> Figure:
     exact = _first_present(m, ("drift/volatility/exact_match", "drift/exact_match"),
                            "exact top-k set match, between updates")
     panels = [
-        (_present(m, [("drift/volatility", "between updates (volatility)"),
+        (_present(m, [("drift/volatility", "step's tokens, across the step's updates (volatility)"),
+                      ("drift/volatility_per_update", "probe set, per optimizer update"),
+                      ("drift/probe_volatility", "probe set, between probes"),
                       ("drift/rollout_mismatch", "rollout engine vs trainer (mismatch)")]) + exact
          + _present(m, [("drift/volatility/tokens_changed_any_layer", "tokens changed in any layer")]),
          "share", "Expert routes: share of top-k experts changed", False),

@@ -46,7 +46,7 @@ def test_every_objective_and_replay_mode(tmp_path):
     # samples, so every step has advantages and must move the weights.
     cfg = load_config("launch/configs/tiny_cpu.yaml", SMALL + [
         f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}", "rollout.temperature=0.7",
-        "reward.name=moe_rl.testing.e2e:varied_reward"])
+        "reward.name=moe_rl.testing.e2e:varied_reward", "drift.per_update=true"])
     combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS]
     results = run_ranks(objective_matrix_worker, 2, cfg.to_dict(), str(tmp_path), combos, timeout=900)
     assert sum(1 for r in results[0] if r.get("packed")) == 2  # then two packed steps (r2, r3) with DP balancing
@@ -68,6 +68,11 @@ def test_every_objective_and_replay_mode(tmp_path):
         assert r["weight_change"] > 0, f"{name}: weights did not change"
         # The engine serves the weights of the previous step's sync: same log-probs as the trainer (at T = 0.7).
         assert m["drift/logp_abs_diff"] <= 1e-4, f"{name}: engine vs trainer |Δ log p| {m['drift/logp_abs_diff']}"
+        # Route distance is a metric, so the probe's change over the step's 2 updates is at most the
+        # sum of its per-update changes (2 x their mean).
+        assert 0.0 <= m["drift/volatility_per_update"] <= 1.0, name
+        if "drift/probe_volatility" in m:
+            assert m["drift/probe_volatility"] <= 2 * m["drift/volatility_per_update"] + 1e-9, name
         if "replay_check" in r:
             assert r["replay_check"] == "ok", f"{name}: {r['replay_check']}"
     ranks_agree = [r["metrics"]["reward/mean"] for r in results[1]] == [r["metrics"]["reward/mean"] for r in results[0]]
