@@ -97,11 +97,12 @@ def ranged(default: float | None, *, ge: float | None = None, gt: float | None =
 DTYPES = ("fp32", "bf16", "fp16")
 ENGINES = ("local", "sglang")
 WEIGHT_SYNCS = ("disk", "tensor", "nccl")
-LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "sapo")
+LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "sapo", "cispo", "gmpo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_LEVELS = ("token", "sequence")
+CORRECTION_MODES = ("tis", "token_mask", "icepop", "seq_mask")
 REPLAYS = ("off", "r2", "r3")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LOG_LEVELS = ("debug", "info", "warning")
@@ -259,6 +260,21 @@ class RolloutConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """What to do with tokens whose trainer and rollout probabilities disagree (moe_rl/algo/correction.py)."""
+
+    mode: str | None = choice(None, CORRECTION_MODES)
+    """None = off; tis = truncated IS (cap: algo.tis_cap, 2 if unset); token_mask = drop tokens whose
+    ratio pi_old / pi_rollout is outside [low, high] (MIS); icepop = token_mask with IcePop's [0.5, 5];
+    seq_mask = drop whole sequences whose geometric-mean ratio is outside [low, high]. algo.tis_cap
+    set together with a mask mode applies both."""
+    low: float | None = ranged(None, ge=0.0, lt=1.0)
+    """Lower bound on the ratio for the mask modes; None = the mode's default (0.5; seq_mask 0.99)."""
+    high: float | None = ranged(None, gt=1.0)
+    """Upper bound on the ratio for the mask modes; None = the mode's default (2; icepop 5; seq_mask 1.01)."""
+
+
+@dataclass
 class AlgoConfig:
     """The RL objective, advantages and rollout filters."""
 
@@ -288,6 +304,8 @@ class AlgoConfig:
     """Truncated importance sampling cap for the rollout/trainer mismatch; None = off."""
     tis_level: str = choice("token", TIS_LEVELS)
     """Whether the TIS weight is per token or one per sequence."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Masks (and TIS) for the trainer/rollout mismatch, composable with every loss."""
     num_minibatches: int = ranged(4, ge=1)
     """Optimizer updates per step (the step's samples split evenly); 4 as in GSPO."""
     dynamic_sampling: bool = False
@@ -781,6 +799,10 @@ def _check_algo(cfg: RunConfig) -> Iterator[str]:
     if a.overlong_max_len is not None and a.overlong_cache_len >= a.overlong_max_len:
         yield (f"algo.overlong_cache_len: {a.overlong_cache_len} must be < "
                f"algo.overlong_max_len={a.overlong_max_len}")
+    rc = a.rollout_correction
+    if (rc.low is not None or rc.high is not None) and rc.mode not in ("token_mask", "icepop", "seq_mask"):
+        yield (f"algo.rollout_correction.low/high bound the ratio of a mask mode; mode is {rc.mode!r}: set "
+               "algo.rollout_correction.mode to token_mask, icepop or seq_mask, or leave the bounds unset")
     samples = cfg.data.prompts_per_step * cfg.rollout.n_samples
     if samples % a.num_minibatches:
         yield (f"algo.num_minibatches: {a.num_minibatches} must divide the step's samples, "

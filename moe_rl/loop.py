@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.algo.advantages import compute_advantages
+from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
 from moe_rl.algo.losses import compute_loss
 from moe_rl.config import RunConfig
@@ -414,14 +415,8 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
 
 def _loss_fn(run: Run, num_tokens: float, num_seqs: float):
     a = run.cfg.algo
-    params: dict[str, Any] = {}
-    if a.loss in ("grpo", "dapo", "gspo", "gspo_token"):
-        params |= {k: v for k, v in (("eps_low", a.eps_low), ("eps_high", a.eps_high),
-                                     ("dual_clip", a.dual_clip)) if v is not None}
-    if a.loss == "sapo":
-        params |= {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}
-    if a.tis_cap is not None:
-        params |= {"tis_cap": a.tis_cap, "tis_level": a.tis_level}
+    params = loss_params(a)
+    corrected = "correction" in params
 
     def loss(logp: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, float]]:
         valid = (mb.index >= 0).float().unsqueeze(1)  # rows added to fill the last microbatch
@@ -429,15 +424,38 @@ def _loss_fn(run: Run, num_tokens: float, num_seqs: float):
         return compute_loss(a.loss, logp=logp, old_logp=ex["old_logp"], advantages=ex["adv"],
                             mask=ex["mask"] * valid, agg=a.aggregation, global_num_tokens=num_tokens,
                             global_num_seqs=num_seqs, max_len=run.cfg.rollout.max_new_tokens,
-                            rollout_logp=ex["rollout_logp"] if a.tis_cap is not None else None,
+                            rollout_logp=ex["rollout_logp"] if corrected else None,
                             beta=a.kl_coef, kl_estimator=a.kl_estimator, **params)
     return loss
+
+
+def loss_params(a: Any) -> dict[str, Any]:
+    """`compute_loss` keywords from the `algo` section: the objective's hyperparameters and the
+    rollout correction (present only when one is on)."""
+    params: dict[str, Any] = {}
+    if a.loss in ("grpo", "dapo", "gspo", "gspo_token", "cispo", "gmpo"):
+        params |= {k: v for k, v in (("eps_low", a.eps_low), ("eps_high", a.eps_high)) if v is not None}
+    if a.loss in ("grpo", "dapo", "gspo", "gspo_token") and a.dual_clip is not None:
+        params["dual_clip"] = a.dual_clip
+    if a.loss == "sapo":
+        params |= {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}
+    rc = a.rollout_correction
+    corrected = a.tis_cap is not None or rc.mode is not None
+    if corrected:
+        bounds = None
+        if rc.low is not None or rc.high is not None:  # each unset side from the mode's default
+            low, high = DEFAULT_BOUNDS[rc.mode]
+            bounds = (low if rc.low is None else rc.low, high if rc.high is None else rc.high)
+        params |= {"tis_cap": a.tis_cap, "tis_level": a.tis_level, "correction": rc.mode,
+                   "correction_bounds": bounds}
+    return params
 
 
 # Loss metrics that are shares of a globally normalised total (summed over microbatches
 # and ranks), extremes, and the rest: means over tokens (weighted by loss/num_tokens).
 _SHARES = ("loss/pg_loss", "loss/kl_loss", "loss/num_tokens", "loss/num_seqs")
-_EXTREMES = {"loss/ratio_min": -1.0, "loss/ratio_max": 1.0}  # sign: reduced with MAX of sign * value
+_EXTREMES = {"loss/ratio_min": -1.0, "loss/ratio_max": 1.0,  # sign: reduced with MAX of sign * value
+             "correction/ratio_min": -1.0, "correction/ratio_max": 1.0}
 
 
 def combine_loss_metrics(policy: Policy, microbatches: list[dict[str, float]]) -> dict[str, float]:

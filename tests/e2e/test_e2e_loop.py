@@ -32,7 +32,8 @@ SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size
          "train.lr=1e-3", "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy"]
 KEYS = ["reward/mean", "reward/success_rate", "loss/pg_loss", "perf/grad_norm", "loss/ratio_mean",
         "drift/volatility", "drift/rollout_mismatch", "drift/logp_abs_diff", "perf/tokens_per_s"]
-LOSS_KEYS = {"sapo": "loss/sapo_gate_mean"}  # SAPO has no hard clip; the others report clip fractions
+# SAPO has no hard clip, CISPO clips the IS weight only; the others report clip fractions
+LOSS_KEYS = {"sapo": "loss/sapo_gate_mean", "cispo": "loss/is_weight_clip_frac_high"}
 
 
 def _cli(args, **kw):
@@ -46,8 +47,9 @@ def test_every_objective_and_replay_mode(tmp_path):
     # samples, so every step has advantages and must move the weights.
     cfg = load_config("launch/configs/tiny_cpu.yaml", SMALL + [
         f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}", "rollout.temperature=0.7",
-        "reward.name=moe_rl.testing.e2e:varied_reward", "drift.per_update=true"])
-    combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS]
+        "reward.name=moe_rl.testing.e2e:varied_reward", "drift.per_update=true",
+        "algo.rollout_correction.mode=icepop"])
+    combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS] + [("cispo", "r2"), ("gmpo", "r3")]
     results = run_ranks(objective_matrix_worker, 2, cfg.to_dict(), str(tmp_path), combos, timeout=900)
     assert sum(1 for r in results[0] if r.get("packed")) == 2  # then two packed steps (r2, r3) with DP balancing
     overlap = [r["metrics"]["rollout/staleness"] for r in results[0] if r.get("overlap")]
@@ -73,6 +75,9 @@ def test_every_objective_and_replay_mode(tmp_path):
         assert 0.0 <= m["drift/volatility_per_update"] <= 1.0, name
         if "drift/probe_volatility" in m:
             assert m["drift/probe_volatility"] <= 2 * m["drift/volatility_per_update"] + 1e-9, name
+        # IcePop masks nothing when engine and trainer agree (they do, see above)
+        assert m["correction/masked_token_frac"] == 0.0, name
+        assert 0.5 < m["correction/ratio_min"] <= m["correction/ratio_max"] < 5.0, name
         if "replay_check" in r:
             assert r["replay_check"] == "ok", f"{name}: {r['replay_check']}"
     ranks_agree = [r["metrics"]["reward/mean"] for r in results[1]] == [r["metrics"]["reward/mean"] for r in results[0]]
