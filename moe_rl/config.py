@@ -103,7 +103,7 @@ ADVANTAGES = ("grpo", "drgrpo", "rloo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_LEVELS = ("token", "sequence")
 CORRECTION_MODES = ("tis", "token_mask", "icepop", "seq_mask")
-REPLAYS = ("off", "r2", "r3")
+REPLAYS = ("off", "r2", "r3", "auto")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LOG_LEVELS = ("debug", "info", "warning")
 DATA_SUFFIXES = (".jsonl", ".parquet")
@@ -320,7 +320,10 @@ class AlgoConfig:
     overlong_cache_len: int = ranged(0, ge=0)
     """DAPO L_cache: responses within this many tokens of L_max get a linear penalty."""
     replay: str = choice("r2", REPLAYS)
-    """Routing replay: r2 replays the old policy's routes, r3 the rollout engine's; r2 needs no engine support."""
+    """Routing replay: r2 replays the old policy's routes, r3 the rollout engine's; r2 needs no engine
+    support. auto: r2 while a step's updates are mildly off-policy (at most 2 optimizer updates per
+    rollout batch, counting off_policy_overlap's stale version as one), r3 beyond that, following the
+    Qwen team's analysis of routing replay (R2 biases less when close to on-policy, R3 holds up far off it)."""
     off_policy_overlap: bool = False
     """Generate step t+1 while training step t (one step stale); off so steps are on-policy."""
 
@@ -789,10 +792,18 @@ def _check_rollout(cfg: RunConfig) -> Iterator[str]:
                "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl")
 
 
+def replay_mode(a: AlgoConfig) -> str:
+    """The replay a step uses: `algo.replay`, with auto resolved (see AlgoConfig.replay)."""
+    if a.replay != "auto":
+        return a.replay
+    updates_per_batch = a.num_minibatches + (1 if a.off_policy_overlap else 0)
+    return "r2" if updates_per_batch <= 2 else "r3"
+
+
 def _check_algo(cfg: RunConfig) -> Iterator[str]:
     a = cfg.algo
-    if a.replay == "r3" and not cfg.rollout.return_routed_experts:
-        yield ("algo.replay: 'r3' replays the rollout engine's routes and requires "
+    if replay_mode(a) == "r3" and not cfg.rollout.return_routed_experts:
+        yield (f"algo.replay: {a.replay!r} chooses 'r3' here, which replays the rollout engine's routes and requires "
                "rollout.return_routed_experts=true")
     if a.overlong_cache_len > 0 and a.overlong_max_len is None:
         yield f"algo.overlong_cache_len: {a.overlong_cache_len} needs algo.overlong_max_len to be set"

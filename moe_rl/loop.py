@@ -23,7 +23,7 @@ from moe_rl.algo.advantages import compute_advantages
 from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
 from moe_rl.algo.losses import compute_loss
-from moe_rl.config import RunConfig
+from moe_rl.config import RunConfig, replay_mode
 from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import PromptSampler
@@ -353,7 +353,7 @@ class OldPass:
 
 def old_logprobs(run: Run, mine: Samples) -> OldPass:
     """Log-probs of the sampling policy as the trainer computes them (pi_old)."""
-    mode = run.cfg.algo.replay
+    mode = replay_mode(run.cfg.algo)
     if mode == "r3":
         engine = engine_routes(mine)
         old = run.policy.logprobs(mine.sequences, replay_routes=engine)

@@ -138,6 +138,11 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
     log = setup_logging(cfg.log.level, rank, cfg.log.all_ranks, out / "train.log")
     if rank == 0:
         (out / "config.yaml").write_text(cfg.to_yaml())  # the resolved config, overrides applied
+    if cfg.algo.replay == "auto":
+        from moe_rl.config import replay_mode
+
+        log.info("algo.replay=auto: %s (%d optimizer updates per rollout batch%s)", replay_mode(cfg.algo),
+                 cfg.algo.num_minibatches, ", one weight version stale" if cfg.algo.off_policy_overlap else "")
     _Stop.install()
     if cfg.train.device_guard:  # CPU rehearsal: a host tensor in a collective fails here, not on a GPU
         from moe_rl.testing.device_guard import install_device_guard

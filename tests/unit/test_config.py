@@ -293,3 +293,28 @@ def test_to_dict_from_dict_round_trip():
     d = cfg.to_dict()
     assert d["parallel"]["ep"] == 2 and d["model"]["tiny"]["num_experts"] == 4
     assert RunConfig.from_dict(d) == cfg
+
+
+@pytest.mark.parametrize("overrides,mode", [
+    (["algo.num_minibatches=1"], "r2"),
+    (["algo.num_minibatches=2"], "r2"),
+    (["algo.num_minibatches=2", "algo.off_policy_overlap=true"], "r3"),
+    (["algo.num_minibatches=4"], "r3"),
+])
+def test_replay_auto_picks_r2_near_on_policy_and_r3_beyond(overrides, mode):
+    from moe_rl.config import replay_mode
+
+    cfg = load_config(None, ["algo.replay=auto", *overrides])
+    assert replay_mode(cfg.algo) == mode
+    assert replay_mode(load_config(None, ["algo.replay=r2", *overrides]).algo) == "r2"  # explicit modes stay
+
+
+def test_replay_auto_that_needs_engine_routes_says_so():
+    msg = error_of(["algo.replay=auto", "algo.num_minibatches=4", "rollout.return_routed_experts=false"])
+    assert "algo.replay: 'auto' chooses 'r3'" in msg and "rollout.return_routed_experts=true" in msg
+
+
+def test_rollout_correction_bounds_need_a_mask_mode():
+    assert "algo.rollout_correction.low/high" in error_of(["algo.rollout_correction.high=3"])
+    cfg = load_config(None, ["algo.rollout_correction.mode=icepop", "algo.rollout_correction.high=3"])
+    assert cfg.algo.rollout_correction.high == 3.0
