@@ -27,7 +27,7 @@ from moe_rl.config import RunConfig, replay_mode
 from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import PromptSampler
-from moe_rl.drift.metrics import (expert_load, load_change, logprob_mismatch, route_stats)
+from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, logprob_mismatch, route_stats)
 from moe_rl.policy.policy import Policy
 from moe_rl.reward.runner import RewardRunner
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
@@ -588,10 +588,14 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
     width = old.logp.shape[1]
     lengths = torch.tensor([len(s) for s in mine.sequences])
     tokens = torch.arange(width).view(1, -1) < (lengths - 1).view(-1, 1)  # every routed token
-    after = run.policy.logprobs(mine.sequences, record_routes=True).routes
+    passed = run.policy.logprobs(mine.sequences, record_routes=True, route_confidence=True)
+    after = passed.routes
     flat = lambda r: r[:, :width][tokens]  # noqa: E731  [N, L, K]
     layer_ids = list(arch.moe_layers)
     out = route_stats(flat(old.free_routes), flat(after)).all_reduce(run.policy.dp_group).summary("drift/volatility", layer_ids)
+    conf = flat(passed.route_confidence).double()  # [N, L, 2]
+    sums = run.policy.all_reduce_sum(torch.cat([conf.sum(0).flatten(), torch.tensor([float(conf.shape[0])])]))
+    out |= confidence_summary(sums[:-1].view(-1, 2), float(sums[-1]), layer_ids)
     if mine.routes is not None:
         engine = engine_routes(mine)
         engine = torch.nn.functional.pad(engine, (0, 0, 0, 0, 0, max(width - engine.shape[1], 0)))

@@ -372,6 +372,10 @@ def _drift_figure(m: Metrics) -> Figure:
          "share of tokens", "Tokens whose probability ratio is outside [1/2, 2]", False),
         (_present(m, [("drift/load_change", "expert load change")]),
          "total variation", "Expert load change between steps", False),
+        (_present(m, [("drift/route_margin", "k-th minus (k+1)-th router logit")]),
+         "logit margin", "Routing confidence: low margins are where routes flip", False),
+        (_present(m, [("drift/route_gate_mass", "softmax mass of the top-k experts")]),
+         "share", "Routing confidence: top-k gate mass", False),
     ]
     panels = [p for p in panels if p[0]]
     if not panels:

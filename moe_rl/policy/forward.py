@@ -362,6 +362,7 @@ class LogProbs:
     mask: torch.Tensor
     entropy: torch.Tensor | None = None
     routes: torch.Tensor | None = None  # [B, T - 1, L, K] when recorded
+    route_confidence: torch.Tensor | None = None  # [B, T - 1, L, 2] (gate mass, logit margin) when asked
 
 
 @torch.no_grad()
@@ -408,7 +409,8 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
     lengths = torch.tensor([len(x) for x in sequences])
     mask = (torch.arange(s - 1).unsqueeze(0) < (lengths - 1).unsqueeze(1)).float()
     return LogProbs(logp=logp * mask, mask=mask, entropy=None if ent is None else ent * mask,
-                    routes=getattr(recording, "routes", None))
+                    routes=getattr(recording, "routes", None),
+                    route_confidence=getattr(recording, "confidence", None))
 
 
 def _broadcast_from_last_stage(t: torch.Tensor) -> None:

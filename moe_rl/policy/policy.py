@@ -97,18 +97,21 @@ class Policy:
     # ------------------------------------------------------------ log-probs
 
     def logprobs(self, sequences: list[torch.Tensor], *, record_routes: bool = False,
-                 replay_routes: torch.Tensor | None = None, entropy: bool = False) -> LogProbs:
+                 replay_routes: torch.Tensor | None = None, entropy: bool = False,
+                 route_confidence: bool = False) -> LogProbs:
         """Per-token log-probs `[B, T - 1]` of this DP rank's sequences, of softmax(logits / T)
         at the spec's sampling temperature T.
 
-        record_routes: also return the routes the routers chose (`[B, T - 1, L, K]`).
+        record_routes: also return the routes the routers chose (`[B, T - 1, L, K]`);
+            with route_confidence, also each router's confidence (`[B, T - 1, L, 2]`: top-k
+            gate mass, k-th minus (k+1)-th logit).
         replay_routes: make the routers use these routes (R3 old-log-prob pass).
         """
         routing = None
         if replay_routes is not None:
             routing = lambda mbs: self.replay.replay(replay_routes, mbs)  # noqa: E731
         elif record_routes and self.replay is not None:
-            routing = self.replay.record
+            routing = lambda mbs: self.replay.record(mbs, confidence=route_confidence)  # noqa: E731
         return compute_logprobs(self.chunks, sequences, self.spec.micro_batch_size, with_entropy=entropy,
                                 routing=routing, max_tokens=self.spec.max_tokens_per_microbatch,
                                 temperature=self.spec.temperature)

@@ -31,7 +31,8 @@ SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size
          "rollout.n_samples=4", "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
          "train.lr=1e-3", "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy"]
 KEYS = ["reward/mean", "reward/success_rate", "loss/pg_loss", "perf/grad_norm", "loss/ratio_mean",
-        "drift/volatility", "drift/rollout_mismatch", "drift/logp_abs_diff", "perf/tokens_per_s"]
+        "drift/volatility", "drift/rollout_mismatch", "drift/logp_abs_diff", "perf/tokens_per_s",
+        "drift/route_margin", "drift/route_gate_mass/layer_00"]
 # SAPO has no hard clip, CISPO clips the IS weight only; the others report clip fractions
 LOSS_KEYS = {"sapo": "loss/sapo_gate_mean", "cispo": "loss/is_weight_clip_frac_high"}
 
