@@ -211,7 +211,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     if getattr(dataset.tokenizer, "decode", None) is None and not runner.reads_ids:
         raise ConfigError(f"reward.name={cfg.reward.name!r} reads only the completion text, but {cfg.data.train} "
                           "comes without a tokenizer to decode completions with: set model.hf_path to a checkpoint "
-                          "with tokenizer files, or use a reward that takes completion_ids")
+                          "with tokenizer files, or use a reward with a completion_ids parameter")
     hf_dir = initial_model(cfg, out, rank, dataset)
     p, t = cfg.parallel, cfg.train
     layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp,

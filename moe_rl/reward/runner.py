@@ -53,7 +53,11 @@ class RewardRunner:
 
     @property
     def reads_ids(self) -> bool:
-        """Whether the function can take `completion_ids` (it names it, or takes **kwargs)."""
+        """Whether the function can score from `completion_ids`: as registered (the built-in
+        rewards read text only), else whether it takes them (by name, or **kwargs)."""
+        declared = getattr(self.fn, "reads_ids", None)
+        if declared is not None:
+            return bool(declared)
         return self._accepts is None or "completion_ids" in self._accepts
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[str],

@@ -194,3 +194,18 @@ def test_rewards_get_completion_ids():
     score(run, samples)
     assert samples.rewards.view(4, 4)[:, 0].tolist() == [1.0] * 4  # read from the ids, not the text
     assert samples.completion_ids()[:3] == [[7], [8], [8, 8, 8]]
+
+
+def test_text_only_reward_without_a_tokenizer_is_refused_before_any_work(tmp_path):
+    """Id-only data and no tokenizer: a reward that reads only text would score empty strings."""
+    import json
+
+    from moe_rl.config import ConfigError, load_config
+    from moe_rl.trainer import build_run
+
+    data = tmp_path / "ids.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": [5, 6, 7], "answer": "3"}) for _ in range(4)) + "\n")
+    cfg = load_config(None, [f"data.train={data}", "data.eval=null", "reward.name=math", "data.prompts_per_step=4"])
+    with pytest.raises(ConfigError, match="reward.name='math' reads only the completion text.*completion_ids"):
+        build_run(cfg, tmp_path / "run", 0)
+    assert not (tmp_path / "run" / "init_model").exists()  # refused before the model was written
