@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import ConfigError, RunConfig, load_config
+from moe_rl.integrity import check_file, file_record, read_meta
 
 CHECKPOINTS = "checkpoints"
 
@@ -334,7 +335,8 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
 def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
     """Every rank writes its state into `step_N.tmp/`; rank 0 renames it to `step_N/` once all are done.
 
-    A crash while writing leaves only a `.tmp` directory, which resume ignores.
+    A crash while writing leaves only a `.tmp` directory, which resume ignores. `meta.json`
+    records every file's size and SHA-256 (`moe_rl.integrity`), so damage is found on resume.
     """
     root = out / CHECKPOINTS
     final = root / f"step_{step:06d}"
@@ -346,10 +348,12 @@ def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
     state = {"policy": run.policy.state_dict(), "sampler": run.sampler.state_dict(),
              "rewards": run.rewards.state_dict(), "step": step, "weight_version": run.weight_version,
              "drift_state": run.drift_state, "rng": _rng_state()}
-    torch.save(state, tmp / f"rank_{run.rank:05d}.pt")
-    _barrier()
+    mine = f"rank_{run.rank:05d}.pt"
+    torch.save(state, tmp / mine)
+    records = _all_gather((mine, file_record(tmp / mine)))  # each rank hashes its own file
     if run.rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": _world()}))
+        meta = {"step": step, "world_size": _world(), "files": dict(records)}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))[:-keep_last]:
@@ -359,23 +363,53 @@ def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
 
 
 def latest_checkpoint(out: Path) -> Path | None:
+    """The newest finished checkpoint (its meta.json written), intact or not."""
     done = sorted(p for p in (out / CHECKPOINTS).glob("step_*") if (p / "meta.json").is_file())
     return done[-1] if done else None
 
 
+def intact_checkpoint(out: Path, rank: int, log: Any) -> Path | None:
+    """The newest finished checkpoint whose files all match their records (collective: every
+    rank checks its own file and they agree); damaged ones are named and skipped."""
+    done = sorted((p for p in (out / CHECKPOINTS).glob("step_*") if (p / "meta.json").is_file()), reverse=True)
+    for path in done:
+        problem = _agreed_problem(path, rank)
+        if not problem:
+            return path
+        log.warning("skipping damaged checkpoint %s: %s", path, problem)
+    return None
+
+
+def _agreed_problem(path: Path, rank: int) -> str:
+    """What is wrong with checkpoint `path` as any rank sees it ("" when every rank finds it intact)."""
+    meta, problem = read_meta(path)
+    if meta is not None:
+        problem = check_file(path, f"rank_{rank:05d}.pt", meta)
+    problems = [p for p in _all_gather(problem or "") if p]
+    return "; ".join(dict.fromkeys(problems))
+
+
 def resume(run: Any, cfg: RunConfig, out: Path, log: Any) -> int:
-    """Load the checkpoint `train.resume` names (or the latest with "auto"); returns its step (0 if none)."""
+    """Load the checkpoint `train.resume` names (or with "auto" the newest intact one, skipping
+    damaged ones with a warning that names the file); returns its step (0 if none)."""
     if not cfg.train.resume:
         return 0
-    path = latest_checkpoint(out) if cfg.train.resume == "auto" else Path(cfg.train.resume)
+    path = intact_checkpoint(out, run.rank, log) if cfg.train.resume == "auto" else Path(cfg.train.resume)
     if path is None:
-        log.info("no checkpoint in %s: starting from step 1", out / CHECKPOINTS)
+        log.info("no intact checkpoint in %s: starting from step 1", out / CHECKPOINTS)
         return 0
-    meta = json.loads((path / "meta.json").read_text())
+    problem = _agreed_problem(path, run.rank)
+    if problem:
+        raise RuntimeError(f"cannot resume from {path}: {problem}")
+    meta = read_meta(path)[0]
     if meta["world_size"] != _world():
         raise RuntimeError(f"{path} was written by {meta['world_size']} ranks; this run has {_world()} "
                            f"(resume with the same layout)")
-    state = torch.load(path / f"rank_{run.rank:05d}.pt", weights_only=False)
+    file = path / f"rank_{run.rank:05d}.pt"
+    try:
+        state = torch.load(file, weights_only=False)
+    except Exception as e:  # a file that matches its record but will not load: say which
+        raise RuntimeError(f"cannot load {file}: {type(e).__name__}: {e}") from e
     run.policy.load_state_dict(state["policy"])
     run.sampler.load_state_dict(state["sampler"])
     run.rewards.load_state_dict(state["rewards"])
@@ -402,6 +436,15 @@ def _set_rng_state(s: dict[str, Any]) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _world() -> int:
