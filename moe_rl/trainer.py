@@ -89,8 +89,21 @@ def spawn(cfg: RunConfig, run_dir: str) -> int:
             except ProcessLookupError:
                 pass
 
+    interrupts = []
+
+    def interrupt(_signum: int, frame: Any) -> None:
+        # Ctrl-C reaches the ranks too (one process group); they ignore SIGINT and act on what
+        # this process sends: the first asks for a checkpoint at the end of the step (SIGTERM),
+        # the second stops them at once (SIGUSR2).
+        interrupts.append(1)
+        first = len(interrupts) == 1
+        print("\nmoe-rl train: " + ("Ctrl-C: checkpoint at the end of this step, then exit (Ctrl-C again to "
+                                   "stop at once)" if first else "second Ctrl-C: stopping now"), file=sys.stderr)
+        forward(signal.SIGTERM if first else signal.SIGUSR2, frame)
+
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, forward)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         while not ctx.join():
             pass
@@ -107,7 +120,7 @@ def _spawned(rank: int, cfg_dict: dict[str, Any], run_dir: str, world: int, port
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    code = train_rank(RunConfig.from_dict(cfg_dict), run_dir)
+    code = train_rank(RunConfig.from_dict(cfg_dict), run_dir, spawned=True)
     if code:
         sys.exit(code)
 
@@ -115,18 +128,35 @@ def _spawned(rank: int, cfg_dict: dict[str, Any], run_dir: str, world: int, port
 # ---------------------------------------------------------------- one rank
 
 class _Stop:
-    """Set by SIGTERM / SIGUSR1 (SLURM preemption): checkpoint at the next step boundary and exit 0."""
+    """Set by SIGTERM / SIGUSR1 (SLURM preemption) or a first Ctrl-C: checkpoint at the next step
+    boundary and exit 0. A second Ctrl-C (or SIGUSR2, what `spawn` sends for it) stops at once."""
 
     requested = False
 
     @classmethod
-    def install(cls) -> None:
+    def install(cls, spawned: bool) -> None:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, lambda *_: setattr(cls, "requested", True))
+        signal.signal(signal.SIGUSR2, cls._now)
+        # spawned ranks leave Ctrl-C to the parent, which sends SIGTERM, then SIGUSR2
+        signal.signal(signal.SIGINT, signal.SIG_IGN if spawned else cls._interrupt)
+
+    @classmethod
+    def _interrupt(cls, *_: Any) -> None:
+        if cls.requested:
+            cls._now()
+        cls.requested = True
+        print("\nmoe-rl train: Ctrl-C: checkpoint at the end of this step, then exit (Ctrl-C again to stop at "
+              "once)", file=sys.stderr)
+
+    @staticmethod
+    def _now(*_: Any) -> None:
+        raise KeyboardInterrupt("stopped at once: no checkpoint of the current step")
 
 
-def train_rank(cfg: RunConfig, run_dir: str) -> int:
-    """Everything one trainer rank does, start to end."""
+def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
+    """Everything one trainer rank does, start to end (`spawned`: a child of `spawn`, which
+    handles Ctrl-C for it)."""
     from moe_rl.loop import evaluate, rl_step
     from moe_rl.observe.logging import setup_logging
     from moe_rl.observe.progress import Progress
@@ -144,7 +174,7 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
 
         log.info("algo.replay=auto: %s (%d optimizer updates per rollout batch%s)", replay_mode(cfg.algo),
                  cfg.algo.num_minibatches, ", one weight version stale" if cfg.algo.off_policy_overlap else "")
-    _Stop.install()
+    _Stop.install(spawned)
     if cfg.train.device_guard:  # CPU rehearsal: a host tensor in a collective fails here, not on a GPU
         from moe_rl.testing.device_guard import install_device_guard
 
@@ -168,6 +198,9 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
             if stop:
                 log.info("stop signal received: checkpoint of step %d saved; exiting", step)
                 return 0
+    except KeyboardInterrupt as e:
+        log.warning("%s", e or "stopped at once")
+        return 130
     finally:
         progress.close()
         sinks.close()

@@ -109,7 +109,11 @@ def test_resume_gives_the_same_next_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT], [signal.SIGINT, signal.SIGINT]],
+                         ids=["sigterm", "ctrl-c", "ctrl-c-twice"])
+def test_stop_signals(tmp_path, signals):
+    """SIGTERM or one Ctrl-C: a checkpoint of the step, exit 0; a second Ctrl-C: stop at once, exit 130.
+    Signals go to the whole process group, as SLURM and a terminal send them."""
     proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu.yaml",
                              *SMALL, "train.steps=200", f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -117,12 +121,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM signals the whole job step
+    for sig in signals:
+        os.killpg(proc.pid, sig)
+        time.sleep(0.2)
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     from moe_rl.trainer import latest_checkpoint
 
     ckpt = latest_checkpoint(tmp_path)
+    if len(signals) == 2:
+        assert proc.returncode == 130 and "stopping now" in out, out[-3000:]
+        assert ckpt is None  # stopped inside a step: nothing half-saved
+        return
+    assert proc.returncode == 0, out[-3000:]
     assert ckpt is not None and len(list(ckpt.glob("rank_*.pt"))) == 2
     steps = _metrics(tmp_path)
     assert json.loads((ckpt / "meta.json").read_text())["step"] == max(steps) < 200
