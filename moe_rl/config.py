@@ -238,8 +238,9 @@ class RolloutConfig:
     """Retries per failed request before the step fails."""
     host: str = "127.0.0.1"
     """Interface launched servers bind to; loopback unless servers run on other nodes."""
-    base_port: int = ranged(30000, ge=1, le=65535)
-    """Port of the first launched server; server i uses base_port + i (SGLang's usual range)."""
+    base_port: int | None = ranged(None, ge=1, le=65535)
+    """Port of the first launched server; server i uses base_port + i. None = consecutive ports
+    found free at launch (two runs on one machine never collide); SLURM jobs use 30000."""
     sglang_args: list[str] = field(default_factory=list)
     """Extra command-line arguments passed to `sglang.launch_server` as given."""
     tp_size: int = ranged(1, ge=1)

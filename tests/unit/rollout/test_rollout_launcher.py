@@ -181,3 +181,43 @@ def test_hanging_server_times_out_and_is_killed(tmp_path):
         group.wait_healthy(timeout=1.5, interval=0.2)
     assert "loading forever" in str(err.value)
     assert _gone(pid) and not _group_members(pid)
+
+
+def test_servers_die_with_a_trainer_killed_by_sigkill(tmp_path):
+    """kill -9 of the process that launched a server (rank 0) must not leave the server holding its port."""
+    import signal
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        from moe_rl.rollout.launcher import ServerGroup, ServerSpec
+        spec = ServerSpec("sleeper", (sys.executable, "-c", "import time; time.sleep(600)"), "127.0.0.1", {free_port()})
+        group = ServerGroup([spec], {str(tmp_path)!r}).start()
+        print(group.pids["sleeper"], flush=True)
+        time.sleep(600)
+    """)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server = int(trainer.stdout.readline())
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(server):
+        time.sleep(0.1)
+    assert not _alive(server), "the server outlived its trainer"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting to be reaped counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_unset_base_port_takes_consecutive_free_ports():
+    servers, router = plan_servers(RolloutConfig(engine="local", num_servers=2, router=True), "/ckpt")
+    ports = [s.port for s in servers] + [router.port]
+    assert ports == list(range(ports[0], ports[0] + 3)) and 20000 <= ports[0] < 32000  # below the ephemeral range
+    assert _flag(list(router.argv), "--prometheus-port") == str(ports[0] + 3)
