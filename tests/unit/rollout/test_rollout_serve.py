@@ -167,6 +167,9 @@ def test_http_json_shapes(served):
     (json.dumps({"input_ids": [1], "sampling_params": {"top_p": 2}}).encode(), 400, "top_p"),
     (json.dumps({"text": "hello"}).encode(), 400, "send `input_ids`"),
     (json.dumps({"input_ids": [1] * 20000}).encode(), 413, "too large"),
+    (b"[" * 20000 + b"]" * 20000, 400, "nests JSON too deeply"),  # a RecursionError, not a 500
+    (json.dumps({"input_ids": [[1, 2]] * 400, "sampling_params": {"n": 8, "max_new_tokens": 100}}).encode(), 400,
+     "asks for 320800 tokens"),  # bounded work per request: named limit and flag
 ])
 def test_http_errors(served, body, status, needle):
     got, raw = _http(served.url, "/generate", raw=body)
