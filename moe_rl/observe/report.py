@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from moe_rl.observe.logging import get_logger
-from moe_rl.observe.sinks import METRICS_FILE, read_metrics
+from moe_rl.observe.sinks import METRICS_FILE, latest_history, read_metrics
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -122,7 +122,7 @@ def _load(run_dir: Path) -> Metrics:
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise ReportError(f"no {METRICS_FILE} in {run_dir} (has the run finished a step yet?)")
-    records = read_metrics(path)
+    records = latest_history(read_metrics(path))  # a restarted run: the attempts' current history
     if not records:
         raise ReportError(f"{path} holds no metric records")
     return Metrics(records)
