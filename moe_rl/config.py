@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -624,6 +625,8 @@ def _value_problems(key: str, value: Any, meta: typing.Mapping[str, Any]) -> lis
         close = difflib.get_close_matches(str(value), choices, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return [f"{key}: {_show(value)} is not one of {', '.join(choices)}{hint}"]
+    if bounds and isinstance(value, float) and not math.isfinite(value):
+        return [f"{key}: {_show(value)} must be a finite number {bounds}"]
     if bounds and not bounds.contains(value):
         return [f"{key}: {_show(value)} must be {bounds}"]
     return []

@@ -46,12 +46,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"moe-rl train: {e}", file=sys.stderr)
         return 2
     run_dir = resolve_run_dir(cfg)
-    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
+    launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    problem = _preflight(cfg, launched)
+    if problem:
+        print(f"moe-rl train: {problem}", file=sys.stderr)
+        if run_dir.is_dir() or cfg.log.run_dir:  # a run directory that exists or was named gets it too
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run_dir / "train.log", "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR moe_rl: {problem}\n")
+        return 2
+    if launched:
         return train_rank(cfg, str(run_dir))
     print(f"run directory: {run_dir}", flush=True)
     if cfg.train.world_size == 1:
         return _single(cfg, str(run_dir))
     return spawn(cfg, str(run_dir))
+
+
+def _preflight(cfg: RunConfig, launched: bool) -> str | None:
+    """`moe_rl.preflight` for the world this run will have (the launcher's, or train.world_size)."""
+    from moe_rl.policy.parallel import read_dist_env
+    from moe_rl.preflight import preflight
+
+    return preflight(cfg, read_dist_env().world_size if launched else cfg.train.world_size)
 
 
 def resolve_run_dir(cfg: RunConfig) -> Path:

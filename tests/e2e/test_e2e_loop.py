@@ -168,8 +168,27 @@ def test_bad_dataset_row_names_file_and_line(tmp_path):
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 5}\n')
     r = _cli(["train", "--config", "launch/configs/tiny_cpu.yaml", f"data.train={data}", "data.eval=null", "train.eval_every=0",
               "train.world_size=1", "parallel.ep=1", f"log.run_dir={tmp_path}/run"], timeout=300)
-    assert r.returncode != 0
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"{data}:2" in r.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.ep=4", "parallel.pp=2", "train.world_size=3"], "world size 3 is not divisible by tp*pp = 1*2"),
+    (["model.hf_path=/nonexistent/model"], "model.hf_path: /nonexistent/model has no config.json"),
+    (["train.resume=/nonexistent/ckpt"], "train.resume: /nonexistent/ckpt is not a finished checkpoint"),
+    (["train.lr=inf"], "train.lr: inf must be a finite number"),
+    (["data.train=/nonexistent/rows.jsonl"], "data.train: /nonexistent/rows.jsonl: no such file"),
+    (["model.tiny.vocab_size=8"], "outside the model's vocabulary [0, 8)"),
+], ids=["layout", "hf_path", "resume", "lr", "data", "vocab"])
+def test_mistakes_found_before_any_rank_starts(tmp_path, overrides, message):
+    """One line naming the field, exit 2, no traceback; written to train.log when the run dir is named."""
+    r = _cli(["train", "--config", "launch/configs/tiny_cpu.yaml", *overrides, f"log.run_dir={tmp_path}/run"],
+             timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    if overrides != ["train.lr=inf"]:  # config errors come before the run directory is known
+        assert message in (tmp_path / "run" / "train.log").read_text()
 
 
 @pytest.mark.slow
