@@ -940,6 +940,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             await stop.wait()
         finally:
+            # End in-flight samples now (finish_reason "abort"): a long request must not hold
+            # SIGTERM for as long as it would take to finish.
+            engine.pause_generation("abort")
             await runner.cleanup()
 
     try:

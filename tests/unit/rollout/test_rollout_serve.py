@@ -251,3 +251,21 @@ def test_failover_when_a_server_is_killed_mid_batch(served, local):
     assert [len(r) for r in out] == [1] * 8
     assert all(r[0].server == local.url for r in out)
     assert [r[0].output_ids for r in out] == [w[0].output_ids for w in want]
+
+
+def test_sigterm_stops_the_server_within_seconds_mid_generation(tiny_hf_dir):
+    """A long request in flight must not hold SIGTERM until it would have finished."""
+    import signal
+
+    srv = _start_cli_server(tiny_hf_dir)
+    body = {"input_ids": [[5, 6, 7]] * 400, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+    worker = threading.Thread(target=lambda: _http(srv.url, "/generate", body), daemon=True)
+    worker.start()
+    time.sleep(2.0)  # generating by now: 400 x 500 tokens take minutes on CPU
+    start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    try:
+        srv.proc.wait(timeout=10)
+    finally:
+        _stop(srv.proc)
+    assert time.monotonic() - start < 10
