@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -97,12 +98,13 @@ def ranged(default: float | None, *, ge: float | None = None, gt: float | None =
 DTYPES = ("fp32", "bf16", "fp16")
 ENGINES = ("local", "sglang")
 WEIGHT_SYNCS = ("disk", "tensor", "nccl")
-LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "sapo")
+LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "sapo", "cispo", "gmpo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_LEVELS = ("token", "sequence")
-REPLAYS = ("off", "r2", "r3")
+CORRECTION_MODES = ("tis", "token_mask", "icepop", "seq_mask")
+REPLAYS = ("off", "r2", "r3", "auto")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LOG_LEVELS = ("debug", "info", "warning")
 MODES = ("rl", "dpo")
@@ -218,12 +220,17 @@ class RolloutConfig:
     than one server); true also puts it in front of `moe-rl serve` workers (the CPU rehearsal)."""
     n_samples: int = ranged(8, ge=2)
     """Responses per prompt (G); group advantages need at least 2. 8 as in the GSPO/DAPO setups."""
-    temperature: float = ranged(1.0, ge=0.0)
-    """Sampling temperature; 1.0 so rollout log-probs are the policy's own."""
+    temperature: float = ranged(1.0, gt=0.0)
+    """Sampling temperature T. The trainer trains the distribution sampled from: every
+    log-prob (engine, old pass, updates, drift) is log_softmax(logits / T). 1.0 = the model's own."""
     top_p: float = ranged(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling; 1.0 (off) so the sampled distribution is the policy's."""
+    """Nucleus sampling; 1.0 (off). < 1 needs `allow_truncated_sampling` (see there)."""
     top_k: int = -1
-    """Top-k sampling; -1 = off, for the same reason as top_p."""
+    """Top-k sampling; -1 (off). >= 1 needs `allow_truncated_sampling` (see there)."""
+    allow_truncated_sampling: bool = False
+    """Accept top_p < 1 or top_k >= 1. The engine then samples from a truncated distribution
+    whose log-probs neither it (SGLang returns them before truncation) nor the trainer
+    reproduce, so the update is silently off-policy; true says you accept that."""
     max_new_tokens: int = ranged(64, ge=1)
     """Response length cap; 64 fits the toy tasks."""
     concurrency: int = ranged(64, ge=1)
@@ -234,8 +241,9 @@ class RolloutConfig:
     """Retries per failed request before the step fails."""
     host: str = "127.0.0.1"
     """Interface launched servers bind to; loopback unless servers run on other nodes."""
-    base_port: int = ranged(30000, ge=1, le=65535)
-    """Port of the first launched server; server i uses base_port + i (SGLang's usual range)."""
+    base_port: int | None = ranged(None, ge=1, le=65535)
+    """Port of the first launched server; server i uses base_port + i. None = consecutive ports
+    found free at launch (two runs on one machine never collide); SLURM jobs use 30000."""
     sglang_args: list[str] = field(default_factory=list)
     """Extra command-line arguments passed to `sglang.launch_server` as given."""
     tp_size: int = ranged(1, ge=1)
@@ -253,6 +261,21 @@ class RolloutConfig:
     None = a free port picked at start (set it when a firewall allows only fixed ports)."""
     return_routed_experts: bool = True
     """Ask the engine for its routed experts; needed for R3 and train-rollout mismatch metrics."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """What to do with tokens whose trainer and rollout probabilities disagree (moe_rl/algo/correction.py)."""
+
+    mode: str | None = choice(None, CORRECTION_MODES)
+    """None = off; tis = truncated IS (cap: algo.tis_cap, 2 if unset); token_mask = drop tokens whose
+    ratio pi_old / pi_rollout is outside [low, high] (MIS); icepop = token_mask with IcePop's [0.5, 5];
+    seq_mask = drop whole sequences whose geometric-mean ratio is outside [low, high]. algo.tis_cap
+    set together with a mask mode applies both."""
+    low: float | None = ranged(None, ge=0.0, lt=1.0)
+    """Lower bound on the ratio for the mask modes; None = the mode's default (0.5; seq_mask 0.99)."""
+    high: float | None = ranged(None, gt=1.0)
+    """Upper bound on the ratio for the mask modes; None = the mode's default (2; icepop 5; seq_mask 1.01)."""
 
 
 @dataclass
@@ -285,16 +308,26 @@ class AlgoConfig:
     """Truncated importance sampling cap for the rollout/trainer mismatch; None = off."""
     tis_level: str = choice("token", TIS_LEVELS)
     """Whether the TIS weight is per token or one per sequence."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Masks (and TIS) for the trainer/rollout mismatch, composable with every loss."""
     num_minibatches: int = ranged(4, ge=1)
     """Optimizer updates per step (the step's samples split evenly); 4 as in GSPO."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (DAPO); off so every step has a fixed size."""
+    """DAPO's dynamic sampling: drop groups whose task rewards (before overlong shaping) are all
+    equal, and sample further prompts until the step has data.prompts_per_step informative groups
+    or dynamic_sampling_max_rounds rounds were generated; off so every step has a fixed size."""
+    dynamic_sampling_max_rounds: int = ranged(3, ge=1)
+    """Rollout rounds (each of data.prompts_per_step prompts) a step may generate to fill its groups
+    with dynamic sampling; 1 = never refill (train on the informative groups of one round)."""
     overlong_max_len: int | None = ranged(None, ge=1)
     """DAPO overlong shaping L_max in tokens; None = off."""
     overlong_cache_len: int = ranged(0, ge=0)
     """DAPO L_cache: responses within this many tokens of L_max get a linear penalty."""
     replay: str = choice("r2", REPLAYS)
-    """Routing replay: r2 replays the old policy's routes, r3 the rollout engine's; r2 needs no engine support."""
+    """Routing replay: r2 replays the old policy's routes, r3 the rollout engine's; r2 needs no engine
+    support. auto: r2 while a step's updates are mildly off-policy (at most 2 optimizer updates per
+    rollout batch, counting off_policy_overlap's stale version as one), r3 beyond that, following the
+    Qwen team's analysis of routing replay (R2 biases less when close to on-policy, R3 holds up far off it)."""
     off_policy_overlap: bool = False
     """Generate step t+1 while training step t (one step stale); off so steps are on-policy."""
 
@@ -385,6 +418,9 @@ class DriftConfig:
     """Also measure on the step's own training tokens (the volatility that replay removes)."""
     every: int = ranged(1, ge=1)
     """Measure step-token drift every N steps: each measurement costs one extra forward pass."""
+    per_update: bool = False
+    """Also measure probe-set volatility across each optimizer update (`drift/volatility_per_update`,
+    the per-gradient-update figure of the GSPO paper); costs one probe forward per update."""
 
 
 @dataclass
@@ -616,6 +652,8 @@ def _value_problems(key: str, value: Any, meta: typing.Mapping[str, Any]) -> lis
         close = difflib.get_close_matches(str(value), choices, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return [f"{key}: {_show(value)} is not one of {', '.join(choices)}{hint}"]
+    if bounds and isinstance(value, float) and not math.isfinite(value):
+        return [f"{key}: {_show(value)} must be a finite number {bounds}"]
     if bounds and not bounds.contains(value):
         return [f"{key}: {_show(value)} must be {bounds}"]
     return []
@@ -762,6 +800,11 @@ def _check_rollout(cfg: RunConfig) -> Iterator[str]:
     r = cfg.rollout
     if r.top_k == 0 or r.top_k < -1:
         yield f"rollout.top_k: {r.top_k} must be -1 (off) or >= 1"
+    elif (r.top_p < 1.0 or r.top_k >= 1) and not r.allow_truncated_sampling:
+        yield (f"rollout.top_p={r.top_p} / rollout.top_k={r.top_k}: truncated sampling draws tokens from a "
+               "distribution whose log-probs neither the engine nor the trainer compute, so every update would be "
+               "off-policy without correction; use top_p=1.0 and top_k=-1, or set "
+               "rollout.allow_truncated_sampling=true to accept the bias")
     for i, url in enumerate(r.urls):
         if not url.startswith(("http://", "https://")):
             yield f"rollout.urls[{i}]: {url!r} must start with http:// or https://"
@@ -783,16 +826,28 @@ def _check_rollout(cfg: RunConfig) -> Iterator[str]:
                "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl")
 
 
+def replay_mode(a: AlgoConfig) -> str:
+    """The replay a step uses: `algo.replay`, with auto resolved (see AlgoConfig.replay)."""
+    if a.replay != "auto":
+        return a.replay
+    updates_per_batch = a.num_minibatches + (1 if a.off_policy_overlap else 0)
+    return "r2" if updates_per_batch <= 2 else "r3"
+
+
 def _check_algo(cfg: RunConfig) -> Iterator[str]:
     a = cfg.algo
-    if a.replay == "r3" and not cfg.rollout.return_routed_experts:
-        yield ("algo.replay: 'r3' replays the rollout engine's routes and requires "
+    if replay_mode(a) == "r3" and not cfg.rollout.return_routed_experts:
+        yield (f"algo.replay: {a.replay!r} chooses 'r3' here, which replays the rollout engine's routes and requires "
                "rollout.return_routed_experts=true")
     if a.overlong_cache_len > 0 and a.overlong_max_len is None:
         yield f"algo.overlong_cache_len: {a.overlong_cache_len} needs algo.overlong_max_len to be set"
     if a.overlong_max_len is not None and a.overlong_cache_len >= a.overlong_max_len:
         yield (f"algo.overlong_cache_len: {a.overlong_cache_len} must be < "
                f"algo.overlong_max_len={a.overlong_max_len}")
+    rc = a.rollout_correction
+    if (rc.low is not None or rc.high is not None) and rc.mode not in ("token_mask", "icepop", "seq_mask"):
+        yield (f"algo.rollout_correction.low/high bound the ratio of a mask mode; mode is {rc.mode!r}: set "
+               "algo.rollout_correction.mode to token_mask, icepop or seq_mask, or leave the bounds unset")
     samples = cfg.data.prompts_per_step * cfg.rollout.n_samples
     if samples % a.num_minibatches:
         yield (f"algo.num_minibatches: {a.num_minibatches} must divide the step's samples, "

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.algo.advantages import compute_advantages
+from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
 from moe_rl.algo.losses import compute_loss
-from moe_rl.config import RunConfig
+from moe_rl.config import RunConfig, replay_mode
 from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import PromptSampler
-from moe_rl.drift.metrics import (expert_load, load_change, logprob_mismatch, route_stats)
+from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, logprob_mismatch, route_stats)
 from moe_rl.policy.policy import Policy
 from moe_rl.reward.runner import RewardRunner
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
@@ -57,7 +58,8 @@ class Samples:
 
     sequences: prompt + completion ids, each `[T_i]`; prompt_lens: `[N]`;
     engine_logp: per completion token, each `[T_i - P_i]`; routes: engine routes,
-    each `[T_i - 1, L, K]` (None when the engine does not return them).
+    each `[T_i - 1, L, K]` in the engine's compact id dtype (None when the engine does
+    not return them); completions: the text before EOS; rewards: the task's `[N]`.
     """
 
     prompts: list[Prompt]
@@ -76,6 +78,18 @@ class Samples:
                        None if self.rewards is None else self.rewards[idx],
                        None if self.advantages is None else self.advantages[idx])
 
+    def completion_ids(self) -> list[list[int]]:
+        """Each sample's generated ids, as the engine returned them (a stop token included)."""
+        return [s[p:].tolist() for s, p in zip(self.sequences, self.prompt_lens.tolist())]
+
+    def __add__(self, other: "Samples") -> "Samples":
+        both = lambda a, b: None if a is None or b is None else a + b  # noqa: E731
+        cat = lambda a, b: None if a is None or b is None else torch.cat([a, b])  # noqa: E731
+        return Samples(self.prompts + other.prompts, self.sequences + other.sequences,
+                       torch.cat([self.prompt_lens, other.prompt_lens]), self.engine_logp + other.engine_logp,
+                       both(self.routes, other.routes), self.completions + other.completions,
+                       cat(self.rewards, other.rewards), cat(self.advantages, other.advantages))
+
     def __len__(self) -> int:
         return len(self.sequences)
 
@@ -84,8 +98,10 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     """One RL step; returns the step's metrics (identical on every rank)."""
     clock = Stopwatch()
     samples, staleness = rollout(run, step)                       # data/ -> rollout engine (rank 0) -> all ranks
-    clock.lap("rollout")
     metrics = score(run, samples) | {"rollout/staleness": float(staleness)}  # reward/
+    samples, more = dynamic_sampling_rounds(run, samples, step)  # DAPO: refill with informative groups
+    clock.lap("rollout")
+    metrics |= more
     samples, more = advantages_and_filters(run, samples)          # algo/advantages.py, algo/filters.py
     metrics |= more
     if samples is None:
@@ -218,8 +234,9 @@ def broadcast(obj: Any) -> Any:
 # ---------------------------------------------------------------- rewards and advantages
 
 def score(run: Run, samples: Samples) -> dict[str, float]:
-    """Rewards of every sample (every rank computes the same, so no broadcast is needed)."""
-    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions), dtype=torch.float32)
+    """Task rewards of every sample (every rank computes the same, so no broadcast is needed)."""
+    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()),
+                           dtype=torch.float32)
     samples.rewards = rewards
     lengths = torch.tensor([len(s) for s in samples.sequences]) - samples.prompt_lens
     return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -228,32 +245,47 @@ def score(run: Run, samples: Samples) -> dict[str, float]:
             "rollout/response_len": float(lengths.float().mean())}
 
 
-def advantages_and_filters(run: Run, samples: Samples) -> tuple[Samples | None, dict[str, float]]:
-    """Overlong shaping, DAPO dynamic sampling, then group advantages."""
+def dynamic_sampling_rounds(run: Run, samples: Samples, step: int) -> tuple[Samples | None, dict[str, float]]:
+    """DAPO's dynamic sampling: keep the groups whose task rewards differ, generating further
+    rounds of prompts until `data.prompts_per_step` groups are kept or
+    `algo.dynamic_sampling_max_rounds` rounds were generated. Returns the kept samples (the
+    most whole groups that split evenly over DP ranks x minibatches; None when there are none).
+
+    Refill rounds are generated with the current weights (under off-policy overlap, after the
+    prefetched rollout has finished).
+    """
+    a, g, want = run.cfg.algo, run.cfg.rollout.n_samples, run.cfg.data.prompts_per_step
+    if not a.dynamic_sampling:
+        return samples, {}
+    informative = lambda s: s.select(dynamic_sampling(s.rewards, group_size=g).keep.tolist())  # noqa: E731
+    kept, generated, rounds = informative(samples), len(samples) // g, 1
+    while len(kept) < want * g and rounds < a.dynamic_sampling_max_rounds:
+        wait_for_prefetch(run)
+        more = generate(run, next_prompts(run), step)
+        score(run, more)
+        kept, generated, rounds = kept + informative(more), generated + len(more) // g, rounds + 1
+    use = usable_groups(min(len(kept) // g, want), g, run.policy.dp_size * a.num_minibatches)
+    metrics = {"filter/rounds": float(rounds), "filter/generated_groups": float(generated),
+               "filter/kept_groups": float(use), "filter/dropped_groups": float(generated - use)}
+    if use == 0:
+        return None, metrics | {"filter/skipped_step": 1.0}
+    return kept.select(list(range(use * g))), metrics
+
+
+def advantages_and_filters(run: Run, samples: Samples | None) -> tuple[Samples | None, dict[str, float]]:
+    """Overlong shaping of the task rewards (DAPO), then group advantages (None: step skipped)."""
     a, g = run.cfg.algo, run.cfg.rollout.n_samples
+    if samples is None:
+        return None, {}
     rewards = samples.rewards
-    metrics: dict[str, float] = {}
     if a.overlong_max_len:
         lengths = torch.tensor([len(s) for s in samples.sequences]) - samples.prompt_lens
         rewards = shape_overlong_rewards(rewards, lengths, max_len=a.overlong_max_len,
                                          cache_len=a.overlong_cache_len)
-    if a.dynamic_sampling:
-        kept = dynamic_sampling(rewards, group_size=g)
-        metrics |= {"filter/dropped_groups": float(kept.num_dropped_groups),
-                    "filter/kept_groups": float(kept.num_kept_groups)}
-        usable = _usable_groups(run, kept.num_kept_groups)
-        if kept.all_dropped or usable == 0:
-            return None, metrics | {"filter/skipped_step": 1.0}
-        idx = kept.keep[: usable * g].tolist()
-        samples, rewards = samples.select(idx), rewards[idx]
     samples.rewards = rewards
     samples.advantages = compute_advantages(a.advantage, rewards, group_size=g, eps=a.adv_eps) \
         if a.advantage == "grpo" else compute_advantages(a.advantage, rewards, group_size=g)
-    return samples, metrics | {"adv/abs_mean": float(samples.advantages.abs().mean())}
-
-
-def _usable_groups(run: Run, kept_groups: int) -> int:
-    return usable_groups(kept_groups, run.cfg.rollout.n_samples, run.policy.dp_size * run.cfg.algo.num_minibatches)
+    return samples, {"adv/abs_mean": float(samples.advantages.abs().mean())}
 
 
 def usable_groups(kept_groups: int, group_size: int, unit: int) -> int:
@@ -321,7 +353,7 @@ class OldPass:
 
 def old_logprobs(run: Run, mine: Samples) -> OldPass:
     """Log-probs of the sampling policy as the trainer computes them (pi_old)."""
-    mode = run.cfg.algo.replay
+    mode = replay_mode(run.cfg.algo)
     if mode == "r3":
         engine = engine_routes(mine)
         old = run.policy.logprobs(mine.sequences, replay_routes=engine)
@@ -337,8 +369,9 @@ def engine_routes(samples: Samples) -> torch.Tensor:
         raise ValueError("algo.replay=r3 needs routed experts from the rollout engine; "
                          "set rollout.return_routed_experts=true (SGLang: --enable-return-routed-experts)")
     width = max(r.shape[0] for r in samples.routes)
-    return torch.stack([torch.nn.functional.pad(r.long(), (0, 0, 0, 0, 0, width - r.shape[0]))
-                        for r in samples.routes])
+    # The engine's compact id dtype (uint8 for <= 256 experts) is kept: the replay hook widens
+    # one microbatch's ids at a time.
+    return torch.stack([torch.nn.functional.pad(r, (0, 0, 0, 0, 0, width - r.shape[0])) for r in samples.routes])
 
 
 def response_mask(samples: Samples, width: int) -> torch.Tensor:
@@ -365,6 +398,7 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
                   "rollout_logp": engine_logp_tokens(mine, width)}
     logged: list[dict[str, float]] = []
     step_metrics: dict[str, float] = {}
+    per_update = PerUpdateVolatility(run, mine) if run.cfg.drift.enabled and run.cfg.drift.per_update else None
     for idx in share.minibatches:
         extras = {name: t[idx] for name, t in extras_all.items()}
         counts = run.policy.all_reduce_sum(torch.tensor(
@@ -374,19 +408,15 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
         out = run.policy.update([mine.sequences[i] for i in idx], extras, loss, replay_routes=replay)
         step_metrics = out.step
         logged.append(combine_loss_metrics(run.policy, out.microbatches))
-    return _mean(logged) | step_metrics
+        if per_update:
+            per_update.after_update()
+    return _mean(logged) | step_metrics | (per_update.metrics() if per_update else {})
 
 
 def _loss_fn(run: Run, num_tokens: float, num_seqs: float):
     a = run.cfg.algo
-    params: dict[str, Any] = {}
-    if a.loss in ("grpo", "dapo", "gspo", "gspo_token"):
-        params |= {k: v for k, v in (("eps_low", a.eps_low), ("eps_high", a.eps_high),
-                                     ("dual_clip", a.dual_clip)) if v is not None}
-    if a.loss == "sapo":
-        params |= {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}
-    if a.tis_cap is not None:
-        params |= {"tis_cap": a.tis_cap, "tis_level": a.tis_level}
+    params = loss_params(a)
+    corrected = "correction" in params
 
     def loss(logp: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, float]]:
         valid = (mb.index >= 0).float().unsqueeze(1)  # rows added to fill the last microbatch
@@ -394,15 +424,38 @@ def _loss_fn(run: Run, num_tokens: float, num_seqs: float):
         return compute_loss(a.loss, logp=logp, old_logp=ex["old_logp"], advantages=ex["adv"],
                             mask=ex["mask"] * valid, agg=a.aggregation, global_num_tokens=num_tokens,
                             global_num_seqs=num_seqs, max_len=run.cfg.rollout.max_new_tokens,
-                            rollout_logp=ex["rollout_logp"] if a.tis_cap is not None else None,
+                            rollout_logp=ex["rollout_logp"] if corrected else None,
                             beta=a.kl_coef, kl_estimator=a.kl_estimator, **params)
     return loss
+
+
+def loss_params(a: Any) -> dict[str, Any]:
+    """`compute_loss` keywords from the `algo` section: the objective's hyperparameters and the
+    rollout correction (present only when one is on)."""
+    params: dict[str, Any] = {}
+    if a.loss in ("grpo", "dapo", "gspo", "gspo_token", "cispo", "gmpo"):
+        params |= {k: v for k, v in (("eps_low", a.eps_low), ("eps_high", a.eps_high)) if v is not None}
+    if a.loss in ("grpo", "dapo", "gspo", "gspo_token") and a.dual_clip is not None:
+        params["dual_clip"] = a.dual_clip
+    if a.loss == "sapo":
+        params |= {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}
+    rc = a.rollout_correction
+    corrected = a.tis_cap is not None or rc.mode is not None
+    if corrected:
+        bounds = None
+        if rc.low is not None or rc.high is not None:  # each unset side from the mode's default
+            low, high = DEFAULT_BOUNDS[rc.mode]
+            bounds = (low if rc.low is None else rc.low, high if rc.high is None else rc.high)
+        params |= {"tis_cap": a.tis_cap, "tis_level": a.tis_level, "correction": rc.mode,
+                   "correction_bounds": bounds}
+    return params
 
 
 # Loss metrics that are shares of a globally normalised total (summed over microbatches
 # and ranks), extremes, and the rest: means over tokens (weighted by loss/num_tokens).
 _SHARES = ("loss/pg_loss", "loss/kl_loss", "loss/num_tokens", "loss/num_seqs")
-_EXTREMES = {"loss/ratio_min": -1.0, "loss/ratio_max": 1.0}  # sign: reduced with MAX of sign * value
+_EXTREMES = {"loss/ratio_min": -1.0, "loss/ratio_max": 1.0,  # sign: reduced with MAX of sign * value
+             "correction/ratio_min": -1.0, "correction/ratio_max": 1.0}
 
 
 def combine_loss_metrics(policy: Policy, microbatches: list[dict[str, float]]) -> dict[str, float]:
@@ -459,10 +512,15 @@ def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {k: total[k] / weight[k] if weight[k] else 0.0 for k in total}
 
 
+def wait_for_prefetch(run: Run) -> None:
+    """Let a prefetched rollout (off-policy overlap) finish before the engine is used otherwise."""
+    if run.pending is not None and run.pending[1] is not None:
+        run.pending[1].result()
+
+
 def sync_weights(run: Run) -> None:
     """Push the updated weights to the rollout engine (collective)."""
-    if run.pending is not None and run.pending[1] is not None:
-        run.pending[1].result()  # let a prefetched rollout finish on the weights it started with
+    wait_for_prefetch(run)  # it finishes on the weights it started with
     if run.cfg.rollout.colocated and run.rank == 0:
         run.engine.resume_memory_occupation()  # the servers load the new weights into their memory
     run.weight_sync.sync(run.weight_version, run.policy, run.engine if run.rank == 0 else None)
@@ -481,27 +539,56 @@ def measure_drift(run: Run, mine: Samples, old: OldPass, step: int) -> dict[str,
     return out
 
 
-def probe_drift(run: Run, mine: Samples, step: int) -> dict[str, float]:
-    """Volatility on a fixed probe set (the first step's first samples) since the last probe."""
+def probe_set(run: Run, mine: Samples) -> list[torch.Tensor]:
+    """The fixed probe sequences: this rank's first samples of the first step that measured drift."""
     state = run.drift_state
     if "probe" not in state:
         state["probe"] = [s.clone() for s in mine.sequences[: run.cfg.drift.probe_size]]
-    return probe_volatility(run.policy, state)
+    return state["probe"]
+
+
+def probe_drift(run: Run, mine: Samples, step: int) -> dict[str, float]:
+    """Volatility on the probe set since the last probe (`drift.probe_every` steps)."""
+    probe_set(run, mine)
+    return probe_volatility(run.policy, run.drift_state)
+
+
+def probe_routes(policy: Policy, probe: list[torch.Tensor]) -> torch.Tensor:
+    """Routes `[N, L, K]` of every routed token of the `probe` sequences under the current weights."""
+    routes = policy.logprobs(probe, record_routes=True).routes
+    lengths = torch.tensor([len(s) for s in probe])
+    return routes[torch.arange(routes.shape[1]).view(1, -1) < (lengths - 1).view(-1, 1)]
 
 
 def probe_volatility(policy: Policy, state: dict[str, Any]) -> dict[str, float]:
     """Routes of the probe sequences `state["probe"]` against those of the previous call
     (`state["probe_routes"]`, then replaced); {} on the first call. Collective over DP ranks."""
-    probe = state["probe"]
-    routes = policy.logprobs(probe, record_routes=True).routes
-    lengths = torch.tensor([len(s) for s in probe])
-    tokens = torch.arange(routes.shape[1]).view(1, -1) < (lengths - 1).view(-1, 1)
+    routes = probe_routes(policy, state["probe"])
     out = {}
-    if "probe_routes" in state:
-        out = route_stats(state["probe_routes"][tokens], routes[tokens]).all_reduce(
-            policy.dp_group).summary("drift/probe_volatility", list(policy.arch.moe_layers))
+    if getattr(state.get("probe_routes"), "ndim", 0) == 3:  # [N, L, K] (older checkpoints kept [B, T - 1, L, K])
+        out = route_stats(state["probe_routes"], routes).all_reduce(policy.dp_group).summary(
+            "drift/probe_volatility", list(policy.arch.moe_layers))
     state["probe_routes"] = routes
     return out
+
+
+class PerUpdateVolatility:
+    """Probe-set volatility across each optimizer update of a step, averaged over the step's
+    updates (`drift/volatility_per_update`); `drift/volatility` spans all of them."""
+
+    def __init__(self, run: Run, mine: Samples) -> None:
+        self.policy, self.probe = run.policy, probe_set(run, mine)
+        self.routes = probe_routes(self.policy, self.probe)
+        self.stats: Any = None
+
+    def after_update(self) -> None:
+        routes = probe_routes(self.policy, self.probe)
+        stats = route_stats(self.routes, routes)
+        self.stats, self.routes = stats if self.stats is None else self.stats + stats, routes
+
+    def metrics(self) -> dict[str, float]:
+        return self.stats.all_reduce(self.policy.dp_group).summary(
+            "drift/volatility_per_update", list(self.policy.arch.moe_layers))
 
 
 def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
@@ -510,10 +597,14 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
     width = old.logp.shape[1]
     lengths = torch.tensor([len(s) for s in mine.sequences])
     tokens = torch.arange(width).view(1, -1) < (lengths - 1).view(-1, 1)  # every routed token
-    after = run.policy.logprobs(mine.sequences, record_routes=True).routes
+    passed = run.policy.logprobs(mine.sequences, record_routes=True, route_confidence=True)
+    after = passed.routes
     flat = lambda r: r[:, :width][tokens]  # noqa: E731  [N, L, K]
     layer_ids = list(arch.moe_layers)
     out = route_stats(flat(old.free_routes), flat(after)).all_reduce(run.policy.dp_group).summary("drift/volatility", layer_ids)
+    conf = flat(passed.route_confidence).double()  # [N, L, 2]
+    sums = run.policy.all_reduce_sum(torch.cat([conf.sum(0).flatten(), torch.tensor([float(conf.shape[0])])]))
+    out |= confidence_summary(sums[:-1].view(-1, 2), float(sums[-1]), layer_ids)
     if mine.routes is not None:
         engine = engine_routes(mine)
         engine = torch.nn.functional.pad(engine, (0, 0, 0, 0, 0, max(width - engine.shape[1], 0)))
@@ -531,5 +622,5 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
 def evaluate(run: Run, dataset: PromptDataset, step: int) -> dict[str, float]:
     """Greedy success rate on a held-out prompt set (rank 0 generates, all ranks score)."""
     samples = generate(run, list(dataset), step, greedy=True)
-    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions))
+    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()))
     return {"eval/success_rate": float((rewards >= 1.0).float().mean()), "eval/reward_mean": float(rewards.mean())}

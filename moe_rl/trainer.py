@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import ConfigError, RunConfig, load_config
+from moe_rl.integrity import check_file, file_record, read_meta
 
 CHECKPOINTS = "checkpoints"
 
@@ -45,12 +46,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"moe-rl train: {e}", file=sys.stderr)
         return 2
     run_dir = resolve_run_dir(cfg)
-    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
+    launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    problem = _preflight(cfg, launched)
+    if problem:
+        print(f"moe-rl train: {problem}", file=sys.stderr)
+        if run_dir.is_dir() or cfg.log.run_dir:  # a run directory that exists or was named gets it too
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run_dir / "train.log", "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR moe_rl: {problem}\n")
+        return 2
+    if launched:
         return train_rank(cfg, str(run_dir))
     print(f"run directory: {run_dir}", flush=True)
     if cfg.train.world_size == 1:
         return _single(cfg, str(run_dir))
     return spawn(cfg, str(run_dir))
+
+
+def _preflight(cfg: RunConfig, launched: bool) -> str | None:
+    """`moe_rl.preflight` for the world this run will have (the launcher's, or train.world_size)."""
+    from moe_rl.policy.parallel import read_dist_env
+    from moe_rl.preflight import preflight
+
+    return preflight(cfg, read_dist_env().world_size if launched else cfg.train.world_size)
 
 
 def resolve_run_dir(cfg: RunConfig) -> Path:
@@ -88,8 +106,21 @@ def spawn(cfg: RunConfig, run_dir: str) -> int:
             except ProcessLookupError:
                 pass
 
+    interrupts = []
+
+    def interrupt(_signum: int, frame: Any) -> None:
+        # Ctrl-C reaches the ranks too (one process group); they ignore SIGINT and act on what
+        # this process sends: the first asks for a checkpoint at the end of the step (SIGTERM),
+        # the second stops them at once (SIGUSR2).
+        interrupts.append(1)
+        first = len(interrupts) == 1
+        print("\nmoe-rl train: " + ("Ctrl-C: checkpoint at the end of this step, then exit (Ctrl-C again to "
+                                   "stop at once)" if first else "second Ctrl-C: stopping now"), file=sys.stderr)
+        forward(signal.SIGTERM if first else signal.SIGUSR2, frame)
+
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, forward)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         while not ctx.join():
             pass
@@ -106,7 +137,7 @@ def _spawned(rank: int, cfg_dict: dict[str, Any], run_dir: str, world: int, port
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    code = train_rank(RunConfig.from_dict(cfg_dict), run_dir)
+    code = train_rank(RunConfig.from_dict(cfg_dict), run_dir, spawned=True)
     if code:
         sys.exit(code)
 
@@ -114,18 +145,35 @@ def _spawned(rank: int, cfg_dict: dict[str, Any], run_dir: str, world: int, port
 # ---------------------------------------------------------------- one rank
 
 class _Stop:
-    """Set by SIGTERM / SIGUSR1 (SLURM preemption): checkpoint at the next step boundary and exit 0."""
+    """Set by SIGTERM / SIGUSR1 (SLURM preemption) or a first Ctrl-C: checkpoint at the next step
+    boundary and exit 0. A second Ctrl-C (or SIGUSR2, what `spawn` sends for it) stops at once."""
 
     requested = False
 
     @classmethod
-    def install(cls) -> None:
+    def install(cls, spawned: bool) -> None:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, lambda *_: setattr(cls, "requested", True))
+        signal.signal(signal.SIGUSR2, cls._now)
+        # spawned ranks leave Ctrl-C to the parent, which sends SIGTERM, then SIGUSR2
+        signal.signal(signal.SIGINT, signal.SIG_IGN if spawned else cls._interrupt)
+
+    @classmethod
+    def _interrupt(cls, *_: Any) -> None:
+        if cls.requested:
+            cls._now()
+        cls.requested = True
+        print("\nmoe-rl train: Ctrl-C: checkpoint at the end of this step, then exit (Ctrl-C again to stop at "
+              "once)", file=sys.stderr)
+
+    @staticmethod
+    def _now(*_: Any) -> None:
+        raise KeyboardInterrupt("stopped at once: no checkpoint of the current step")
 
 
-def train_rank(cfg: RunConfig, run_dir: str) -> int:
-    """Everything one trainer rank does, start to end."""
+def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
+    """Everything one trainer rank does, start to end (`spawned`: a child of `spawn`, which
+    handles Ctrl-C for it)."""
     from moe_rl.observe.logging import setup_logging
     from moe_rl.observe.progress import Progress
     from moe_rl.observe.report import write_report
@@ -137,7 +185,12 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
     log = setup_logging(cfg.log.level, rank, cfg.log.all_ranks, out / "train.log")
     if rank == 0:
         (out / "config.yaml").write_text(cfg.to_yaml())  # the resolved config, overrides applied
-    _Stop.install()
+    if cfg.algo.replay == "auto":
+        from moe_rl.config import replay_mode
+
+        log.info("algo.replay=auto: %s (%d optimizer updates per rollout batch%s)", replay_mode(cfg.algo),
+                 cfg.algo.num_minibatches, ", one weight version stale" if cfg.algo.off_policy_overlap else "")
+    _Stop.install(spawned)
     if cfg.train.device_guard:  # CPU rehearsal: a host tensor in a collective fails here, not on a GPU
         from moe_rl.testing.device_guard import install_device_guard
 
@@ -166,6 +219,9 @@ def train_rank(cfg: RunConfig, run_dir: str) -> int:
             if stop:
                 log.info("stop signal received: checkpoint of step %d saved; exiting", step)
                 return 0
+    except KeyboardInterrupt as e:
+        log.warning("%s", e or "stopped at once")
+        return 130
     finally:
         progress.close()
         sinks.close()
@@ -205,14 +261,18 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
 
     dataset = load_dataset(cfg.data.train, _hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                            cfg.data.max_prompt_len)
+    runner = RewardRunner(get_reward(cfg.reward.name, data=cfg.data.train), cfg.reward.max_failure_frac)
+    if getattr(dataset.tokenizer, "decode", None) is None and not runner.reads_ids:
+        raise ConfigError(f"reward.name={cfg.reward.name!r} reads only the completion text, but {cfg.data.train} "
+                          "comes without a tokenizer to decode completions with: set model.hf_path to a checkpoint "
+                          "with tokenizer files, or use a reward with a completion_ids parameter")
     hf_dir = initial_model(cfg, out, rank, dataset)
-    policy = make_policy(cfg, hf_dir, cfg.algo.num_minibatches)
+    policy = make_policy(cfg, hf_dir, cfg.algo.num_minibatches, temperature=cfg.rollout.temperature)
     eos = getattr(dataset.tokenizer, "eos_token_id", None)
     if eos is None:
         eos = policy.hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
-    runner = RewardRunner(get_reward(cfg.reward.name, data=cfg.data.train), cfg.reward.max_failure_frac)
     engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2,
                             **(update_group(cfg, servers) if cfg.rollout.weight_sync == "nccl" else {}))
@@ -223,8 +283,9 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     return {"run": run, "eval": eval_set, "servers": servers}
 
 
-def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int) -> Any:
-    """The megatron policy of `hf_dir` in the configured layout, optimizer and LR schedule."""
+def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature: float = 1.0) -> Any:
+    """The megatron policy of `hf_dir` in the configured layout, optimizer and LR schedule; its
+    log-probs are of softmax(logits / `temperature`) (RL: the rollout's sampling temperature)."""
     from moe_rl.policy.parallel import ParallelLayout, read_dist_env
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
@@ -237,7 +298,7 @@ def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int) -> Any:
                         total_steps=t.steps * updates_per_step, lr_schedule=t.lr_schedule,
                         distributed_optimizer=t.distributed_optimizer)
     return Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
-                             p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch))
+                             p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch, temperature=temperature))
 
 
 def _hf_tokenizer(cfg: RunConfig) -> Any:
@@ -336,7 +397,8 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
 def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
     """Every rank writes its state into `step_N.tmp/`; rank 0 renames it to `step_N/` once all are done.
 
-    A crash while writing leaves only a `.tmp` directory, which resume ignores.
+    A crash while writing leaves only a `.tmp` directory, which resume ignores. `meta.json`
+    records every file's size and SHA-256 (`moe_rl.integrity`), so damage is found on resume.
     """
     root = out / CHECKPOINTS
     final = root / f"step_{step:06d}"
@@ -348,10 +410,12 @@ def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
     state = {"policy": run.policy.state_dict(), "sampler": run.sampler.state_dict(),
              "rewards": run.rewards.state_dict() if run.rewards is not None else None,  # None in DPO runs
              "step": step, "weight_version": run.weight_version, "drift_state": run.drift_state, "rng": _rng_state()}
-    torch.save(state, tmp / f"rank_{run.rank:05d}.pt")
-    _barrier()
+    mine = f"rank_{run.rank:05d}.pt"
+    torch.save(state, tmp / mine)
+    records = _all_gather((mine, file_record(tmp / mine)))  # each rank hashes its own file
     if run.rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": _world()}))
+        meta = {"step": step, "world_size": _world(), "files": dict(records)}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))[:-keep_last]:
@@ -361,23 +425,53 @@ def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
 
 
 def latest_checkpoint(out: Path) -> Path | None:
+    """The newest finished checkpoint (its meta.json written), intact or not."""
     done = sorted(p for p in (out / CHECKPOINTS).glob("step_*") if (p / "meta.json").is_file())
     return done[-1] if done else None
 
 
+def intact_checkpoint(out: Path, rank: int, log: Any) -> Path | None:
+    """The newest finished checkpoint whose files all match their records (collective: every
+    rank checks its own file and they agree); damaged ones are named and skipped."""
+    done = sorted((p for p in (out / CHECKPOINTS).glob("step_*") if (p / "meta.json").is_file()), reverse=True)
+    for path in done:
+        problem = _agreed_problem(path, rank)
+        if not problem:
+            return path
+        log.warning("skipping damaged checkpoint %s: %s", path, problem)
+    return None
+
+
+def _agreed_problem(path: Path, rank: int) -> str:
+    """What is wrong with checkpoint `path` as any rank sees it ("" when every rank finds it intact)."""
+    meta, problem = read_meta(path)
+    if meta is not None:
+        problem = check_file(path, f"rank_{rank:05d}.pt", meta)
+    problems = [p for p in _all_gather(problem or "") if p]
+    return "; ".join(dict.fromkeys(problems))
+
+
 def resume(run: Any, cfg: RunConfig, out: Path, log: Any) -> int:
-    """Load the checkpoint `train.resume` names (or the latest with "auto"); returns its step (0 if none)."""
+    """Load the checkpoint `train.resume` names (or with "auto" the newest intact one, skipping
+    damaged ones with a warning that names the file); returns its step (0 if none)."""
     if not cfg.train.resume:
         return 0
-    path = latest_checkpoint(out) if cfg.train.resume == "auto" else Path(cfg.train.resume)
+    path = intact_checkpoint(out, run.rank, log) if cfg.train.resume == "auto" else Path(cfg.train.resume)
     if path is None:
-        log.info("no checkpoint in %s: starting from step 1", out / CHECKPOINTS)
+        log.info("no intact checkpoint in %s: starting from step 1", out / CHECKPOINTS)
         return 0
-    meta = json.loads((path / "meta.json").read_text())
+    problem = _agreed_problem(path, run.rank)
+    if problem:
+        raise RuntimeError(f"cannot resume from {path}: {problem}")
+    meta = read_meta(path)[0]
     if meta["world_size"] != _world():
         raise RuntimeError(f"{path} was written by {meta['world_size']} ranks; this run has {_world()} "
                            f"(resume with the same layout)")
-    state = torch.load(path / f"rank_{run.rank:05d}.pt", weights_only=False)
+    file = path / f"rank_{run.rank:05d}.pt"
+    try:
+        state = torch.load(file, weights_only=False)
+    except Exception as e:  # a file that matches its record but will not load: say which
+        raise RuntimeError(f"cannot load {file}: {type(e).__name__}: {e}") from e
     run.policy.load_state_dict(state["policy"])
     run.sampler.load_state_dict(state["sampler"])
     if run.rewards is not None:  # DPO runs have no reward runner
@@ -406,6 +500,15 @@ def _set_rng_state(s: dict[str, Any]) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _world() -> int:

@@ -10,6 +10,8 @@ of sequence i, Â the advantage, ε_low / ε_high the clip range.
 | ``gspo``      | −min(s_i·Â_i, clip(s_i, ...)·Â_i), s_i = exp(mean_t log r)      | ε = (3e-4, 4e-4)| seq-mean-token-mean |
 | ``gspo_token``| same, s_{i,t} = sg[s_i]·π_θ(y_t)/sg[π_θ(y_t)], per-token Â      | ε = (3e-4, 4e-4)| seq-mean-token-mean |
 | ``sapo``      | −σ(τ(r−1))·4/τ·Â, τ = τ_pos if Â > 0 else τ_neg (no hard clip)  | τ = (1.0, 1.05) | seq-mean-token-mean |
+| ``cispo``     | −sg(clip(r, 1−ε_low, 1+ε_high))·Â·log π_θ                       | ε = (1.0, 0.28) | token-mean          |
+| ``gmpo``      | −exp(mean_t s·min(s·log r, s·clip(log r, −ε_low, ε_high)))·Â_i  | ε = (0.4, 0.4)  | seq-mean-token-mean |
 
 Every loss's ratio is computed from clamped log-ratios (``max_log_ratio``,
 20 per token, 10 for GSPO's sequence ratio) so that exp cannot overflow.
@@ -17,7 +19,10 @@ Every loss's ratio is computed from clamped log-ratios (``max_log_ratio``,
 The clipped objectives take ``dual_clip=c`` (e.g. 3.0): for Â < 0 the loss
 is capped at −c·Â, so one token whose ratio exploded cannot dominate the step.
 
-Adding an objective (CISPO, ...) is one function: keyword-only
+Rollout correction (TIS, token / IcePop / sequence masks) multiplies any objective's
+per-token loss: see `moe_rl.algo.correction`.
+
+Adding an objective is one function: keyword-only
 hyperparameters with their defaults, decorated with
 ``@register_loss("name", agg="<default aggregation>")``, mapping
 ``(log_ratio, adv, mask)`` to an `Objective`. `compute_loss` does the rest:
@@ -44,7 +49,8 @@ from moe_rl.algo.aggregation import (
     masked_seq_mean,
 )
 from moe_rl.algo.kl import KL_ESTIMATORS, kl_estimate
-from moe_rl.algo.tis import TIS_LEVELS, tis_weights
+from moe_rl.algo.correction import rollout_correction
+from moe_rl.algo.tis import TIS_LEVELS
 
 
 @dataclass
@@ -242,6 +248,53 @@ def sapo(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, tau_pos: float = 1.0,
     )
 
 
+@register_loss("cispo", agg="token-mean")
+def cispo(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, eps_low: float = 1.0,
+          eps_high: float = 0.28, max_log_ratio: float = 20.0) -> Objective:
+    """CISPO (MiniMax-M1, 2025): −sg(clip(r, 1−ε_low, 1+ε_high))·Â·log π_θ, token-level.
+
+    The importance weight is clipped and detached instead of the update, so every token keeps
+    its gradient Â·∇log π_θ (scaled by the clipped weight). The paper sets no lower bound
+    (ε_low large: here 1.0, a weight >= 0) and tunes only ε_high; 0.28 is the clip-higher
+    bound most recipes start from. The value reported is −sg(ŵ)·Â·(log π_θ − log π_old):
+    log π_old is a constant, so the gradient is CISPO's.
+    """
+    require(eps_low >= 0, "cispo", "eps_low", eps_low, ">= 0")
+    require(eps_high >= 0, "cispo", "eps_high", eps_high, ">= 0")
+    require(max_log_ratio > 0, "cispo", "max_log_ratio", max_log_ratio, "> 0")
+    ratio = _token_ratio(log_ratio, max_log_ratio).detach()
+    weight = ratio.clamp(max(1 - eps_low, 0.0), 1 + eps_high)
+    return Objective(loss=-(weight * adv * log_ratio), ratio=ratio,
+                     extra={"is_weight_clip_frac_low": ratio < 1 - eps_low,
+                            "is_weight_clip_frac_high": ratio > 1 + eps_high, "is_weight_mean": weight})
+
+
+@register_loss("gmpo", agg="seq-mean-token-mean")
+def gmpo(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, eps_low: float = 0.4,
+         eps_high: float = 0.4, max_log_ratio: float = 10.0) -> Objective:
+    """GMPO (Zhao et al., 2025): the geometric mean of the clipped token objectives.
+
+    −(∏_t min(r_t·Â, clip(r_t, e^−ε_low, e^ε_high)·Â))^{1/|o|} for a sequence advantage Â:
+    in log space, with s = sign(Â), the sequence's log ratio is the mean over its tokens of
+    s·min(s·log r_t, s·clip(log r_t, −ε_low, ε_high)), and the loss −exp(that)·Â sits on each
+    of its tokens (the default seq-mean-token-mean averages sequences). Clipping per token
+    in log space with the paper's ε = 0.4 keeps outlier tokens from moving the mean.
+    """
+    require(eps_low > 0, "gmpo", "eps_low", eps_low, "> 0")
+    require(eps_high > 0, "gmpo", "eps_high", eps_high, "> 0")
+    require(max_log_ratio > 0, "gmpo", "max_log_ratio", max_log_ratio, "> 0")
+    seq_adv = masked_seq_mean(adv, mask)
+    sign = torch.where(seq_adv >= 0, 1.0, -1.0).to(log_ratio.dtype)
+    clipped = log_ratio.clamp(-eps_low, eps_high)
+    token_log = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    seq_log = masked_seq_mean(token_log, mask).clamp(-max_log_ratio, max_log_ratio)
+    seq_ratio = torch.exp(seq_log)
+    log_r = log_ratio.detach()
+    return Objective(loss=-(seq_ratio * seq_adv).expand_as(log_ratio), ratio=torch.exp(log_r),
+                     clip_low=(log_r < -eps_low) & (sign < 0), clip_high=(log_r > eps_high) & (sign > 0),
+                     extra={"seq_ratio_mean": seq_ratio.detach().expand_as(log_ratio)})
+
+
 # --- entry point --------------------------------------------------------------
 
 
@@ -258,7 +311,9 @@ def compute_loss(
     max_len: int | None = None,
     rollout_logp: Tensor | None = None,
     tis_level: str = "token",
-    tis_cap: float = 2.0,
+    tis_cap: float | None = 2.0,
+    correction: str | None = None,
+    correction_bounds: tuple[float, float] | None = None,
     ref_logp: Tensor | None = None,
     beta: float = 0.0,
     kl_estimator: str = "k3",
@@ -278,7 +333,9 @@ def compute_loss(
             default: counts of this call's batch and its padded length.
         rollout_logp: `[B, T]` log π_rollout from the inference engine; when given,
             each token's loss is weighted by min(π_old / π_rollout, tis_cap),
-            per token or per sequence (`tis_level` "token" / "sequence").
+            per token or per sequence (`tis_level` "token" / "sequence"; `tis_cap`
+            None: no truncated IS), and masked by `correction` ("token_mask",
+            "icepop", "seq_mask" within `correction_bounds`; see `moe_rl.algo.correction`).
         ref_logp: `[B, T]` log π_ref; when given the KL(π_θ || π_ref) estimate
             (`kl_estimator` k1/k2/k3) is reported, and added as `beta`·KL
             (same aggregation) when `beta` > 0.
@@ -297,22 +354,26 @@ def compute_loss(
     # ratios of bf16 log-probs are too coarse; do the maths in float32 at least
     dtype = torch.promote_types(logp.dtype, torch.float32)
     logp = logp.to(dtype)
+    norm = dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, max_len=max_len)
+    stats: dict[str, Tensor] = {}
+    scalars: dict[str, Tensor] = {}
+    weights = None
+    if rollout_logp is not None:
+        fix = rollout_correction(old_logp.to(dtype), rollout_logp.to(dtype), mask, mode=correction,
+                                 bounds=correction_bounds, tis_cap=tis_cap, tis_level=tis_level)
+        weights, stats, scalars = fix.weights, fix.token_stats, fix.stats
+        if not fix.keep.all():  # masked tokens leave the objective; the batch's normalisers stay
+            norm |= _counts(mask, global_num_tokens, global_num_seqs)
+            mask = mask & fix.keep
     adv = _token_advantages(advantages.detach().to(dtype), mask)
     log_ratio = _masked_diff(logp, old_logp.detach().to(dtype), mask)
 
     out = spec.fn(log_ratio, adv, mask, **params)
-    per_token = out.loss
-    stats: dict[str, Tensor] = {}
-    if rollout_logp is not None:
-        weights, capped = tis_weights(old_logp.to(dtype), rollout_logp.to(dtype), mask,
-                                      level=tis_level, cap=tis_cap)
-        per_token = per_token * weights
-        stats |= {"tis_clip_frac": capped, "tis_weight_mean": weights}
+    per_token = out.loss if weights is None else out.loss * weights
 
-    norm = dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, max_len=max_len)
     pg_loss = aggregate(per_token, mask, agg, **norm)
     loss = pg_loss
-    scalars = {"pg_loss": pg_loss.detach()}
+    scalars["pg_loss"] = pg_loss.detach()
     if ref_logp is not None:
         kl = kl_estimate(_masked_diff(logp, ref_logp.detach().to(dtype), mask), kl_estimator)
         scalars["ref_kl"] = masked_mean(kl.detach(), mask)
@@ -332,7 +393,7 @@ def _check_call(spec: LossSpec, params: dict[str, Any], agg: str | None, tis_lev
     if agg is not None:
         require_choice(agg, AGG_MODES, "compute_loss", "aggregation mode")
     require_choice(tis_level, TIS_LEVELS, "compute_loss", "tis_level")
-    require(tis_cap > 0, "compute_loss", "tis_cap", tis_cap, "> 0")
+    require(tis_cap is None or tis_cap > 0, "compute_loss", "tis_cap", tis_cap, "None or > 0")
     require(beta >= 0, "compute_loss", "beta", beta, ">= 0")
     require(beta == 0 or ref_logp is not None, "compute_loss", "ref_logp", None,
             f"given when beta > 0 (beta={beta})")
@@ -350,6 +411,12 @@ def _check_shapes(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     ok = advantages.shape in (logp.shape[:1], logp.shape)
     require(ok, "compute_loss", "advantages.shape", tuple(advantages.shape),
             f"[B] or [B, T] with [B, T] = {tuple(logp.shape)}")
+
+
+def _counts(mask: Tensor, num_tokens: Count | None, num_seqs: Count | None) -> dict[str, Count]:
+    """The normalisers of `mask`'s batch where the caller gave none."""
+    return {"global_num_tokens": mask.sum() if num_tokens is None else num_tokens,
+            "global_num_seqs": mask.any(-1).sum() if num_seqs is None else num_seqs}
 
 
 def _token_advantages(adv: Tensor, mask: Tensor) -> Tensor:
@@ -391,7 +458,8 @@ def _metrics(out: Objective, stats: dict[str, Tensor], scalars: dict[str, Tensor
     per_token_stats = dict(clip_frac_low=out.clip_low, clip_frac_high=out.clip_high) | out.extra | stats
     values |= {key: mean(x) for key, x in per_token_stats.items() if x is not None}
     host = torch.stack([v.detach().to(torch.float64) for v in values.values()]).tolist()
-    return {f"loss/{key}": value for key, value in zip(values, host)}
+    # names with a namespace of their own (correction/...) keep it
+    return {key if "/" in key else f"loss/{key}": value for key, value in zip(values, host)}
 
 
 # --- preference objectives ------------------------------------------------------

@@ -464,3 +464,21 @@ def route_dtype(num_experts: int) -> torch.dtype:
         if num_experts - 1 <= torch.iinfo(dt).max:
             return dt
     raise DriftShapeError(f"num_experts={num_experts} does not fit in int32")
+
+
+def confidence_summary(sums: Tensor, num_tokens: float, layer_ids: Sequence[int] | None = None,
+                       prefix: str = "drift/route") -> dict[str, float]:
+    """Routers' confidence on a step's tokens, from per-layer sums.
+
+    sums  [L, 2]: per MoE layer, the sum over tokens of the top-k gate mass and of the margin
+          between the k-th and (k+1)-th router logit (see `moe_rl.policy.replay.route_confidence`)
+    `{prefix}_margin`, `{prefix}_gate_mass`: means over layers and tokens;
+    `{prefix}_margin/layer_{i:02d}`, `{prefix}_gate_mass/layer_{i:02d}`: per layer. NaN without tokens.
+    """
+    _check_layer_ids(layer_ids, int(sums.shape[0]))
+    out: dict[str, float] = {}
+    for column, name in ((1, f"{prefix}_margin"), (0, f"{prefix}_gate_mass")):
+        per_layer = [_ratio(float(v), num_tokens) for v in sums[:, column]]
+        out[name] = _ratio(float(sums[:, column].sum()), num_tokens * len(per_layer))
+        out |= {_layer_name(name, i, layer_ids): v for i, v in enumerate(per_layer)}
+    return out

@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--before", required=True, metavar="DIR", help="HF checkpoint directory (reference)")
     parser.add_argument("--after", required=True, metavar="DIR", help="HF checkpoint directory to compare")
     parser.add_argument("--data", required=True, metavar="FILE.jsonl",
-                        help="rows with `input_ids`, or `prompt` + `response` text")
+                        help="rows with `input_ids`, or `prompt` + `response` text; routes are compared at "
+                             "positions 0..T-2 of each T-token row (every token that predicts a next one, as "
+                             "SGLang's routed_experts cover a sequence), so the last token of a row is not scored")
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the JSON report")
     parser.add_argument("--batch-size", type=int, default=8, metavar="N", help="rows per forward (default 8)")
     parser.add_argument("--max-rows", type=int, default=None, metavar="N", help="read at most N rows")

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 # Flags of `sglang.launch_server` that set its tensor-parallel size.
+DEFAULT_BASE_PORT = 30000  # servers of a SLURM job listen from here (SGLang's usual range)
 TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
 
 
@@ -172,7 +173,7 @@ def plan_servers(rollout: Any, shape: NodeShape, servers_per_node: int | None = 
         raise LaunchError(f"rollout.urls is set ({', '.join(rollout.urls)}): the job starts its own servers "
                           "and passes their URLs to the trainer; remove rollout.urls from the config")
     engine = str(rollout.engine)
-    base = int(rollout.base_port)
+    base = int(rollout.base_port or DEFAULT_BASE_PORT)  # fixed: other nodes must know where to connect
     most: int | None
     if engine == "sglang":
         if shape.cpu:

@@ -174,9 +174,7 @@ def _node_split(shape: NodeShape) -> str:
             f'ROLLOUT_NODES=("${{NODES[@]:{shape.train_nodes}}}")')
 
 
-def _env_exports(opts: SlurmOptions, engine: str, shape: NodeShape) -> str:
-    from moe_rl.rollout.launcher import SGLANG_ENV
-
+def _env_exports(opts: SlurmOptions, shape: NodeShape) -> str:
     lines = []
     if shape.cpu:
         # torch sizes its thread pool from OMP_NUM_THREADS; without it (and without SLURM task
@@ -192,9 +190,6 @@ def _env_exports(opts: SlurmOptions, engine: str, shape: NodeShape) -> str:
         lines.append(f"export GLOO_SOCKET_IFNAME={shlex.quote(opts.gloo_ifname)}  # gloo: CPU collectives, barriers")
     else:
         lines.append("# GLOO_SOCKET_IFNAME: unset, gloo uses the interface of the address the node name resolves to")
-    if engine == "sglang":
-        for key, value in SGLANG_ENV.items():
-            lines.append(f"export {key}={shlex.quote(value)}  # SGLang log-probs at temperature 1, as the trainer's")
     return "\n".join(lines)
 
 
@@ -413,7 +408,7 @@ def render_script(config_path: str | Path, overrides: Sequence[str], shape: Node
         "nodes": str(shape.nodes), "node_split": _node_split(shape),
         "master_port": str(opts.master_port) if opts.master_port else
         f"$(( {MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_SPAN} ))",
-        "env_exports": _env_exports(opts, servers.engine, shape), "model_setup": _model_setup(cfg, base[:-1]),
+        "env_exports": _env_exports(opts, shape), "model_setup": _model_setup(cfg, base[:-1]),
         "server_lines": _server_lines(cfg, servers, bind_node, shape.colocated),
         "router_setup": _router_setup(cfg, servers, bind_node),
         "train_args": "\n".join(_train_args(cfg.rollout, base, servers, shape.colocated, fields)),

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from moe_rl.observe.logging import get_logger
-from moe_rl.observe.sinks import METRICS_FILE, read_metrics
+from moe_rl.observe.sinks import METRICS_FILE, latest_history, read_metrics
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -122,7 +122,7 @@ def _load(run_dir: Path) -> Metrics:
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise ReportError(f"no {METRICS_FILE} in {run_dir} (has the run finished a step yet?)")
-    records = read_metrics(path)
+    records = latest_history(read_metrics(path))  # a restarted run: the attempts' current history
     if not records:
         raise ReportError(f"{path} holds no metric records")
     return Metrics(records)
@@ -360,7 +360,8 @@ def _drift_figure(m: Metrics) -> Figure:
     exact = _first_present(m, ("drift/volatility/exact_match", "drift/exact_match"),
                            "exact top-k set match, between updates")
     panels = [
-        (_present(m, [("drift/volatility", "between updates (volatility)"),
+        (_present(m, [("drift/volatility", "step's tokens, across the step's updates (volatility)"),
+                      ("drift/volatility_per_update", "probe set, per optimizer update"),
                       ("drift/probe_volatility", "probe set, between probes"),
                       ("drift/rollout_mismatch", "rollout engine vs trainer (mismatch)")]) + exact
          + _present(m, [("drift/volatility/tokens_changed_any_layer", "tokens changed in any layer")]),
@@ -371,6 +372,10 @@ def _drift_figure(m: Metrics) -> Figure:
          "share of tokens", "Tokens whose probability ratio is outside [1/2, 2]", False),
         (_present(m, [("drift/load_change", "expert load change")]),
          "total variation", "Expert load change between steps", False),
+        (_present(m, [("drift/route_margin", "k-th minus (k+1)-th router logit")]),
+         "logit margin", "Routing confidence: low margins are where routes flip", False),
+        (_present(m, [("drift/route_gate_mass", "softmax mass of the top-k experts")]),
+         "share", "Routing confidence: top-k gate mass", False),
     ]
     panels = [p for p in panels if p[0]]
     if not panels:

@@ -5,9 +5,13 @@
     sink.close()
 
 `metrics.jsonl` is the run's record of truth: one JSON object per line with
-"step", "time" (unix seconds) and the metrics, appended, flushed and fsynced
+"step", "time" (unix seconds), "attempt" (1 for the first start in this run
+directory, +1 for each restart) and the metrics, appended, flushed and fsynced
 after every line, so a crash loses at most the line being written.
-`read_metrics` reads it back and tolerates that half-written last line.
+`read_metrics` reads it back and tolerates that half-written last line;
+`latest_history` keeps the records of the run as it stands: a restart that goes
+back to step s (resuming an older checkpoint, or none) supersedes every earlier
+record from step s on.
 
 Non-finite floats: JSON has no NaN or infinity, and Python's `json` module
 would write the non-standard tokens `NaN` / `Infinity`, which many readers
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
     from moe_rl.config import LogConfig
 
 __all__ = [
-    "JsonlSink", "MetricSink", "MultiSink", "TensorBoardSink", "WandbSink", "make_sinks",
+    "JsonlSink", "MetricSink", "MultiSink", "TensorBoardSink", "WandbSink", "latest_history", "make_sinks",
     "read_metrics", "wandb_available",
 ]
 
@@ -64,6 +68,8 @@ class JsonlSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         needs_newline = _ends_without_newline(self.path)
+        before = read_metrics(self.path) if self.path.exists() else []
+        self.attempt = 1 + max((int(r.get("attempt", 1)) for r in before), default=0)
         self._file = open(self.path, "a", encoding="utf-8")
         if needs_newline:
             # A resumed run after a crash: end the half-written line, so the
@@ -71,7 +77,7 @@ class JsonlSink:
             self._file.write("\n")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        record: dict[str, Any] = {"step": int(step), "time": round(time.time(), 3)}
+        record: dict[str, Any] = {"step": int(step), "time": round(time.time(), 3), "attempt": self.attempt}
         for key, value in metrics.items():
             if key not in record:
                 record[key] = _json_value(key, value)
@@ -83,6 +89,18 @@ class JsonlSink:
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+def latest_history(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the run as it stands, in step order: a record of step s supersedes the
+    records before it (in file order) of steps >= s, which a restart has gone back over."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        step = record.get("step")
+        while kept and step is not None and kept[-1].get("step", -1) >= step:
+            kept.pop()
+        kept.append(record)
+    return kept
 
 
 def _ends_without_newline(path: Path) -> bool:

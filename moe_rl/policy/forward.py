@@ -239,16 +239,27 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return -tensor_parallel.vocab_parallel_cross_entropy(shifted.clone(), tokens[:, 1:].contiguous())
 
 
-def microbatch_logprobs(logits: torch.Tensor, mb: Microbatch) -> torch.Tensor:
-    """`[b, s - 1]` per-sequence log-probs from the model's logits `[b_m, s_m, V/tp]` (packed or not)."""
+def microbatch_logprobs(logits: torch.Tensor, mb: Microbatch, temperature: float = 1.0) -> torch.Tensor:
+    """`[b, s - 1]` per-sequence log-probs from the model's logits `[b_m, s_m, V/tp]` (packed or not).
+
+    With `temperature` T the log-probs are log_softmax(logits / T): the distribution the
+    rollout engine sampled from (and returned log-probs of), so trainer and engine agree.
+    """
+    logits = tempered(logits, temperature)
     if mb.packed is None:
         return token_logprobs(logits, mb.tokens)
     flat = token_logprobs(logits, mb.packed.tokens)[0]
     return unpack(flat, mb.packed.starts, mb.tokens.shape[1] - 1) * mb.loss_mask
 
 
-def microbatch_entropy(logits: torch.Tensor, mb: Microbatch) -> torch.Tensor:
-    """`[b, s - 1]` per-sequence next-token entropy (packed or not)."""
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits / T` in fp32 (a new tensor; the logits themselves are left as they are)."""
+    return logits if temperature == 1.0 else logits.float() / temperature
+
+
+def microbatch_entropy(logits: torch.Tensor, mb: Microbatch, temperature: float = 1.0) -> torch.Tensor:
+    """`[b, s - 1]` per-sequence next-token entropy of softmax(logits / T) (packed or not)."""
+    logits = tempered(logits, temperature)
     if mb.packed is None:
         return token_entropy(logits)
     return unpack(token_entropy(logits)[0], mb.packed.starts, mb.tokens.shape[1] - 1) * mb.loss_mask
@@ -360,13 +371,17 @@ class LogProbs:
     mask: torch.Tensor
     entropy: torch.Tensor | None = None
     routes: torch.Tensor | None = None  # [B, T - 1, L, K] when recorded
+    route_confidence: torch.Tensor | None = None  # [B, T - 1, L, 2] (gate mass, logit margin) when asked
 
 
 @torch.no_grad()
 def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_batch_size: int,
                      with_entropy: bool = False, seq_len: int | None = None,
-                     routing: Routing | None = None, max_tokens: int | None = None) -> LogProbs:
+                     routing: Routing | None = None, max_tokens: int | None = None,
+                     temperature: float = 1.0) -> LogProbs:
     """Log-probs (and entropy) of each sequence's tokens, on every rank of the model-parallel group.
+
+    Both are of softmax(logits / `temperature`), the distribution the rollout engine samples from.
 
     `routing` wraps the schedule run, e.g. to record routes (R2) or replay given ones (R3).
     `max_tokens`: pack sequences into rows of this many tokens instead of padding.
@@ -378,9 +393,9 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
     mbs = build_microbatches(sequences, micro_batch_size, max_tokens, seq_len=seq_len, chunks=chunks)
 
     def keep(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, Any]]:
-        out = {"index": mb.index, "logp": microbatch_logprobs(logits, mb)}
+        out = {"index": mb.index, "logp": microbatch_logprobs(logits, mb, temperature)}
         if with_entropy:
-            out["entropy"] = microbatch_entropy(logits, mb)
+            out["entropy"] = microbatch_entropy(logits, mb, temperature)
         return logits.new_zeros(()), out
 
     with (routing(mbs) if routing else nullcontext()) as recording:
@@ -403,7 +418,8 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
     lengths = torch.tensor([len(x) for x in sequences])
     mask = (torch.arange(s - 1).unsqueeze(0) < (lengths - 1).unsqueeze(1)).float()
     return LogProbs(logp=logp * mask, mask=mask, entropy=None if ent is None else ent * mask,
-                    routes=getattr(recording, "routes", None))
+                    routes=getattr(recording, "routes", None),
+                    route_confidence=getattr(recording, "confidence", None))
 
 
 def _broadcast_from_last_stage(t: torch.Tensor) -> None:

@@ -66,12 +66,16 @@ class ParallelLayout:
     def parse(cls, name: str) -> "ParallelLayout":
         """Parse a layout name like `tp2-pp2-vpp2` or `tp2-ep2-dp2` (world size = product, vpp aside)."""
         sizes = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "etp": 1, "dp": 1}
+        seen: set[str] = set()
         if name not in ("", "single", "dp1"):
             for part in name.split("-"):
                 m = re.fullmatch(r"(tp|pp|vpp|ep|etp|dp)(\d+)", part)
                 if not m or int(m.group(2)) < 1:
                     raise LayoutError(f"layout {name!r}: bad part {part!r}; use dash-joined tpN, ppN, vppN, "
                                       f"epN, etpN, dpN (e.g. tp2-pp2)")
+                if m.group(1) in seen:
+                    raise LayoutError(f"layout {name!r}: {m.group(1)} is given twice")
+                seen.add(m.group(1))
                 sizes[m.group(1)] = int(m.group(2))
         # The world size is the product of the named sizes (vpp aside): EP and ETP
         # then partition the tp*dp ranks of a stage, so `ep2` alone runs on 2 ranks

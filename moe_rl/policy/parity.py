@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.policy.parallel import ParallelLayout
+from moe_rl.policy.parallel import LayoutError, ParallelLayout
 
 DEFAULT_LAYOUTS = "tp2,pp2,ep2,tp2-ep2,tp2-pp2,pp2-vpp2,dp2"
 
@@ -234,12 +235,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_out", help="also write the results as a JSON list to this file")
 
 
+def _argument_problem(args: argparse.Namespace, layouts: list[str]) -> str | None:
+    """One line saying what is wrong with the command line, or None."""
+    if not (Path(args.hf_model) / "config.json").is_file():
+        return f"--hf-model {args.hf_model}: no config.json there; give a HF checkpoint directory"
+    if not layouts:
+        return "--layouts names no layout; give e.g. --layouts tp2,ep2"
+    for name in layouts:
+        try:
+            ParallelLayout.parse(name)
+        except LayoutError as e:
+            return f"--layouts: {e}"
+    if args.tokens < 2:
+        return f"--tokens {args.tokens}: a sequence needs at least 2 tokens to score one"
+    if args.sequences < 1:
+        return f"--sequences {args.sequences}: must be >= 1"
+    if not (math.isfinite(args.tolerance) and args.tolerance > 0):
+        return f"--tolerance {args.tolerance:g}: must be a finite number > 0"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    problem = _argument_problem(args, layouts)
+    if problem:
+        console.print(f"[red]moe-rl check-parity: {problem}[/red]")
+        return 2
     console.print(f"checking {len(layouts)} layouts of {args.hf_model} against HF transformers "
                   f"(tolerance {args.tolerance:g})")
 

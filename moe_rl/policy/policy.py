@@ -39,6 +39,7 @@ class PolicySpec:
     micro_batch_size: int = 4
     seed: int = 1234
     max_tokens_per_microbatch: int | None = None  # set: pack sequences into rows of this many tokens
+    temperature: float = 1.0  # log-probs of softmax(logits / T), the rollout's sampling distribution
 
 
 @dataclass
@@ -96,19 +97,24 @@ class Policy:
     # ------------------------------------------------------------ log-probs
 
     def logprobs(self, sequences: list[torch.Tensor], *, record_routes: bool = False,
-                 replay_routes: torch.Tensor | None = None, entropy: bool = False) -> LogProbs:
-        """Per-token log-probs `[B, T - 1]` of this DP rank's sequences.
+                 replay_routes: torch.Tensor | None = None, entropy: bool = False,
+                 route_confidence: bool = False) -> LogProbs:
+        """Per-token log-probs `[B, T - 1]` of this DP rank's sequences, of softmax(logits / T)
+        at the spec's sampling temperature T.
 
-        record_routes: also return the routes the routers chose (`[B, T - 1, L, K]`).
+        record_routes: also return the routes the routers chose (`[B, T - 1, L, K]`);
+            with route_confidence, also each router's confidence (`[B, T - 1, L, 2]`: top-k
+            gate mass, k-th minus (k+1)-th logit).
         replay_routes: make the routers use these routes (R3 old-log-prob pass).
         """
         routing = None
         if replay_routes is not None:
             routing = lambda mbs: self.replay.replay(replay_routes, mbs)  # noqa: E731
         elif record_routes and self.replay is not None:
-            routing = self.replay.record
+            routing = lambda mbs: self.replay.record(mbs, confidence=route_confidence)  # noqa: E731
         return compute_logprobs(self.chunks, sequences, self.spec.micro_batch_size, with_entropy=entropy,
-                                routing=routing, max_tokens=self.spec.max_tokens_per_microbatch)
+                                routing=routing, max_tokens=self.spec.max_tokens_per_microbatch,
+                                temperature=self.spec.temperature)
 
     # ------------------------------------------------------------ updates
 
@@ -126,7 +132,7 @@ class Policy:
                                  extras=extras, chunks=self.chunks, group_size=group_size)
 
         def loss_fn(logits: torch.Tensor, mb: Microbatch):
-            value, metrics = loss(microbatch_logprobs(logits, mb), mb)
+            value, metrics = loss(microbatch_logprobs(logits, mb, self.spec.temperature), mb)
             return value, {"metrics": metrics}
 
         routing = (lambda m: self.replay.replay(replay_routes, m)) if replay_routes is not None else None

@@ -140,18 +140,19 @@ class RouteReplay:
     # ------------------------------------------------------------ record
 
     @contextmanager
-    def record(self, microbatches: list[Microbatch]) -> Iterator["Recording"]:
+    def record(self, microbatches: list[Microbatch], confidence: bool = False) -> Iterator["Recording"]:
         """Record the routes every router chooses while the schedule runs `microbatches` (R2).
 
         After the block, `recording.routes` is `[B, T - 1, L, K]` on every rank of the
-        model-parallel group (gathered over TP and PP).
+        model-parallel group (gathered over TP and PP); with `confidence`,
+        `recording.confidence` is `[B, T - 1, L, 2]` (see `route_confidence`).
         """
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         for r in self.routers:
             r.module.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
         try:
-            with self._collect(microbatches, from_routing_map=False) as rec:
+            with self._collect(microbatches, from_routing_map=False, confidence=confidence) as rec:
                 yield rec
         finally:
             self._reset()
@@ -166,8 +167,9 @@ class RouteReplay:
             yield rec
 
     @contextmanager
-    def _collect(self, microbatches: list[Microbatch], from_routing_map: bool) -> Iterator["Recording"]:
-        rec = Recording(self.arch, microbatches, from_routing_map)
+    def _collect(self, microbatches: list[Microbatch], from_routing_map: bool,
+                 confidence: bool = False) -> Iterator["Recording"]:
+        rec = Recording(self.arch, microbatches, from_routing_map, confidence)
         handles = [r.module.register_forward_hook(rec.hook(r.column)) for r in self.routers]
         try:
             yield rec
@@ -249,19 +251,41 @@ class _Feed:
                               f"consumed (each target must be used exactly once)")
 
 
-class Recording:
-    """Collects recorded top-k ids per router call and assembles `[B, T - 1, L, K]`."""
+def route_confidence(router: Any, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """How sure a router is, per token: `[tokens, 2]` on the host.
 
-    def __init__(self, arch: MoEArch, microbatches: list[Microbatch], from_routing_map: bool) -> None:
+    Column 0: the top-k gate mass, the softmax probability of the k chosen experts over
+    all of them; column 1: the margin between the k-th and (k+1)-th router logit (small
+    margins are where a route flips). From the router's own gating on its input.
+    """
+    with torch.no_grad():
+        logits = router.gating(hidden).float()
+        logits = logits.reshape(-1, logits.shape[-1])
+        top = logits.topk(min(k + 1, logits.shape[-1]), dim=-1).values
+        margin = top[:, k - 1] - top[:, k] if top.shape[-1] > k else torch.zeros_like(top[:, 0])
+        mass = torch.softmax(logits, dim=-1).topk(k, dim=-1).values.sum(-1)
+    return torch.stack([mass, margin], dim=-1).cpu()
+
+
+class Recording:
+    """Collects recorded top-k ids per router call and assembles `[B, T - 1, L, K]` (and, when
+    asked, the routers' confidence `[B, T - 1, L, 2]`)."""
+
+    def __init__(self, arch: MoEArch, microbatches: list[Microbatch], from_routing_map: bool,
+                 confidence: bool = False) -> None:
         self.arch = arch
         self.microbatches = microbatches
         self.from_routing_map = from_routing_map
         self.calls: dict[int, list[torch.Tensor]] = {}
+        self.conf_calls: dict[int, list[torch.Tensor]] = {}
         num_sequences = max(int(mb.index.max()) for mb in microbatches) + 1
         s = max(mb.tokens.shape[1] for mb in microbatches)
         self.buf = torch.full((num_sequences, s, arch.num_moe_layers, arch.moe_router_topk), -1,
                               dtype=torch.int32)
+        # both columns are >= 0, so -1 marks what this rank did not see (MAX-reduced like the ids)
+        self.conf_buf = torch.full((num_sequences, s, arch.num_moe_layers, 2), -1.0) if confidence else None
         self.routes: torch.Tensor | None = None
+        self.confidence: torch.Tensor | None = None
 
     def hook(self, column: int):
         def fn(module: Any, args: tuple, output: Any) -> None:
@@ -273,25 +297,26 @@ class Recording:
             else:
                 ids = module.router_replay.recorded_topk_idx
             self.calls.setdefault(column, []).append(ids.detach().to("cpu", torch.int32))
+            if self.conf_buf is not None:
+                self.conf_calls.setdefault(column, []).append(
+                    route_confidence(module, args[0], self.arch.moe_router_topk))
         return fn
 
     def finish(self) -> None:
         """Place each call's ids by microbatch and SP shard, then gather over TP and PP."""
-        from megatron.core import parallel_state as ps
-
         K = self.arch.moe_router_topk
         for column, calls in self.calls.items():
             if len(calls) != len(self.microbatches):
                 raise ReplayError(f"MoE layer {column}: recorded {len(calls)} router calls for "
                                   f"{len(self.microbatches)} microbatches")
             for mb, ids in zip(self.microbatches, calls):
-                self._place(mb, ids, column)
-        if dist.is_initialized():
-            # Assembled on the host (per-row placement), reduced on the compute device: NCCL
-            # groups take no host tensors.
-            buf = self.buf.to(compute_device())
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
-            self.buf = buf.cpu()
+                self._place(mb, ids, column, self.buf)
+        for column, calls in self.conf_calls.items():
+            for mb, conf in zip(self.microbatches, calls):
+                self._place(mb, conf, column, self.conf_buf)
+        self.buf = _max_over_model_parallel(self.buf)
+        if self.conf_buf is not None:
+            self.confidence = _max_over_model_parallel(self.conf_buf)[:, :-1].clone()
         lengths = torch.full((self.buf.shape[0],), -1, dtype=torch.long)
         for mb in self.microbatches:
             for j in range(mb.tokens.shape[0]):
@@ -306,8 +331,8 @@ class Recording:
             raise ReplayError("some routes were not recorded (a layer did not run on every token)")
         self.routes = routes.to(route_dtype(self.arch.num_moe_experts))
 
-    def _place(self, mb: Microbatch, ids: torch.Tensor, column: int) -> None:
-        """Copy one router call's ids `[s_local * b_m, K]` to each sequence's rows of the buffer.
+    def _place(self, mb: Microbatch, ids: torch.Tensor, column: int, buf: torch.Tensor) -> None:
+        """Copy one router call's values `[s_local * b_m, C]` to each sequence's rows of `buf`.
 
         Sequence j occupies positions start_j .. start_j + len_j - 1 of its model row;
         this TP rank saw only its sequence-parallel slice of them.
@@ -323,7 +348,20 @@ class Recording:
             a = int(starts[j])
             lo, hi = max(pos.start, a), min(pos.stop, a + int(mb.lengths[j]))
             if lo < hi:
-                self.buf[seq, lo - a: hi - a, column] = local[lo - pos.start: hi - pos.start, int(rows[j])]
+                buf[seq, lo - a: hi - a, column] = local[lo - pos.start: hi - pos.start, int(rows[j])]
+
+
+def _max_over_model_parallel(buf: torch.Tensor) -> torch.Tensor:
+    """Element-wise max over the model-parallel group: each TP / PP rank filled its own part.
+    Assembled on the host (per-row placement), reduced on the compute device: NCCL groups
+    take no host tensors."""
+    if not dist.is_initialized():
+        return buf
+    from megatron.core import parallel_state as ps
+
+    out = buf.to(compute_device())
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
+    return out.cpu()
 
 
 def _unwrap(module: Any) -> Any:

@@ -55,7 +55,7 @@ _NOISE = ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\
           "\\%", "%")
 
 
-@register_reward("math")
+@register_reward("math", reads_ids=False)
 def math_verify(completion_text: str, answer: str | None, *, prompt: Prompt | None = None,
                 completion_ids: list[int] | None = None, **metadata: object) -> float:
     """1.0 when the completion's final answer equals `answer`, else 0.0.

@@ -44,8 +44,13 @@ class RewardFn(Protocol):
 _REGISTRY: dict[str, Callable[..., float]] = {}
 
 
-def register_reward(name: str) -> Callable[[Callable[..., float]], Callable[..., float]]:
-    """Decorator: make `fn` available as `reward.name=<name>`."""
+def register_reward(name: str, *, reads_ids: bool | None = None
+                    ) -> Callable[[Callable[..., float]], Callable[..., float]]:
+    """Decorator: make `fn` available as `reward.name=<name>`.
+
+    reads_ids: whether `fn` can score from `completion_ids` alone (False for rewards that read
+    only the text, which a run without a tokenizer refuses); None = judged from its signature.
+    """
     if name == AUTO or ":" in name:
         raise ValueError(f"reward name {name!r} is reserved ('auto' and names with ':' mean other things)")
 
@@ -53,6 +58,8 @@ def register_reward(name: str) -> Callable[[Callable[..., float]], Callable[...,
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered to {_describe(_REGISTRY[name])}")
         _REGISTRY[name] = fn
+        if reads_ids is not None:
+            fn.reads_ids = reads_ids  # type: ignore[attr-defined]
         return fn
     return deco
 

@@ -51,6 +51,15 @@ class RewardRunner:
         self.first_error: str | None = None
         self._accepts = _accepted_keywords(fn)
 
+    @property
+    def reads_ids(self) -> bool:
+        """Whether the function can score from `completion_ids`: as registered (the built-in
+        rewards read text only), else whether it takes them (by name, or **kwargs)."""
+        declared = getattr(self.fn, "reads_ids", None)
+        if declared is not None:
+            return bool(declared)
+        return self._accepts is None or "completion_ids" in self._accepts
+
     def score(self, prompts: Sequence[Prompt], completions: Sequence[str],
               completion_ids: Sequence[Sequence[int]] | None = None) -> list[float]:
         """Rewards of `completions[i]` for `prompts[i]` (repeat a prompt for each of its samples).

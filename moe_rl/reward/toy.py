@@ -15,7 +15,7 @@ _TOKENIZER = ToyTokenizer()
 _EOS_TEXT = "<eos>"
 
 
-@register_reward("toy")
+@register_reward("toy", reads_ids=False)
 def toy_exact_match(completion_text: str, answer: str | None, *, prompt: Prompt | None = None,
                     completion_ids: list[int] | None = None, **metadata: object) -> float:
     """1.0 when the completion up to its first EOS is exactly the answer, else 0.0.

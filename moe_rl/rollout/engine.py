@@ -4,9 +4,10 @@ Two engines implement it: `SGLangClient` (SGLang servers over HTTP, or
 `moe-rl serve` on CPU) and `LocalEngine` (HF transformers in-process).
 
 Conventions shared by every engine:
-- `output_logprobs[t]` is log p(output_ids[t]) under the policy's *unmodified*
-  next-token distribution: log_softmax of the raw logits (temperature 1, no
-  top-k/top-p truncation). That is the quantity the trainer recomputes.
+- `output_logprobs[t]` is log p(output_ids[t]) under the distribution it was
+  sampled from: log_softmax(logits / T) at the request's temperature (T = 1 for
+  greedy requests), before any top-k/top-p truncation (training configs refuse
+  truncation). That is the quantity the trainer recomputes.
 - `routed_experts[i, l, j]` is the j-th expert chosen by the l-th MoE layer for
   the token at position i of `prompt_ids + output_ids`, for i in
   0 .. len(prompt + output) - 2 (the last token is never fed to the model).

@@ -6,10 +6,10 @@ Two kinds of servers, chosen by `rollout.engine`:
   transformers on CPU, SGLang's HTTP API). Several of them are balanced by
   `SGLangClient` itself, unless `rollout.router` is true: then the real
   sglang-router goes in front of them too (the CPU rehearsal of a cluster run).
-- `sglang`: `python -m sglang.launch_server --model-path P --tp-size N ...`
-  with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` in its environment, so the log-probs it
-  returns are log_softmax of the raw logits (temperature 1), the quantity the
-  trainer recomputes (sglang/srt/layers/sampler.py). With several servers an
+- `sglang`: `python -m sglang.launch_server --model-path P --tp-size N ...`, whose
+  log-probs are log_softmax(logits / T) by default: the distribution the tokens
+  were sampled from, which the trainer recomputes (sglang/srt/layers/sampler.py;
+  `SGLANG_RETURN_ORIGINAL_LOGPROB` stays unset). With several servers an
   sglang-router (`python -m sglang_router.launch_router --worker-urls ...`) goes in
   front (`rollout.router`: None = only then, true = always, false = never); `urls`
   is then the router and `admin_urls` the workers, which is where weight updates
@@ -46,8 +46,6 @@ from typing import Any, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
-# Makes SGLang return log_softmax(raw logits) (temperature 1) instead of log_softmax(logits / T).
-SGLANG_ENV: dict[str, str] = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -146,7 +144,8 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
 
     Server i listens on `cfg.base_port + i`; the router, when there is one (see
     `wants_router`), on `cfg.base_port + cfg.num_servers` and its metrics exporter on the
-    port after. Each SGLang
+    port after. Without a base_port, consecutive ports free now are used (below the
+    kernel's ephemeral range, so that no connection takes them before the servers bind). Each SGLang
     server gets its own `tp_size` GPUs (`--base-gpu-id i * tp_size`). tp_size /
     ep_size default to the config's `tp_size` / `ep_size` fields when it has them, else 1.
     """
@@ -158,7 +157,8 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
         raise ValueError(f"rollout.num_servers must be >= 1, got {n}")
     tp = int(tp_size if tp_size is not None else getattr(cfg, "tp_size", 1) or 1)
     ep = int(ep_size if ep_size is not None else getattr(cfg, "ep_size", 1) or 1)
-    host, base = str(cfg.host), int(cfg.base_port)
+    host = str(cfg.host)
+    base = int(cfg.base_port) if cfg.base_port else _free_ports(n + 2)
     if base + n + 1 > 65535:
         raise ValueError(f"rollout.base_port={base} leaves no room for {n} servers and a router below 65536")
     servers: list[ServerSpec] = []
@@ -171,7 +171,7 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
             argv = sglang_server_command(model_path, host=host, port=port, tp_size=tp, ep_size=ep,
                                          mem_fraction=float(cfg.mem_fraction), base_gpu_id=i * tp,
                                          python=python, extra_args=list(cfg.sglang_args))
-            servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port, dict(SGLANG_ENV)))
+            servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port))
         else:
             raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.engine!r}")
     router = None
@@ -192,6 +192,24 @@ def _local_env() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def _free_ports(n: int) -> int:
+    from moe_rl.testing.dist import free_ports
+
+    return free_ports(n)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux), so a
+    server never outlives a trainer killed with -9, holding its port."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux / no glibc: the atexit stop() is all there is
+        pass
+
 
 def port_is_free(host: str, port: int) -> bool:
     """True when nothing listens on host:port now (a bind test, as the server itself would do)."""
@@ -331,8 +349,10 @@ class ServerGroup:
             logf.write(f"$ {' '.join(spec.argv)}\n".encode())
             logf.flush()
             # A session of its own: stop() signals the whole process group, children included.
-            proc = subprocess.Popen(list(spec.argv), stdin=subprocess.DEVNULL, stdout=logf,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            # preexec_fn only calls prctl (no locks, no allocation that could deadlock after fork)
+            proc = subprocess.Popen(list(spec.argv), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True,
+                                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         log.info("started %s (pid %d) on %s; log %s", spec.name, proc.pid, spec.url, path)
         return _Running(spec, proc, path)
 

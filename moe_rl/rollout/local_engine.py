@@ -7,13 +7,11 @@ A hand-written sampling loop over the model's own `forward()` with its KV cache
   decode    one token per active row -> logits, routes of the fed token; finished rows are
             dropped from the batch and the cache (`DynamicCache.batch_select_indices`)
 
-Log-probs: `output_logprobs[t] = log_softmax(raw_logits)[token]` (temperature 1,
-before top-k / top-p): the quantity the trainer recomputes. SGLang's default is
-different: its sampler returns log(softmax(logits / T)) (temperature-scaled,
-still before top-k/top-p truncation; sglang/srt/layers/sampler.py), and it returns
-the raw temperature-1 log-probs only when the server runs with
-`SGLANG_RETURN_ORIGINAL_LOGPROB=1`. For temperature 1 (the RL default) the two
-agree; `logprob_mode="scaled"` reproduces SGLang's default here.
+Log-probs: `output_logprobs[t] = log_softmax(logits / T)[token]`, the distribution
+the token was sampled from (before top-k / top-p truncation), as SGLang's sampler
+returns by default (sglang/srt/layers/sampler.py) and as the trainer recomputes it.
+Greedy rows count as T = 1. `logprob_mode="raw"` gives log_softmax(logits) at any T
+(SGLang with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`), for comparisons only.
 
 Routes: a forward hook on every router module (`Qwen3MoeTopKRouter`, which
 returns (router_logits, scores, indices)) records the indices the model itself
@@ -135,7 +133,7 @@ class LocalEngine:
     """
 
     def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: str = "float32",
-                 device: str = "cpu", max_batch: int = 64, logprob_mode: str = "raw",
+                 device: str = "cpu", max_batch: int = 64, logprob_mode: str = "scaled",
                  weight_version: str = "default"):
         if logprob_mode not in ("raw", "scaled"):
             raise ValueError(f"logprob_mode must be 'raw' or 'scaled', got {logprob_mode!r}")

@@ -67,8 +67,8 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
 
 Differences from SGLang, on purpose: `sampling_seed` is always honoured (SGLang needs
 --enable-deterministic-inference), and with n > 1 sample j uses seed s + j (SGLang
-gives every copy the same seed); log-probs are temperature-1 by default (see
---logprob-mode and local_engine.py); there is no prefix cache, so /flush_cache is a no-op.
+gives every copy the same seed); log-probs are log_softmax(logits / T) as SGLang's
+(see --logprob-mode and local_engine.py); there is no prefix cache, so /flush_cache is a no-op.
 
 Generation runs in one worker thread; requests that arrive while it is busy are
 batched together into the next engine call (up to --max-batch samples), so
@@ -110,6 +110,8 @@ MAX_BODY: web.AppKey[int] = web.AppKey("client_max_size", int)
 GROUPS: web.AppKey["_UpdateGroups"] = web.AppKey("update_groups", object)
 SERVER_ARGS: web.AppKey[dict] = web.AppKey("server_args", dict)
 HEALTH_TIMEOUT: web.AppKey[float] = web.AppKey("health_timeout", float)
+MAX_REQUEST_TOKENS: web.AppKey[int] = web.AppKey("max_request_tokens", int)
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 18  # 256k new tokens: a full RL step of the demo is ~4k
 
 HEALTH_CHECK_TIMEOUT = 20.0  # s; SGLang's default (SGLANG_HEALTH_CHECK_TIMEOUT, http_server.py)
 
@@ -330,12 +332,19 @@ async def _read_json(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("the request body nests JSON too deeply") from None
 
 
 async def _generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = await _read_json(request)
     reqs, is_single, return_logprob, rids, routes_start = _parse_generate(body, engine)
+    work = sum(len(r.prompt_ids) + r.sampling.n * r.sampling.max_new_tokens for r in reqs)
+    if work > request.app[MAX_REQUEST_TOKENS]:
+        raise BadRequest(f"this request asks for {work} tokens (prompt tokens + n x max_new_tokens, summed over "
+                         f"its prompts); the server takes at most {request.app[MAX_REQUEST_TOKENS]} per request "
+                         "(--max-request-tokens): send it in smaller requests")
     try:
         results = await request.app[BATCHER].submit(reqs)
     except (ValueError, MemoryReleasedError) as e:  # released memory: refused loudly, as a GPU would fail
@@ -763,7 +772,8 @@ ROUTES: list[tuple[tuple[str, ...], tuple[str, ...], Callable[[web.Request], Any
 
 def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0,
              health_timeout: float = HEALTH_CHECK_TIMEOUT, group_timeout: timedelta = timedelta(minutes=10),
-             server_args: dict[str, Any] | None = None) -> web.Application:
+             server_args: dict[str, Any] | None = None,
+             max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> web.Application:
     """The aiohttp application serving `engine` (a LocalEngine) over SGLang's native API.
 
     health_timeout: seconds /health_generate waits for a forward step; group_timeout: how
@@ -779,6 +789,7 @@ def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0,
     app[GROUPS] = _UpdateGroups(engine, group_timeout)
     app[SERVER_ARGS] = {"max_running_requests": max_batch, **(server_args or {})}
     app[HEALTH_TIMEOUT] = float(health_timeout)
+    app[MAX_REQUEST_TOKENS] = int(max_request_tokens)
 
     async def on_startup(app: web.Application) -> None:
         app[BATCHER].start()
@@ -884,11 +895,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto",
                         help="torch device; auto (default) = cuda when a GPU is visible (the nccl weight sync "
                              "receives on it), else cpu")
-    parser.add_argument("--logprob-mode", default="raw", choices=["raw", "scaled"],
-                        help="raw: log_softmax(logits) at temperature 1 (SGLang with "
-                             "SGLANG_RETURN_ORIGINAL_LOGPROB=1); scaled: log_softmax(logits / T) (SGLang's default)")
+    parser.add_argument("--logprob-mode", default="scaled", choices=["scaled", "raw"],
+                        help="scaled: log_softmax(logits / T), the distribution sampled from (SGLang's default, "
+                             "what the trainer recomputes); raw: log_softmax(logits) at any T (SGLang with "
+                             "SGLANG_RETURN_ORIGINAL_LOGPROB=1), for comparisons")
     parser.add_argument("--weight-version", default="default", help="initial weight_version (SGLang: 'default')")
     parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted (413 beyond)")
+    parser.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
+                        help="most tokens one /generate request may cost, prompt tokens + n x max_new_tokens over "
+                             f"its prompts (400 beyond; default {DEFAULT_MAX_REQUEST_TOKENS}), so that one request "
+                             "cannot hold the server for long")
     parser.add_argument("--health-check-timeout", type=float, default=HEALTH_CHECK_TIMEOUT,
                         help="seconds /health_generate waits for a forward step before answering 503 (SGLang: 20)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -913,7 +929,7 @@ def run(args: argparse.Namespace) -> int:
             except (NotImplementedError, RuntimeError):
                 pass
         app = make_app(engine, max_batch=args.max_batch, max_body_mb=args.max_body_mb,
-                       health_timeout=args.health_check_timeout,
+                       health_timeout=args.health_check_timeout, max_request_tokens=args.max_request_tokens,
                        server_args={"host": args.host, "random_seed": args.seed})
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -924,6 +940,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             await stop.wait()
         finally:
+            # End in-flight samples now (finish_reason "abort"): a long request must not hold
+            # SIGTERM for as long as it would take to finish.
+            engine.pause_generation("abort")
             await runner.cleanup()
 
     try:

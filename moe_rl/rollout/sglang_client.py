@@ -49,9 +49,8 @@ Seeds: a request with `seed` s and n > 1 is sent as n requests with
 (SGLang applies one sampling_seed to all n copies, and honours it only when
 launched with --enable-deterministic-inference).
 
-Log-probs: SGLang returns log(softmax(logits / T)) unless the server runs with
-SGLANG_RETURN_ORIGINAL_LOGPROB=1, which gives the temperature-1 log-probs this
-framework's convention asks for (see engine.py); for temperature 1 both agree.
+Log-probs: SGLang returns log(softmax(logits / T)), the distribution the token was
+sampled from, which is this framework's convention (see engine.py).
 """
 from __future__ import annotations
 

@@ -17,9 +17,15 @@ import torch
 PACK_TOKENS = 32  # token budget of the packed steps (toy prompts + answers are shorter)
 
 
+def varied_reward(completion_text: str, answer: str | None, *, completion_ids: list[int]) -> float:
+    """A reward that differs between almost any two samples (so every group has advantages)."""
+    return float(sum(completion_ids) % 5) / 4
+
+
 def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list[tuple[str, str]]
                             ) -> list[dict[str, Any]]:
-    """For each (loss, replay) pair: one RL step; returns metrics and whether weights moved."""
+    """For each (loss, replay) pair: one RL step; returns metrics, whether weights moved, and
+    what the updates replayed (`replay_check`: "ok" or what differed)."""
     from moe_rl.config import RunConfig
     from moe_rl.loop import rl_step
     from moe_rl.trainer import build_run
@@ -28,14 +34,17 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
     rank = int(os.environ["RANK"])
     built = build_run(cfg, Path(run_dir), rank)
     run, servers = built["run"], built["servers"]
+    spy = _ReplaySpy(run)
     out = []
     try:
         for step, (loss, replay) in enumerate(combos, start=1):
             run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, loss=loss, replay=replay))
             before = _weights_fingerprint(run.policy)
+            spy.reset()
             metrics = rl_step(run, step)
             moved = _weights_fingerprint(run.policy) - before
-            out.append({"loss": loss, "replay": replay, "metrics": metrics, "weight_change": float(moved.abs().sum())})
+            out.append({"loss": loss, "replay": replay, "metrics": metrics, "weight_change": float(moved.abs().sum()),
+                        "replay_check": spy.check(replay)})
         # One-step off-policy overlap: the next rollout runs while this step trains.
         run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, off_policy_overlap=True, tis_cap=2.0))
         for step in range(len(combos) + 1, len(combos) + 4):
@@ -47,23 +56,64 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
         for step, replay in enumerate(["r2", "r3"], start=len(combos) + 4):
             run.cfg = dataclasses.replace(cfg, parallel=packed, algo=dataclasses.replace(cfg.algo, replay=replay))
             before = _weights_fingerprint(run.policy)
+            spy.reset()
             metrics = rl_step(run, step)
             out.append({"loss": cfg.algo.loss, "replay": replay, "packed": True, "metrics": metrics,
-                        "weight_change": float((_weights_fingerprint(run.policy) - before).abs().sum())})
+                        "weight_change": float((_weights_fingerprint(run.policy) - before).abs().sum()),
+                        "replay_check": spy.check(replay)})
     finally:
         if servers is not None:
             servers.stop()
     return out
 
 
+class _ReplaySpy:
+    """Records the old pass and the routes each policy update replays, to check the replay mode."""
+
+    def __init__(self, run: Any) -> None:
+        import moe_rl.loop as loop
+
+        self.loop, self.old_pass, self.mine, self.updates = loop, None, None, []
+        real_old, real_update = loop.old_logprobs, run.policy.update
+
+        def old_logprobs(run: Any, mine: Any) -> Any:
+            self.old_pass, self.mine = real_old(run, mine), mine
+            return self.old_pass
+
+        def update(sequences: Any, extras: Any, loss: Any, replay_routes: Any = None) -> Any:
+            self.updates.append(replay_routes)
+            return real_update(sequences, extras, loss, replay_routes=replay_routes)
+
+        loop.old_logprobs, run.policy.update = old_logprobs, update
+
+    def reset(self) -> None:
+        self.old_pass, self.updates = None, []
+
+    def check(self, mode: str) -> str:
+        """"ok" when the updates replayed what `mode` promises: nothing (off), the old pass's own
+        routes (r2), or the engine's routes in their compact dtype (r3)."""
+        old, got = self.old_pass, self.updates
+        if mode == "off":
+            return "ok" if got and all(r is None for r in got) else "off: an update replayed routes"
+        if not got or any(r is None for r in got) or sum(r.shape[0] for r in got) != old.logp.shape[0]:
+            return f"{mode}: the updates did not replay one route row per sample"
+        if mode == "r2":
+            return "ok" if torch.equal(old.replay, old.free_routes) else "r2: replayed routes are not the recorded ones"
+        engine = self.loop.engine_routes(self.mine)
+        if engine.dtype != torch.uint8:
+            return f"r3: engine routes widened to {engine.dtype}"
+        return "ok" if torch.equal(old.replay, engine) else "r3: replayed routes are not the engine's"
+
+
 def _weights_fingerprint(policy: Any) -> torch.Tensor:
     return torch.stack([p.detach().float().sum() for c in policy.chunks for p in c.parameters()])
 
 
-def sigterm_after_first_step(args: list[str], run_dir: Path, timeout: float = 600.0) -> tuple[int, str]:
+def sigterm_after_first_step(args: list[str], run_dir: Path, timeout: float = 600.0,
+                             signals: tuple[int, ...] | None = None) -> tuple[int, str]:
     """Start `moe-rl train` (`args`: its command line) in a new session, wait until it logged a step
-    to `run_dir/metrics.jsonl`, SIGTERM the whole process group (as SLURM signals a job step), and
-    return its exit code and output."""
+    to `run_dir/metrics.jsonl`, send `signals` (default SIGTERM) to the whole process group (as
+    SLURM signals a job step, or a terminal a Ctrl-C), and return its exit code and output."""
     import signal
     import subprocess
     import time
@@ -73,6 +123,8 @@ def sigterm_after_first_step(args: list[str], run_dir: Path, timeout: float = 60
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGTERM)
+    for sig in signals or (signal.SIGTERM,):
+        os.killpg(proc.pid, sig)
+        time.sleep(0.2)
     out, _ = proc.communicate(timeout=300)
     return proc.returncode, out

@@ -53,8 +53,8 @@ def replay_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], 
         return ctx
 
     out: dict[str, Any] = {"index": index}
-    recorded = compute_logprobs(chunks, mine, micro_batch_size, routing=rr.record)
-    out["recorded_routes"] = recorded.routes
+    recorded = compute_logprobs(chunks, mine, micro_batch_size, routing=lambda m: rr.record(m, confidence=True))
+    out["recorded_routes"], out["route_confidence"] = recorded.routes, recorded.route_confidence
     out["logp_record"] = recorded.logp
     out["logp_replay"] = compute_logprobs(chunks, mine, micro_batch_size,
                                           routing=replay_and_observe(recorded.routes)).logp

@@ -40,12 +40,32 @@ def engine_rollouts(tiny_hf_dir):
     return sequences, routes
 
 
+@pytest.fixture(scope="module")
+def hf_confidence(tiny_hf_dir, engine_rollouts):
+    """Per sequence `[T - 1, L, 2]`: top-k gate mass and k-th minus (k+1)-th router logit, from HF."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).eval()
+    k = model.config.num_experts_per_tok
+    out = []
+    for seq in engine_rollouts[0]:
+        with torch.no_grad():
+            logits = model(seq.view(1, -1), output_router_logits=True).router_logits  # L x [T, E]
+        per_layer = []
+        for lg in logits:
+            top = lg.float().topk(k + 1, dim=-1).values
+            mass = torch.softmax(lg.float(), -1).topk(k, dim=-1).values.sum(-1)
+            per_layer.append(torch.stack([mass, top[:, k - 1] - top[:, k]], -1))
+        out.append(torch.stack(per_layer, 1)[:-1])
+    return out
+
+
 def _sorted(routes: torch.Tensor) -> torch.Tensor:
     return routes.long().sort(dim=-1).values
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_replay_on_layout(layout, tiny_hf_dir, engine_rollouts):
+def test_replay_on_layout(layout, tiny_hf_dir, engine_rollouts, hf_confidence):
     sequences, engine_routes = engine_rollouts
     world = ParallelLayout.parse(layout).world_size
     results = run_ranks(replay_worker, world, layout, str(tiny_hf_dir), sequences, micro_batch_size=3,
@@ -71,6 +91,10 @@ def test_replay_on_layout(layout, tiny_hf_dir, engine_rollouts):
         used = r["routes_used_perturbed_packed"]
         assert torch.equal(_sorted(used)[valid[:, :w]], _sorted(r["recorded_routes"][:, :w])[valid[:, :w]])
         assert (r["logp_replay_perturbed_packed"] - r["logp_replay_perturbed"][:, :w]).abs().max() <= 1e-5
+        # Router confidence (gate mass, logit margin) equals HF's on every routed token.
+        for j, i in enumerate(r["index"]):
+            n = len(sequences[i]) - 1
+            assert (r["route_confidence"][j, :n] - hf_confidence[i]).abs().max() <= 1e-4, (layout, i)
         # R3: the trainer routes every token exactly as the engine did.
         for j, i in enumerate(r["index"]):
             n = len(sequences[i]) - 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +25,14 @@ from moe_rl.testing.e2e import objective_matrix_worker, sigterm_after_first_step
 LOSSES = ["grpo", "dapo", "gspo", "gspo_token", "sapo"]
 REPLAYS = ["off", "r2", "r3"]
 SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=2",
-         "parallel.max_tokens_per_microbatch=null",  # padded micro-batches; the matrix ends with packed steps "rollout.n_samples=4",
-         "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
+         "parallel.max_tokens_per_microbatch=null",  # padded micro-batches; the matrix ends with packed steps
+         "rollout.n_samples=4", "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
          "train.lr=1e-3", "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy"]
 KEYS = ["reward/mean", "reward/success_rate", "loss/pg_loss", "perf/grad_norm", "loss/ratio_mean",
-        "drift/volatility", "drift/rollout_mismatch", "drift/logp_abs_diff", "perf/tokens_per_s"]
-LOSS_KEYS = {"sapo": "loss/sapo_gate_mean"}  # SAPO has no hard clip; the others report clip fractions
+        "drift/volatility", "drift/rollout_mismatch", "drift/logp_abs_diff", "perf/tokens_per_s",
+        "drift/route_margin", "drift/route_gate_mass/layer_00"]
+# SAPO has no hard clip, CISPO clips the IS weight only; the others report clip fractions
+LOSS_KEYS = {"sapo": "loss/sapo_gate_mean", "cispo": "loss/is_weight_clip_frac_high"}
 
 
 def _cli(args, **kw):
@@ -39,9 +42,13 @@ def _cli(args, **kw):
 
 
 def test_every_objective_and_replay_mode(tmp_path):
-    cfg = load_config("launch/configs/tiny_cpu.yaml", SMALL + [f"log.run_dir={tmp_path}",
-                                                               f"rollout.base_port={free_ports(1)}"])
-    combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS]
+    # T = 0.7: engine and trainer both give log_softmax(logits / T); a reward that differs between
+    # samples, so every step has advantages and must move the weights.
+    cfg = load_config("launch/configs/tiny_cpu.yaml", SMALL + [
+        f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}", "rollout.temperature=0.7",
+        "reward.name=moe_rl.testing.e2e:varied_reward", "drift.per_update=true",
+        "algo.rollout_correction.mode=icepop"])
+    combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS] + [("cispo", "r2"), ("gmpo", "r3")]
     results = run_ranks(objective_matrix_worker, 2, cfg.to_dict(), str(tmp_path), combos, timeout=900)
     assert sum(1 for r in results[0] if r.get("packed")) == 2  # then two packed steps (r2, r3) with DP balancing
     overlap = [r["metrics"]["rollout/staleness"] for r in results[0] if r.get("overlap")]
@@ -58,12 +65,20 @@ def test_every_objective_and_replay_mode(tmp_path):
         # Two microbatches per minibatch: per-token means are combined, not added up.
         assert 0.5 < m["loss/ratio_mean"] < 1.5, f"{name}: loss/ratio_mean {m['loss/ratio_mean']}"
         assert m["loss/ratio_min"] <= m["loss/ratio_mean"] <= m["loss/ratio_max"], name
-        if m["adv/abs_mean"] > 0:  # all-equal rewards give zero advantages: nothing to learn
-            assert r["weight_change"] > 0, f"{name}: weights did not change"
-        # The engine serves the weights of the previous step's sync: same log-probs as the trainer.
+        assert m["adv/abs_mean"] > 0, f"{name}: the varied reward gave no advantages"
+        assert r["weight_change"] > 0, f"{name}: weights did not change"
+        # The engine serves the weights of the previous step's sync: same log-probs as the trainer (at T = 0.7).
         assert m["drift/logp_abs_diff"] <= 1e-4, f"{name}: engine vs trainer |Δ log p| {m['drift/logp_abs_diff']}"
-        if r["replay"] == "r3":
-            pass  # the trainer replays the engine's routes; mismatch is measured on its own free routes
+        # Route distance is a metric, so the probe's change over the step's 2 updates is at most the
+        # sum of its per-update changes (2 x their mean).
+        assert 0.0 <= m["drift/volatility_per_update"] <= 1.0, name
+        if "drift/probe_volatility" in m:
+            assert m["drift/probe_volatility"] <= 2 * m["drift/volatility_per_update"] + 1e-9, name
+        # IcePop masks nothing when engine and trainer agree (they do, see above)
+        assert m["correction/masked_token_frac"] == 0.0, name
+        assert 0.5 < m["correction/ratio_min"] <= m["correction/ratio_max"] < 5.0, name
+        if "replay_check" in r:
+            assert r["replay_check"] == "ok", f"{name}: {r['replay_check']}"
     ranks_agree = [r["metrics"]["reward/mean"] for r in results[1]] == [r["metrics"]["reward/mean"] for r in results[0]]
     assert ranks_agree
 
@@ -92,14 +107,24 @@ def test_resume_gives_the_same_next_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT], [signal.SIGINT, signal.SIGINT]],
+                         ids=["sigterm", "ctrl-c", "ctrl-c-twice"])
+def test_stop_signals(tmp_path, signals):
+    """SIGTERM or one Ctrl-C: a checkpoint of the step, exit 0; a second Ctrl-C: stop at once, exit 130.
+    Signals go to the whole process group, as SLURM and a terminal send them."""
     code, out = sigterm_after_first_step([sys.executable, "-m", "moe_rl.cli", "train", "--config",
                                           "launch/configs/tiny_cpu.yaml", *SMALL, "train.steps=200",
-                                          f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"], tmp_path)
-    assert code == 0, out[-3000:]
+                                          f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"], tmp_path,
+                                         signals=tuple(signals))
+    assert "Traceback" not in out, out[-3000:]
     from moe_rl.trainer import latest_checkpoint
 
     ckpt = latest_checkpoint(tmp_path)
+    if len(signals) == 2:
+        assert code == 130 and "stopping now" in out, out[-3000:]
+        assert ckpt is None  # stopped inside a step: nothing half-saved
+        return
+    assert code == 0, out[-3000:]
     assert ckpt is not None and len(list(ckpt.glob("rank_*.pt"))) == 2
     steps = _metrics(tmp_path)
     assert json.loads((ckpt / "meta.json").read_text())["step"] == max(steps) < 200
@@ -134,8 +159,27 @@ def test_bad_dataset_row_names_file_and_line(tmp_path):
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 5}\n')
     r = _cli(["train", "--config", "launch/configs/tiny_cpu.yaml", f"data.train={data}", "data.eval=null", "train.eval_every=0",
               "train.world_size=1", "parallel.ep=1", f"log.run_dir={tmp_path}/run"], timeout=300)
-    assert r.returncode != 0
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"{data}:2" in r.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.ep=4", "parallel.pp=2", "train.world_size=3"], "world size 3 is not divisible by tp*pp = 1*2"),
+    (["model.hf_path=/nonexistent/model"], "model.hf_path: /nonexistent/model has no config.json"),
+    (["train.resume=/nonexistent/ckpt"], "train.resume: /nonexistent/ckpt is not a finished checkpoint"),
+    (["train.lr=inf"], "train.lr: inf must be a finite number"),
+    (["data.train=/nonexistent/rows.jsonl"], "data.train: /nonexistent/rows.jsonl: no such file"),
+    (["model.tiny.vocab_size=8"], "outside the model's vocabulary [0, 8)"),
+], ids=["layout", "hf_path", "resume", "lr", "data", "vocab"])
+def test_mistakes_found_before_any_rank_starts(tmp_path, overrides, message):
+    """One line naming the field, exit 2, no traceback; written to train.log when the run dir is named."""
+    r = _cli(["train", "--config", "launch/configs/tiny_cpu.yaml", *overrides, f"log.run_dir={tmp_path}/run"],
+             timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    if overrides != ["train.lr=inf"]:  # config errors come before the run directory is known
+        assert message in (tmp_path / "run" / "train.log").read_text()
 
 
 @pytest.mark.slow

@@ -106,6 +106,16 @@ def test_probability_range():
     assert "reward.max_failure_frac: 1.5 must be in [0.0, 1.0]" in error_of(["reward.max_failure_frac=1.5"])
 
 
+def test_truncated_sampling_refused_unless_accepted():
+    for override in ("rollout.top_p=0.9", "rollout.top_k=20"):
+        msg = error_of([override])
+        assert "off-policy" in msg and "rollout.allow_truncated_sampling=true" in msg
+    cfg = load_config(None, ["rollout.top_p=0.9", "rollout.top_k=20", "rollout.allow_truncated_sampling=true"])
+    assert (cfg.rollout.top_p, cfg.rollout.top_k) == (0.9, 20)
+    # greedy training samples would be identical within a group, and log_softmax(logits / 0) is undefined
+    assert "rollout.temperature: 0.0 must be > 0.0" in error_of(["rollout.temperature=0"])
+
+
 def test_wrong_type_names_field_value_and_source():
     msg = error_of(["parallel.tp=two"])
     assert "parallel.tp: 'two' is not an integer" in msg and "parallel.tp=two" in msg
@@ -307,3 +317,26 @@ def test_dpo_mistakes_name_the_field():
         dpo + ["parallel.max_tokens_per_microbatch=100"])
     assert "train.mode: 'ppo' is not one of rl, dpo" in error_of(["train.mode=ppo"])
     load_config(None, dpo + ["parallel.micro_batch_size=4"])  # a sound DPO config passes
+@pytest.mark.parametrize("overrides,mode", [
+    (["algo.num_minibatches=1"], "r2"),
+    (["algo.num_minibatches=2"], "r2"),
+    (["algo.num_minibatches=2", "algo.off_policy_overlap=true"], "r3"),
+    (["algo.num_minibatches=4"], "r3"),
+])
+def test_replay_auto_picks_r2_near_on_policy_and_r3_beyond(overrides, mode):
+    from moe_rl.config import replay_mode
+
+    cfg = load_config(None, ["algo.replay=auto", *overrides])
+    assert replay_mode(cfg.algo) == mode
+    assert replay_mode(load_config(None, ["algo.replay=r2", *overrides]).algo) == "r2"  # explicit modes stay
+
+
+def test_replay_auto_that_needs_engine_routes_says_so():
+    msg = error_of(["algo.replay=auto", "algo.num_minibatches=4", "rollout.return_routed_experts=false"])
+    assert "algo.replay: 'auto' chooses 'r3'" in msg and "rollout.return_routed_experts=true" in msg
+
+
+def test_rollout_correction_bounds_need_a_mask_mode():
+    assert "algo.rollout_correction.low/high" in error_of(["algo.rollout_correction.high=3"])
+    cfg = load_config(None, ["algo.rollout_correction.mode=icepop", "algo.rollout_correction.high=3"])
+    assert cfg.algo.rollout_correction.high == 3.0

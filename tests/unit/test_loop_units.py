@@ -100,3 +100,112 @@ def test_combine_loss_metrics_rank_without_metrics_contributes_nothing():
 
     out = combine_loss_metrics(Stage(), [{"loss/pg_loss": 1.0, "loss/num_tokens": 5.0, "loss/ratio_min": 0.5}])
     assert out == {}  # alone, a rank that does not report has nothing to combine
+
+
+# -- DAPO dynamic sampling with refill rounds, rewards on completion ids --------------------
+
+class _ScriptedEngine:
+    """Round r makes the first `informative[r]` groups informative: one sample of such a group
+    starts with token 7 (reward 1), every other sample is [8] or [8, 8, 8] (reward 0; the
+    lengths differ so overlong shaping would make the group look informative)."""
+
+    def __init__(self, informative: list[int]) -> None:
+        self.informative = informative
+        self.calls = 0
+
+    def generate(self, requests):
+        from types import SimpleNamespace
+
+        k = self.informative[self.calls]
+        self.calls += 1
+        out = []
+        for i, req in enumerate(requests):
+            ids = [[7] if (i < k and j == 0) else ([8] if j % 2 else [8, 8, 8]) for j in range(req.sampling.n)]
+            out.append([SimpleNamespace(output_ids=x, output_logprobs=[-1.0] * len(x), routed_experts=None)
+                        for x in ids])
+        return out
+
+
+def _reward_first_token_is_7(completion_text, answer, *, completion_ids):
+    return float(completion_ids[0] == 7)
+
+
+def _scripted_run(informative: list[int], *overrides: str):
+    from types import SimpleNamespace
+
+    from moe_rl.config import load_config
+    from moe_rl.data.dataset import load_dataset
+    from moe_rl.data.sampler import PromptSampler
+    from moe_rl.loop import Run
+    from moe_rl.reward.runner import RewardRunner
+
+    cfg = load_config(None, ["data.prompts_per_step=4", "rollout.n_samples=4", "algo.num_minibatches=2",
+                             "algo.dynamic_sampling=true", *overrides])
+    data = load_dataset("toy:add-easy")
+    return Run(cfg=cfg, policy=SimpleNamespace(dp_size=1), dataset=data,
+               sampler=PromptSampler(len(data), 4, seed=0), rewards=RewardRunner(_reward_first_token_is_7),
+               engine=_ScriptedEngine(informative), weight_sync=None, eos_id=2)
+
+
+def test_dynamic_sampling_refills_until_the_step_has_its_groups():
+    from moe_rl.loop import advantages_and_filters, dynamic_sampling_rounds, generate, next_prompts, score
+
+    run = _scripted_run([1, 2, 4], "algo.overlong_max_len=2")
+    first = generate(run, next_prompts(run), 1)
+    score(run, first)
+    kept, m = dynamic_sampling_rounds(run, first, 1)
+    # rounds: 1 + 2 + 4 informative groups; the step wants 4 and takes the first 4 in order
+    assert m == {"filter/rounds": 3.0, "filter/generated_groups": 12.0, "filter/kept_groups": 4.0,
+                 "filter/dropped_groups": 8.0}
+    assert len(kept) == 16 and run.engine.calls == 3
+    assert kept.rewards.view(4, 4).tolist() == [[1.0, 0.0, 0.0, 0.0]] * 4  # each kept group has one success
+    assert [kept.prompts[4 * i] is kept.prompts[4 * i + 3] for i in range(4)] == [True] * 4
+    shaped, _ = advantages_and_filters(run, kept)
+    assert shaped.advantages.view(4, 4)[:, 0].gt(0).all()
+
+
+def test_dynamic_sampling_filters_on_task_reward_not_on_shaped_reward():
+    from moe_rl.loop import dynamic_sampling_rounds, generate, next_prompts, score
+
+    run = _scripted_run([0], "algo.overlong_max_len=2", "algo.dynamic_sampling_max_rounds=1")
+    samples = generate(run, next_prompts(run), 1)
+    score(run, samples)
+    kept, m = dynamic_sampling_rounds(run, samples, 1)
+    # every group's task rewards are 0: nothing is informative, whatever the length penalty says
+    assert kept is None and m["filter/skipped_step"] == 1.0 and m["filter/kept_groups"] == 0.0
+
+
+def test_dynamic_sampling_reports_what_is_trained_on():
+    from moe_rl.loop import dynamic_sampling_rounds, generate, next_prompts, score
+
+    run = _scripted_run([3, 0], "algo.dynamic_sampling_max_rounds=2")
+    samples = generate(run, next_prompts(run), 1)
+    score(run, samples)
+    kept, m = dynamic_sampling_rounds(run, samples, 1)
+    # 3 informative groups after 2 rounds: 12 samples split into 2 minibatches, all are used
+    assert m["filter/kept_groups"] * 4 == len(kept) == 12 and m["filter/rounds"] == 2.0
+
+
+def test_rewards_get_completion_ids():
+    from moe_rl.loop import generate, next_prompts, score
+
+    run = _scripted_run([4], "algo.dynamic_sampling=false")
+    samples = generate(run, next_prompts(run), 1)
+    score(run, samples)
+    assert samples.rewards.view(4, 4)[:, 0].tolist() == [1.0] * 4  # read from the ids, not the text
+    assert samples.completion_ids()[:3] == [[7], [8], [8, 8, 8]]
+
+
+def test_text_only_reward_without_a_tokenizer_is_refused_before_any_work(tmp_path):
+    """Id-only data and no tokenizer: a reward that reads only text would score empty strings."""
+    import json
+
+    from moe_rl.config import ConfigError, load_config
+    from moe_rl.trainer import build_run
+
+    data = tmp_path / "ids.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": [5, 6, 7], "answer": "3"}) for _ in range(4)) + "\n")
+    cfg = load_config(None, [f"data.train={data}", "data.eval=null", "reward.name=math", "data.prompts_per_step=4"])
+    with pytest.raises(ConfigError, match="reward.name='math' reads only the completion text.*completion_ids"):
+        build_run(cfg, tmp_path / "run", 0)
+    assert not (tmp_path / "run" / "init_model").exists()  # refused before the model was written

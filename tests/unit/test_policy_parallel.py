@@ -102,3 +102,30 @@ def test_slurm_env():
 ])
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
+
+
+def test_parse_refuses_a_dimension_given_twice():
+    with pytest.raises(LayoutError, match="'tp2-tp2': tp is given twice"):
+        ParallelLayout.parse("tp2-tp2")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--layouts", ""], "--layouts names no layout"),
+    (["--layouts", " , "], "--layouts names no layout"),
+    (["--layouts", "tp2-tp2"], "tp is given twice"),
+    (["--tokens", "0"], "--tokens 0: a sequence needs at least 2 tokens"),
+    (["--tolerance", "-1"], "--tolerance -1: must be a finite number > 0"),
+    (["--sequences", "0"], "--sequences 0: must be >= 1"),
+    (["--hf-model", "/nonexistent/model"], "--hf-model /nonexistent/model: no config.json there"),
+])
+def test_check_parity_refuses_bad_arguments_in_one_line(tiny_hf_dir, capsys, args, needle):
+    import argparse
+
+    from moe_rl.policy.parity import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    argv = ["--hf-model", str(tiny_hf_dir), *args] if "--hf-model" not in args else args
+    assert run(p.parse_args(argv)) == 2
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert needle in out

@@ -35,6 +35,7 @@ import overhead
 import replay
 import rollout
 import scaling
+import step_options
 import weight_sync
 
 Section = tuple[str, str, Callable[[bool], str]]  # (key, title, run(quick) -> markdown)
@@ -76,6 +77,8 @@ def sections() -> list[Section]:
                                             else weight_sync.bench_rows())),
         ("routes", "Stored routes per token vs log-probs",
          lambda q: memory.format_table(memory.bench_rows(shapes=memory.SHAPES[:2]) if q else memory.bench_rows())),
+        ("step_options", "RL step cost of per-update volatility and rollout-correction masks",
+         lambda q: step_options.format_table(step_options.bench_rows(rounds=1) if q else step_options.bench_rows())),
     ]
     out.append(("dpo", "DPO step vs the RL update: tokens/s on the same tokens and layout",
                 lambda q: dpo_step.format_table(dpo_step.bench_rows(rounds=2, worlds=(1,)) if q

@@ -223,7 +223,7 @@ def call(name="grpo", **kw):
 
 
 def test_unknown_loss_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown loss 'ppo2'; known losses: dapo, grpo, gspo, gspo_token, sapo"):
+    with pytest.raises(ValueError, match="unknown loss .ppo2.; known losses: cispo, dapo, gmpo, grpo, gspo, gspo_token, sapo"):
         call("ppo2")
 
 
@@ -241,7 +241,7 @@ def test_unknown_loss_lists_known_ones():
     ("grpo", {"epsilon": 0.2}, "compute_loss: unknown parameter(s) 'epsilon' for loss 'grpo'; "
                                "accepted: eps_low, eps_high, dual_clip, max_log_ratio"),
     ("sapo", {"eps_low": 0.2}, "unknown parameter(s) 'eps_low' for loss 'sapo'; accepted: tau_pos, tau_neg"),
-    ("grpo", {"tis_cap": 0.0}, "compute_loss: tis_cap must be > 0, got 0.0"),
+    ("grpo", {"tis_cap": 0.0}, "compute_loss: tis_cap must be None or > 0, got 0.0"),
     ("grpo", {"tis_level": "batch"}, "compute_loss: unknown tis_level 'batch'; choose one of sequence, token"),
     ("grpo", {"beta": -0.1}, "compute_loss: beta must be >= 0, got -0.1"),
     ("grpo", {"beta": 0.1}, "compute_loss: ref_logp must be given when beta > 0 (beta=0.1), got None"),

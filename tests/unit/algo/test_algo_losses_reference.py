@@ -73,7 +73,25 @@ def ref_token_losses(name, logp, old, adv, mask, p):
                 r = torch.exp(logp[i, t] - old[i, t])
                 tau = p["tau_pos"] if a > 0 else p["tau_neg"]
                 out[i, t] = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
+            elif name == "cispo":
+                # −sg(ŵ)·Â·log π_θ, less the constant −sg(ŵ)·Â·log π_old (same gradient)
+                w = float(torch.exp(logp[i, t].detach() - old[i, t]))
+                w = min(max(w, max(1 - p["eps_low"], 0.0)), 1 + p["eps_high"])
+                out[i, t] = -w * a * (logp[i, t] - old[i, t])
+            elif name == "gmpo":
+                out[i, t] = -gmpo_geometric_mean(logp[i, :n] - old[i, :n], seq_adv, p)
     return out
+
+
+def gmpo_geometric_mean(log_r, a, p):
+    """GMPO's sequence objective in its product form: (∏_t |min(ρ_t·Â, clip(ρ_t)·Â)|)^(1/n)·sgn(Â)."""
+    if a == 0:
+        return log_r.sum() * 0.0
+    prod = 1.0
+    for lr in log_r:
+        rho, clipped = torch.exp(lr), torch.clamp(torch.exp(lr), math.exp(-p["eps_low"]), math.exp(p["eps_high"]))
+        prod = prod * torch.abs(torch.minimum(rho * a, clipped * a))
+    return prod ** (1.0 / len(log_r)) * (1.0 if a > 0 else -1.0)
 
 
 def ref_aggregate(per_tok, mask, agg):
@@ -139,13 +157,17 @@ SPREADS = [1e-3, 0.4]
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "gspo_token", "sapo"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "gspo_token", "sapo", "cispo", "gmpo"])
 @pytest.mark.parametrize("spread", SPREADS)
 def test_loss_matches_reference(name, agg, spread):
     logp, old, adv, mask, _, _ = make_batch(seed=15, spread=spread)
     check(name, logp, old, adv, mask, agg, {})
     _, m = compute_loss(name, logp=logp, old_logp=old, advantages=adv, mask=mask)
-    if name != "sapo" and (spread > 0.1 or name.startswith("gspo")):
+    if name == "cispo" and spread > 0.1:  # the IS weight is truncated on some tokens, never the gradient
+        assert 0 < m["loss/is_weight_clip_frac_high"] < 1 and "loss/clip_frac_high" not in m
+    elif name == "gmpo" and spread > 0.1:
+        assert m["loss/clip_frac_low"] > 0 and m["loss/clip_frac_high"] > 0
+    elif name not in ("sapo", "cispo", "gmpo") and (spread > 0.1 or name.startswith("gspo")):
         # the batch exercises both clips and the unclipped branch
         assert m["loss/clip_frac_low"] > 0 and m["loss/clip_frac_high"] > 0
         assert m["loss/clip_frac_low"] + m["loss/clip_frac_high"] < 1
@@ -165,11 +187,27 @@ def test_dual_clip_matches_reference(name):
     check(name, logp, old, adv, mask, LOSSES[name].agg, params)
 
 
+def test_cispo_gradient_is_the_papers():
+    """∇ of −sg(clip(r))·Â·log π_θ, written with the full log π_θ (not the log ratio)."""
+    logp, old, adv, mask, _, _ = make_batch(seed=9, spread=0.4)
+    loss, _ = compute_loss("cispo", logp=logp, old_logp=old, advantages=adv, mask=mask)
+    (grad,) = torch.autograd.grad(loss, logp)
+    valid = [(i, t) for i in range(B) for t in range(int(mask[i].sum()))]
+    paper = 0.0
+    for i, t in valid:
+        w = min(math.exp(float(logp[i, t].detach() - old[i, t])), 1.28)
+        paper = paper - w * adv[i] * logp[i, t] / len(valid)
+    (expected,) = torch.autograd.grad(paper, logp)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_custom_hyperparameters_match_reference():
     logp, old, adv, mask, _, _ = make_batch(seed=4, spread=0.5)
     check("sapo", logp, old, adv, mask, "seq-mean-token-mean", {"tau_pos": 0.5, "tau_neg": 2.0})
     check("grpo", logp, old, adv, mask, "token-mean", {"eps_low": 0.1, "eps_high": 0.05})
     check("gspo", logp, old, adv, mask, "seq-mean-token-mean", {"eps_low": 0.05, "eps_high": 0.1})
+    check("cispo", logp, old, adv, mask, "token-mean", {"eps_low": 0.2, "eps_high": 1.0})
+    check("gmpo", logp, old, adv, mask, "seq-mean-token-mean", {"eps_low": 0.2, "eps_high": 0.3})
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -211,7 +211,7 @@ def test_launch_sglang_servers_and_router(cluster, monkeypatch):
     assert f"rollout.admin_urls=[{workers}]" in argv
     logs = rendered.run_dir / "logs" / f"job-{job}-0"
     assert (logs / f"router-{NODES[1]}.log").is_file()
-    assert "--base-gpu-id 2" in rendered.text and "SGLANG_RETURN_ORIGINAL_LOGPROB=1" in rendered.text
+    assert "--base-gpu-id 2" in rendered.text and "SGLANG_RETURN_ORIGINAL_LOGPROB" not in rendered.text
     _assert_clean(cluster, job)
 
 

@@ -200,3 +200,30 @@ def test_multisink_reaches_every_sink_before_raising():
     with pytest.raises(OSError, match="disk full"):
         multi.log(1, {"a": 1.0})
     assert keep.seen == [1]
+
+
+def test_restart_without_checkpoint_supersedes_the_crashed_attempts_steps(tmp_path):
+    """Steps 1-4, a crash with no checkpoint, a restart from step 1 that reached step 3, then a
+    restart resuming a checkpoint of step 2: the run as it stands is steps 1, 2 (attempt 2), 3 (attempt 3)."""
+    from moe_rl.observe.sinks import latest_history
+
+    path = tmp_path / "metrics.jsonl"
+    for steps in ([1, 2, 3, 4], [1, 2, 3], [3]):
+        sink = JsonlSink(path)
+        for s in steps:
+            sink.log(s, {"reward/mean": float(s)})
+        sink.close()
+    records = read_metrics(path)
+    assert [r["attempt"] for r in records] == [1] * 4 + [2] * 3 + [3]
+    history = latest_history(records)
+    assert [(r["step"], r["attempt"]) for r in history] == [(1, 2), (2, 2), (3, 3)]
+
+
+def test_report_reads_the_current_history(tmp_path):
+    from moe_rl.observe.report import _load
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps({"step": s, "reward/mean": float(s), "attempt": a})
+                              for s, a in ((1, 1), (2, 1), (3, 1), (1, 2), (2, 2))) + "\n")
+    metrics = _load(tmp_path)
+    assert [r["attempt"] for r in metrics.records] == [2, 2]

@@ -9,7 +9,7 @@ import pytest
 
 from moe_rl.config import RolloutConfig
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
-from moe_rl.rollout.launcher import (SGLANG_ENV, LauncherError, ServerGroup, ServerSpec, _group_members,
+from moe_rl.rollout.launcher import (LauncherError, ServerGroup, ServerSpec, _group_members,
                                      plan_servers, port_is_free, router_command, sglang_server_command, tail,
                                      wants_router)
 from moe_rl.rollout.sglang_client import SGLangClient
@@ -66,7 +66,8 @@ def test_plan_sglang_servers_from_config():
     assert [s.port for s in servers] == [31000, 31001, 31002]
     assert [s.url for s in servers] == [f"http://127.0.0.1:{p}" for p in (31000, 31001, 31002)]
     for i, s in enumerate(servers):
-        assert s.env == SGLANG_ENV == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+        # log-probs of the tempered distribution, SGLang's default, are what the trainer recomputes
+        assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in s.env
         assert _flag(list(s.argv), "--port") == str(31000 + i)
         assert _flag(list(s.argv), "--base-gpu-id") == str(2 * i)  # disjoint GPUs per server
         assert _flag(list(s.argv), "--tp-size") == "2" and _flag(list(s.argv), "--ep-size") == "2"
@@ -180,3 +181,43 @@ def test_hanging_server_times_out_and_is_killed(tmp_path):
         group.wait_healthy(timeout=1.5, interval=0.2)
     assert "loading forever" in str(err.value)
     assert _gone(pid) and not _group_members(pid)
+
+
+def test_servers_die_with_a_trainer_killed_by_sigkill(tmp_path):
+    """kill -9 of the process that launched a server (rank 0) must not leave the server holding its port."""
+    import signal
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        from moe_rl.rollout.launcher import ServerGroup, ServerSpec
+        spec = ServerSpec("sleeper", (sys.executable, "-c", "import time; time.sleep(600)"), "127.0.0.1", {free_port()})
+        group = ServerGroup([spec], {str(tmp_path)!r}).start()
+        print(group.pids["sleeper"], flush=True)
+        time.sleep(600)
+    """)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server = int(trainer.stdout.readline())
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(server):
+        time.sleep(0.1)
+    assert not _alive(server), "the server outlived its trainer"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting to be reaped counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_unset_base_port_takes_consecutive_free_ports():
+    servers, router = plan_servers(RolloutConfig(engine="local", num_servers=2, router=True), "/ckpt")
+    ports = [s.port for s in servers] + [router.port]
+    assert ports == list(range(ports[0], ports[0] + 3)) and 20000 <= ports[0] < 32000  # below the ephemeral range
+    assert _flag(list(router.argv), "--prometheus-port") == str(ports[0] + 3)

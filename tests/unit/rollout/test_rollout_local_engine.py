@@ -13,12 +13,13 @@ from moe_rl.rollout.engine import GenerateRequest, SamplingParams
 from moe_rl.rollout.local_engine import LocalEngine
 
 
-def hf_reference(model, prompt: list[int], output: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Log-probs of `output` and top-k routes of every token but the last, from one HF forward."""
+def hf_reference(model, prompt: list[int], output: list[int],
+                 temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """log_softmax(logits / T) of `output` and top-k routes of every token but the last, from one HF forward."""
     seq = torch.tensor([list(prompt) + list(output)])
     with torch.no_grad():
         out = model(seq, output_router_logits=True)
-    lp = torch.log_softmax(out.logits[0].float(), dim=-1)
+    lp = torch.log_softmax(out.logits[0].float() / temperature, dim=-1)
     P = len(prompt)
     logprobs = lp[P - 1:-1].gather(1, torch.tensor(output).view(-1, 1)).view(-1).numpy()
     k = model.config.num_experts_per_tok
@@ -53,7 +54,9 @@ def test_logprobs_and_routes_match_hf_forward(engine, hf_model):
     for req, results in zip(reqs, out):
         for res in results:
             assert res.prompt_ids == list(req.prompt_ids) and res.finish_reason in ("length", "stop")
-            lp, routes = hf_reference(hf_model, res.prompt_ids, res.output_ids)
+            # tempered log-probs (greedy counts as T = 1), before the top-k / top-p truncation
+            temperature = req.sampling.temperature if not req.sampling.greedy else 1.0
+            lp, routes = hf_reference(hf_model, res.prompt_ids, res.output_ids, temperature)
             assert res.output_logprobs.dtype == np.float32
             np.testing.assert_allclose(res.output_logprobs, lp, atol=1e-4, rtol=0)
             assert res.routed_experts.shape == (len(res.token_ids) - 1, 4, 2)

@@ -66,11 +66,12 @@ def _http(url: str, path: str, body=None, raw: bytes | None = None, method: str 
         return e.code, e.read()
 
 
-def hf_reference(model, prompt, output):
+def hf_reference(model, prompt, output, temperature: float = 1.0):
+    """log_softmax(logits / T) of `output` and the routes, from one HF forward."""
     seq = torch.tensor([list(prompt) + list(output)])
     with torch.no_grad():
         out = model(seq, output_router_logits=True)
-    lp = torch.log_softmax(out.logits[0].float(), -1)[len(prompt) - 1:-1]
+    lp = torch.log_softmax(out.logits[0].float() / temperature, -1)[len(prompt) - 1:-1]
     lp = lp.gather(1, torch.tensor(output).view(-1, 1)).view(-1).numpy()
     k = model.config.num_experts_per_tok
     routes = torch.stack([torch.topk(torch.softmax(r.float(), -1), k, -1).indices for r in out.router_logits], 1)
@@ -108,6 +109,21 @@ def test_client_over_cli_server(served):
                                                                        stop_token_ids=[stop]))])
     cut = min(greedy.index(t) + 1 for t in (stop, 2) if t in greedy)
     assert res.finish_reason == "stop" and res.output_ids == greedy[:cut]
+
+
+def test_logprobs_are_of_the_tempered_distribution(served, tiny_hf_dir):
+    """At T = 0.7 the server returns log_softmax(logits / 0.7) of the sampled tokens, as SGLang does."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).eval()
+    with _client([served.url]) as c:
+        (results,) = c.generate([GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=8, n=2, seed=3,
+                                                                            temperature=0.7, ignore_eos=True))])
+    for r in results:
+        tempered, _ = hf_reference(model, r.prompt_ids, r.output_ids, temperature=0.7)
+        raw, _ = hf_reference(model, r.prompt_ids, r.output_ids)
+        np.testing.assert_allclose(r.output_logprobs, tempered, atol=1e-4, rtol=0)
+        assert np.abs(raw - tempered).max() > 1e-2  # the two conventions differ visibly at T = 0.7
 
 
 def test_http_json_shapes(served):
@@ -151,6 +167,9 @@ def test_http_json_shapes(served):
     (json.dumps({"input_ids": [1], "sampling_params": {"top_p": 2}}).encode(), 400, "top_p"),
     (json.dumps({"text": "hello"}).encode(), 400, "send `input_ids`"),
     (json.dumps({"input_ids": [1] * 20000}).encode(), 413, "too large"),
+    (b"[" * 20000 + b"]" * 20000, 400, "nests JSON too deeply"),  # a RecursionError, not a 500
+    (json.dumps({"input_ids": [[1, 2]] * 400, "sampling_params": {"n": 8, "max_new_tokens": 100}}).encode(), 400,
+     "asks for 320800 tokens"),  # bounded work per request: named limit and flag
 ])
 def test_http_errors(served, body, status, needle):
     got, raw = _http(served.url, "/generate", raw=body)
@@ -232,3 +251,21 @@ def test_failover_when_a_server_is_killed_mid_batch(served, local):
     assert [len(r) for r in out] == [1] * 8
     assert all(r[0].server == local.url for r in out)
     assert [r[0].output_ids for r in out] == [w[0].output_ids for w in want]
+
+
+def test_sigterm_stops_the_server_within_seconds_mid_generation(tiny_hf_dir):
+    """A long request in flight must not hold SIGTERM until it would have finished."""
+    import signal
+
+    srv = _start_cli_server(tiny_hf_dir)
+    body = {"input_ids": [[5, 6, 7]] * 400, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+    worker = threading.Thread(target=lambda: _http(srv.url, "/generate", body), daemon=True)
+    worker.start()
+    time.sleep(2.0)  # generating by now: 400 x 500 tokens take minutes on CPU
+    start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    try:
+        srv.proc.wait(timeout=10)
+    finally:
+        _stop(srv.proc)
+    assert time.monotonic() - start < 10

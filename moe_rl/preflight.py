@@ -1,0 +1,92 @@
+"""Checks `moe-rl train` runs before any rank starts: mistakes that would otherwise surface
+minutes later as one traceback per rank.
+
+Each check returns one line naming the field or `file:line` and what to do, or None. The
+config itself was validated when it was loaded (`moe_rl.config`); what is checked here needs
+the files it names: the checkpoint's shape against the layout and world size, the resume
+checkpoint, the data files and their token ids against the vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from moe_rl.config import RunConfig
+
+
+def preflight(cfg: RunConfig, world_size: int) -> str | None:
+    """The first problem that would stop this run, or None."""
+    for check in (_model, lambda c: _layout(c, world_size), _resume, _data):
+        problem = check(cfg)
+        if problem:
+            return problem
+    return None
+
+
+def _hf_config(cfg: RunConfig) -> dict[str, Any]:
+    import json
+
+    if cfg.model.hf_path:
+        return json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
+    from moe_rl.testing.tiny import TinyMoEConfig
+
+    shape = {k: v for k, v in dataclasses.asdict(cfg.model.tiny).items() if k != "init_std"}
+    return TinyMoEConfig(**shape).to_hf().to_dict()
+
+
+def _model(cfg: RunConfig) -> str | None:
+    if cfg.model.hf_path and not (Path(cfg.model.hf_path) / "config.json").is_file():
+        return (f"model.hf_path: {cfg.model.hf_path} has no config.json; give a HF checkpoint directory "
+                "(or leave model.hf_path unset for a fresh tiny model)")
+    return None
+
+
+def _layout(cfg: RunConfig, world_size: int) -> str | None:
+    from moe_rl.policy.model import arch_from_hf_dict
+    from moe_rl.policy.parallel import LayoutError, ParallelLayout
+
+    p = cfg.parallel
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp, world_size=world_size)
+    try:
+        layout.validate(arch_from_hf_dict(_hf_config(cfg), cfg.model.hf_path or "model.tiny"))
+    except LayoutError as e:
+        return f"parallel / train.world_size={world_size}: {e}"
+    except Exception as e:  # noqa: BLE001 - an unsupported architecture says so itself
+        return f"model: {e}"
+    return None
+
+
+def _resume(cfg: RunConfig) -> str | None:
+    r = cfg.train.resume
+    if r and r != "auto" and not (Path(r) / "meta.json").is_file():
+        return (f"train.resume: {r} is not a finished checkpoint directory (no meta.json); give a "
+                "checkpoints/step_N directory or train.resume=auto")
+    return None
+
+
+def _data(cfg: RunConfig) -> str | None:
+    from moe_rl.data.dataset import DataError, load_dataset
+    from moe_rl.data.preference import load_preference_dataset
+    from moe_rl.trainer import _hf_tokenizer
+
+    vocab = int(_hf_config(cfg)["vocab_size"])
+    tok = _hf_tokenizer(cfg)
+    for key, spec in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval if cfg.train.eval_every else None)):
+        if not spec:
+            continue
+        try:
+            if cfg.train.mode == "dpo":  # preference pairs: every token of both responses counts
+                data = load_preference_dataset(spec, tok, cfg.dpo.max_len)
+                ids = [(p.uid, p.prompt_ids + p.chosen_ids + p.rejected_ids) for p in data]
+            else:
+                data = load_dataset(spec, tok, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.max_prompt_len)
+                ids = [(p.uid, p.prompt_ids) for p in data]
+        except (DataError, OSError, ValueError) as e:
+            return f"{key}: {e}"
+        for uid, row in ids:
+            bad = [t for t in row if not 0 <= t < vocab]
+            if bad:
+                return (f"{key}: row {uid} has token id {bad[0]} outside the model's vocabulary "
+                        f"[0, {vocab}); the data was tokenized for another model")
+    return None

@@ -1,0 +1,83 @@
+"""Checkpoint files carry sizes and checksums; resume names and skips (auto) or refuses (a path) damage."""
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_rl.config import load_config
+from moe_rl.trainer import intact_checkpoint, resume, save_checkpoint
+
+
+class _State:
+    """state_dict / load_state_dict of one tensor (what a policy, sampler or reward runner offers)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = torch.full((4096,), value)  # 16 KiB: a zeroed 4 KiB page stays inside the file
+
+    def state_dict(self):
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def _run(value: float):
+    return SimpleNamespace(policy=_State(value), sampler=_State(value), rewards=_State(value), rank=0,
+                           weight_version=int(value), drift_state={}, pending=None, engine=None,
+                           cfg=load_config(None), weight_sync=SimpleNamespace(sync=lambda *a: None))
+
+
+def _two_checkpoints(tmp_path):
+    save_checkpoint(_run(1.0), tmp_path, 1, keep_last=3)
+    return save_checkpoint(_run(2.0), tmp_path, 2, keep_last=3)
+
+
+def _resumed(tmp_path, spec):
+    run = _run(0.0)
+    step = resume(run, load_config(None, [f"train.resume={spec}"]), tmp_path, logging.getLogger("test"))
+    return step, float(run.policy.value[0])
+
+
+def test_meta_records_every_file_and_an_intact_checkpoint_resumes(tmp_path):
+    newest = _two_checkpoints(tmp_path)
+    meta = json.loads((newest / "meta.json").read_text())
+    assert set(meta["files"]) == {"rank_00000.pt"}
+    assert meta["files"]["rank_00000.pt"]["bytes"] == (newest / "rank_00000.pt").stat().st_size
+    assert _resumed(tmp_path, "auto") == (2, 2.0)
+
+
+def _truncate(f):
+    f.write_bytes(f.read_bytes()[:1000])
+
+
+def _zero_page(f):
+    data = bytearray(f.read_bytes())
+    data[6000:10096] = bytes(4096)
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (_truncate, "bytes, {} were written"),
+    (_zero_page, "does not match the SHA-256"),
+    (lambda f: f.unlink(), "is missing"),
+    (lambda f: (f.parent / "meta.json").write_text("{not json"), "not JSON"),
+])
+def test_damaged_newest_is_named_and_skipped_for_the_newest_intact(tmp_path, caplog, damage, needle):
+    newest = _two_checkpoints(tmp_path)
+    size = (newest / "rank_00000.pt").stat().st_size
+    damage(newest / "rank_00000.pt")
+    with caplog.at_level(logging.WARNING):
+        assert intact_checkpoint(tmp_path, 0, logging.getLogger("test")) == tmp_path / "checkpoints" / "step_000001"
+    assert f"skipping damaged checkpoint {newest}" in caplog.text and needle.format(size) in caplog.text
+    assert _resumed(tmp_path, "auto") == (1, 1.0)  # the older, intact checkpoint
+
+
+def test_a_damaged_checkpoint_given_by_path_is_refused_naming_the_file(tmp_path):
+    newest = _two_checkpoints(tmp_path)
+    _zero_page(newest / "rank_00000.pt")
+    with pytest.raises(RuntimeError, match=f"cannot resume from {newest}: {newest / 'rank_00000.pt'} does not match"):
+        _resumed(tmp_path, str(newest))
