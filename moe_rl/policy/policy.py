@@ -53,6 +53,9 @@ class UpdateResult:
 class Policy:
     """The megatron policy on this rank (call every method on every rank: they are collective)."""
 
+    # What the model's output becomes per token, for passes and losses (the critic: values).
+    per_token = staticmethod(microbatch_logprobs)
+
     def __init__(self, spec: PolicySpec) -> None:
         self.spec = spec
         self.arch: MoEArch = read_hf_config(spec.hf_dir)
@@ -108,7 +111,8 @@ class Policy:
         elif record_routes and self.replay is not None:
             routing = self.replay.record
         return compute_logprobs(self.chunks, sequences, self.spec.micro_batch_size, with_entropy=entropy,
-                                routing=routing, max_tokens=self.spec.max_tokens_per_microbatch)
+                                routing=routing, max_tokens=self.spec.max_tokens_per_microbatch,
+                                per_token=self.per_token)
 
     # ------------------------------------------------------------ updates
 
@@ -124,7 +128,7 @@ class Policy:
                                  extras=extras, chunks=self.chunks)
 
         def loss_fn(logits: torch.Tensor, mb: Microbatch):
-            value, metrics = loss(microbatch_logprobs(logits, mb), mb)
+            value, metrics = loss(self.per_token(logits, mb), mb)
             return value, {"metrics": metrics}
 
         routing = (lambda m: self.replay.replay(replay_routes, m)) if replay_routes is not None else None
