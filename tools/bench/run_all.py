@@ -28,6 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import critic
 import losses
 import memory
 import overhead
@@ -75,6 +76,8 @@ def sections() -> list[Section]:
                                             else weight_sync.bench_rows())),
         ("routes", "Stored routes per token vs log-probs",
          lambda q: memory.format_table(memory.bench_rows(shapes=memory.SHAPES[:2]) if q else memory.bench_rows())),
+        ("critic", "A critic (PPO / VAPO) vs GRPO: RL step time and peak memory per rank",
+         lambda q: critic.format_table(critic.bench_rows(rounds=1, batch=8, seq=64) if q else critic.bench_rows())),
     ]
     if (HERE / "packing.py").is_file():
         out.append(("packing", "Packing: packed vs padded tokens/s", _packing))
