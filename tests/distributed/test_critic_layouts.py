@@ -8,7 +8,6 @@ error <= 1e-4 per tensor).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moe_rl.policy.parity import sample_sequences
 from moe_rl.testing import run_ranks
