@@ -13,10 +13,10 @@ from moe_rl.policy.parity import sample_sequences
 from moe_rl.testing import run_ranks
 from moe_rl.testing.critic_worker import critic_worker
 
-LAYOUTS = ["dp2", "ep2", "tp2", "pp2", "pp2-vpp2"]
+LAYOUTS = ["dp2", "ep2", "tp2", "pp2", "pp2-vpp2", "tp2-ep2"]
 # pp2-vpp2: values only. The policy's own gradient check leaves VPP out too: under pp2-vpp2 the
 # first virtual chunk's expert gradients differ from the single-process ones (policy and critic alike).
-GRAD_LAYOUTS = {"dp2", "ep2", "tp2", "pp2"}
+GRAD_LAYOUTS = {"dp2", "ep2", "tp2", "pp2", "tp2-ep2"}
 PACK_TOKENS = 40
 
 
