@@ -17,7 +17,7 @@ from moe_rl.policy.parity import compare, hf_logprobs, layout_worker, sample_seq
 from moe_rl.testing import run_ranks
 
 LAYOUTS = ["tp2", "pp2", "pp2-vpp2", "ep2", "tp2-ep2", "tp2-pp2", "dp2"]
-GRAD_LAYOUTS = {"tp2-pp2", "tp2-ep2", "dp2"}
+GRAD_LAYOUTS = {"tp2-pp2", "tp2-ep2", "dp2", "pp2-vpp2"}
 PACK_TOKENS = 40  # two or three of the test sequences (2..20 tokens) per packed row
 
 
