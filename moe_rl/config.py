@@ -38,7 +38,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 __all__ = [
-    "AlgoConfig", "ConfigError", "DPOConfig", "DataConfig", "DriftConfig", "LogConfig", "ModelConfig",
+    "AlgoConfig", "ConfigError", "CriticConfig", "DPOConfig", "DataConfig", "DriftConfig", "LogConfig",
+    "ModelConfig",
     "ParallelConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TinyModel", "TrainConfig",
     "load_config",
 ]
@@ -100,11 +101,12 @@ ENGINES = ("local", "sglang")
 WEIGHT_SYNCS = ("disk", "tensor", "nccl")
 LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "sapo", "cispo", "gmpo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-ADVANTAGES = ("grpo", "drgrpo", "rloo")
+ADVANTAGES = ("grpo", "drgrpo", "rloo", "gae")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_LEVELS = ("token", "sequence")
 CORRECTION_MODES = ("tis", "token_mask", "icepop", "seq_mask")
 REPLAYS = ("off", "r2", "r3", "auto")
+CRITIC_REPLAYS = ("off", "r2")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LOG_LEVELS = ("debug", "info", "warning")
 MODES = ("rl", "dpo")
@@ -297,7 +299,8 @@ class AlgoConfig:
     aggregation: str | None = choice(None, AGGREGATIONS)
     """How token losses become one number; None = the loss's default."""
     advantage: str = choice("grpo", ADVANTAGES)
-    """Group advantage estimator: grpo (mean/std), drgrpo (mean only), rloo (leave-one-out)."""
+    """Group advantage estimator: grpo (mean/std), drgrpo (mean only), rloo (leave-one-out); gae =
+    per-token GAE from a learned critic (PPO / VC-PPO / VAPO; the `critic` section)."""
     adv_eps: float = ranged(1e-6, ge=0.0)
     """Added to the group std so equal-reward groups give 0, not NaN."""
     kl_coef: float = ranged(0.0, ge=0.0)
@@ -330,6 +333,40 @@ class AlgoConfig:
     Qwen team's analysis of routing replay (R2 biases less when close to on-policy, R3 holds up far off it)."""
     off_policy_overlap: bool = False
     """Generate step t+1 while training step t (one step stale); off so steps are on-policy."""
+    gamma: float = ranged(1.0, ge=0.0, le=1.0)
+    """GAE discount (advantage=gae); 1.0: the reward comes once, at the end of the response."""
+    lam: float | int | str = 0.95
+    """GAE λ of the policy's advantages (advantage=gae): a number in [0, 1] (VC-PPO 0.95), or
+    'adaptive' for VAPO's per-sequence λ = 1 - 1/(lam_alpha * response length)."""
+    lam_alpha: float = ranged(0.05, gt=0.0)
+    """α of the length-adaptive λ (VAPO's 0.05)."""
+    whiten_advantages: bool = False
+    """Normalise the GAE advantages to mean 0, std 1 over the step's response tokens (all DP ranks)."""
+    ntp_coef: float = ranged(0.0, ge=0.0)
+    """μ of VAPO's positive-example LM loss: μ * (mean NLL over the response tokens of samples with
+    reward >= 1) is added to the policy loss; 0 = off, VAPO uses 0.1."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model of `algo.advantage=gae`: the policy's network with a value head."""
+
+    hf_path: str | None = None
+    """HF checkpoint whose trunk starts the critic; None = the policy's (its value head starts at 0)."""
+    lr: float = ranged(1e-5, gt=0.0)
+    """Critic learning rate (constant; Adam betas, weight decay and clipping as in `train`)."""
+    lam: float = ranged(1.0, ge=0.0, le=1.0)
+    """GAE λ of the value targets; VC-PPO's 1.0 (unbiased Monte-Carlo returns), decoupled from algo.lam."""
+    updates_per_step: int = ranged(1, ge=1)
+    """Passes of critic updates over the step's minibatches per policy update (K >= 1)."""
+    value_clip: float | None = ranged(0.2, gt=0.0)
+    """ε_v of the clipped value loss (values stay within old ± ε_v); null = unclipped."""
+    warmup_steps: int = ranged(0, ge=0)
+    """Value pretraining (VC-PPO): the first N RL steps update only the critic, on the initial
+    policy's rollouts; 0 = none."""
+    replay: str = choice("r2", CRITIC_REPLAYS)
+    """Routing replay of the critic's own routes in its updates: r2 (recorded in its value pass) or
+    off. R3 does not apply: the engine's routes are the policy's."""
 
 
 @dataclass
@@ -474,6 +511,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -854,6 +892,23 @@ def _check_algo(cfg: RunConfig) -> Iterator[str]:
                f"data.prompts_per_step*rollout.n_samples={samples}")
 
 
+def _check_critic(cfg: RunConfig) -> Iterator[str]:
+    a, c = cfg.algo, cfg.critic
+    if isinstance(a.lam, str) and a.lam != "adaptive":
+        yield f"algo.lam: {a.lam!r} must be a number in [0, 1] or 'adaptive'"
+    elif not isinstance(a.lam, str) and not 0.0 <= a.lam <= 1.0:
+        yield f"algo.lam: {a.lam} must be in [0, 1] (or 'adaptive')"
+    if a.advantage != "gae":
+        return
+    if c.warmup_steps >= cfg.train.steps:
+        yield (f"critic.warmup_steps: {c.warmup_steps} must be < train.steps={cfg.train.steps}, "
+               "or the policy never trains")
+    if c.hf_path is not None and not c.hf_path.strip():
+        yield "critic.hf_path: '' must be a checkpoint directory or null (the policy's)"
+    if a.kl_coef > 0:
+        yield "algo.kl_coef: the GAE path takes no reference policy yet; set algo.kl_coef=0"
+
+
 def _data_source_problem(key: str, spec: str) -> str | None:
     if spec.startswith("toy:"):
         return None if spec[4:].strip() else f"{key}: {spec!r} must name a task, e.g. toy:add-easy"
@@ -913,5 +968,5 @@ def _check_dpo(cfg: RunConfig) -> Iterator[str]:
                f"{dp} (train.world_size / (tp * pp))")
 
 
-_CROSS_CHECKS = (_check_model, _check_parallel, _check_rollout, _check_algo, _check_data,
+_CROSS_CHECKS = (_check_model, _check_parallel, _check_rollout, _check_algo, _check_critic, _check_data,
                  _check_reward, _check_train, _check_log, _check_dpo)

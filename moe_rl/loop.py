@@ -22,8 +22,9 @@ import torch.distributed as dist
 from moe_rl.algo.advantages import compute_advantages
 from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
-from moe_rl.algo.losses import compute_loss
+from moe_rl.algo.losses import compute_loss, ntp_loss
 from moe_rl.config import RunConfig, replay_mode
+from moe_rl.critic_step import critic_step
 from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import PromptSampler
@@ -50,6 +51,7 @@ class Run:
     drift_state: dict[str, Any] = field(default_factory=dict)
     pending: Any = None  # (prompts, future) of a prefetched rollout (off-policy overlap)
     pending_version: int = 0  # weight version the prefetched rollout was generated with
+    critic: Any = None  # moe_rl.policy.critic.Critic when algo.advantage=gae
 
 
 @dataclass
@@ -109,6 +111,11 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     share = my_share(run, samples)                                # this data-parallel rank's sequences
     old = old_logprobs(run, share.samples)                        # routes recorded (R2) or the engine's (R3)
     clock.lap("old_logprobs")
+    if run.critic is not None:                                    # algo.advantage=gae (moe_rl/critic_step.py):
+        metrics |= critic_step(run, share, old, step)             # values, GAE advantages, critic updates
+        clock.lap("critic")
+        if metrics["critic/warmup"]:                              # value pretraining: the policy waits
+            return metrics | clock.metrics()
     metrics |= minibatch_updates(run, share, old)                 # loss -> backward -> optimizer step
     clock.lap("updates")
     run.weight_version += 1
@@ -283,6 +290,8 @@ def advantages_and_filters(run: Run, samples: Samples | None) -> tuple[Samples |
         rewards = shape_overlong_rewards(rewards, lengths, max_len=a.overlong_max_len,
                                          cache_len=a.overlong_cache_len)
     samples.rewards = rewards
+    if a.advantage == "gae":  # per-token advantages come from the critic, after the old pass
+        return samples, {}
     samples.advantages = compute_advantages(a.advantage, rewards, group_size=g, eps=a.adv_eps) \
         if a.advantage == "grpo" else compute_advantages(a.advantage, rewards, group_size=g)
     return samples, {"adv/abs_mean": float(samples.advantages.abs().mean())}
@@ -395,15 +404,16 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
     width = old.logp.shape[1]
     mask = response_mask(mine, width)
     extras_all = {"old_logp": old.logp, "adv": mine.advantages.float(), "mask": mask,
-                  "rollout_logp": engine_logp_tokens(mine, width)}
+                  "rollout_logp": engine_logp_tokens(mine, width), "correct": (mine.rewards >= 1.0).float()}
     logged: list[dict[str, float]] = []
     step_metrics: dict[str, float] = {}
     per_update = PerUpdateVolatility(run, mine) if run.cfg.drift.enabled and run.cfg.drift.per_update else None
     for idx in share.minibatches:
         extras = {name: t[idx] for name, t in extras_all.items()}
         counts = run.policy.all_reduce_sum(torch.tensor(
-            [extras["mask"].sum(), (extras["mask"].sum(1) > 0).sum()], dtype=torch.float64))
-        loss = _loss_fn(run, float(counts[0]), float(counts[1]))
+            [extras["mask"].sum(), (extras["mask"].sum(1) > 0).sum(),
+             (extras["mask"] * extras["correct"][:, None]).sum()], dtype=torch.float64))
+        loss = _loss_fn(run, float(counts[0]), float(counts[1]), float(counts[2]))
         replay = None if old.replay is None else old.replay[idx]
         out = run.policy.update([mine.sequences[i] for i in idx], extras, loss, replay_routes=replay)
         step_metrics = out.step
@@ -413,7 +423,7 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
     return _mean(logged) | step_metrics | (per_update.metrics() if per_update else {})
 
 
-def _loss_fn(run: Run, num_tokens: float, num_seqs: float):
+def _loss_fn(run: Run, num_tokens: float, num_seqs: float, num_correct_tokens: float = 0.0):
     a = run.cfg.algo
     params = loss_params(a)
     corrected = "correction" in params
@@ -421,11 +431,15 @@ def _loss_fn(run: Run, num_tokens: float, num_seqs: float):
     def loss(logp: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, float]]:
         valid = (mb.index >= 0).float().unsqueeze(1)  # rows added to fill the last microbatch
         ex = mb.extras
-        return compute_loss(a.loss, logp=logp, old_logp=ex["old_logp"], advantages=ex["adv"],
-                            mask=ex["mask"] * valid, agg=a.aggregation, global_num_tokens=num_tokens,
-                            global_num_seqs=num_seqs, max_len=run.cfg.rollout.max_new_tokens,
-                            rollout_logp=ex["rollout_logp"] if corrected else None,
-                            beta=a.kl_coef, kl_estimator=a.kl_estimator, **params)
+        value, metrics = compute_loss(
+            a.loss, logp=logp, old_logp=ex["old_logp"], advantages=ex["adv"], mask=ex["mask"] * valid,
+            agg=a.aggregation, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
+            max_len=run.cfg.rollout.max_new_tokens, rollout_logp=ex["rollout_logp"] if corrected else None,
+            beta=a.kl_coef, kl_estimator=a.kl_estimator, **params)
+        if a.ntp_coef > 0:  # VAPO: mu * L_NTP, the NLL of the tokens of correct samples
+            ntp = ntp_loss(logp, ex["mask"] * valid, ex["correct"] > 0, global_num_tokens=num_correct_tokens)
+            value, metrics = value + a.ntp_coef * ntp, metrics | {"loss/ntp_loss": float(ntp.detach())}
+        return value, metrics
     return loss
 
 
@@ -453,7 +467,7 @@ def loss_params(a: Any) -> dict[str, Any]:
 
 # Loss metrics that are shares of a globally normalised total (summed over microbatches
 # and ranks), extremes, and the rest: means over tokens (weighted by loss/num_tokens).
-_SHARES = ("loss/pg_loss", "loss/kl_loss", "loss/num_tokens", "loss/num_seqs")
+_SHARES = ("loss/pg_loss", "loss/kl_loss", "loss/num_tokens", "loss/num_seqs", "loss/ntp_loss", "critic/value_loss")
 _EXTREMES = {"loss/ratio_min": -1.0, "loss/ratio_max": 1.0,  # sign: reduced with MAX of sign * value
              "correction/ratio_min": -1.0, "correction/ratio_max": 1.0}
 

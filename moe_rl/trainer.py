@@ -277,7 +277,8 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2,
                             **(update_group(cfg, servers) if cfg.rollout.weight_sync == "nccl" else {}))
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
-              weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank)
+              weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
+              critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None)
     eval_set = load_dataset(cfg.data.eval, _hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                             cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None
     return {"run": run, "eval": eval_set, "servers": servers}
@@ -299,6 +300,17 @@ def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature
                         distributed_optimizer=t.distributed_optimizer)
     return Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
                              p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch, temperature=temperature))
+def build_critic(cfg: RunConfig, policy_spec: Any) -> Any:
+    """The value model of `algo.advantage=gae`: the policy's layout and batching, its own checkpoint
+    (`critic.hf_path`, default the policy's) and a constant learning rate `critic.lr`."""
+    from dataclasses import replace
+
+    from moe_rl.policy.critic import Critic
+
+    c = cfg.critic
+    optim = replace(policy_spec.optim, lr=c.lr, min_lr=0.0, warmup_steps=0, lr_schedule="constant",
+                    total_steps=cfg.train.steps * cfg.algo.num_minibatches * c.updates_per_step)
+    return Critic(replace(policy_spec, hf_dir=c.hf_path or policy_spec.hf_dir, optim=optim))
 
 
 def _hf_tokenizer(cfg: RunConfig) -> Any:
@@ -407,7 +419,8 @@ def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    state = {"policy": run.policy.state_dict(), "sampler": run.sampler.state_dict(),
+    state = {"policy": run.policy.state_dict(), "critic": run.critic.state_dict() if getattr(run, "critic", None) else None,
+             "sampler": run.sampler.state_dict(),
              "rewards": run.rewards.state_dict() if run.rewards is not None else None,  # None in DPO runs
              "step": step, "weight_version": run.weight_version, "drift_state": run.drift_state, "rng": _rng_state()}
     mine = f"rank_{run.rank:05d}.pt"
@@ -473,6 +486,10 @@ def resume(run: Any, cfg: RunConfig, out: Path, log: Any) -> int:
     except Exception as e:  # a file that matches its record but will not load: say which
         raise RuntimeError(f"cannot load {file}: {type(e).__name__}: {e}") from e
     run.policy.load_state_dict(state["policy"])
+    if run.critic is not None:
+        if state.get("critic") is None:
+            raise RuntimeError(f"{path} holds no critic: it was saved by a run without algo.advantage=gae")
+        run.critic.load_state_dict(state["critic"])
     run.sampler.load_state_dict(state["sampler"])
     if run.rewards is not None:  # DPO runs have no reward runner
         run.rewards.load_state_dict(state["rewards"])

@@ -131,3 +131,95 @@ def compute_advantages(name: str, rewards: Tensor, *, group_size: int | None = N
                          f"{name!r}; accepted: {', '.join(accepted) or 'none'}")
     adv = ADVANTAGE_ESTIMATORS[name](rewards, group_size=group_size, group_index=group_index, **params)
     return adv if mask is None else broadcast_to_tokens(adv, mask)
+
+
+# --- value-based advantages (PPO / VC-PPO / VAPO) -------------------------------
+#
+# Per-token tensors `[B, T]` over one batch of sequences. Position t is one step of
+# the token-level MDP: the state is the sequence so far, the action the next token.
+# `mask` `[B, T]` marks the steps that count (a sequence's response tokens); they are
+# consecutive steps of one episode, and everything outside the mask (prompt prefix,
+# right padding, holes) is skipped. The value after a sequence's last step is 0.
+
+
+def token_rewards(rewards: Tensor, mask: Tensor, per_token: Tensor | None = None) -> Tensor:
+    """Per-token rewards `[B, T]`: the sequence reward `[B]` on each row's last masked step.
+
+    `per_token` `[B, T]` (e.g. −β·KL to a reference policy) is added on every masked
+    step. Rows without a masked step get nothing.
+    """
+    require(rewards.dim() == 1 and mask.dim() == 2 and mask.shape[0] == rewards.shape[0], "token_rewards",
+            "shapes", (tuple(rewards.shape), tuple(mask.shape)), "[B] and [B, T]")
+    m = mask.bool()
+    t = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(m, t, -1).max(dim=1).values  # [B], -1 for an empty row
+    out = torch.zeros(mask.shape, dtype=torch.promote_types(rewards.dtype, torch.float32), device=mask.device)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] = rewards[rows].to(out.dtype)
+    if per_token is not None:
+        out = out + torch.where(m, per_token.to(out.dtype), 0.0)
+    return out
+
+
+def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
+                lam: float | Tensor = 0.95) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation: (advantages, returns), both `[B, T]`, 0 outside `mask`.
+
+    δ_t = r_t + γ·V_{t+1} − V_t, Â_t = Σ_i (γλ)^i δ_{t+i} over the row's masked steps,
+    returns = Â + V. `rewards`, `values`, `mask`: `[B, T]` (see `token_rewards`);
+    `lam`: one float, or `[B]` (one λ per sequence, e.g. `length_adaptive_lambda`).
+    λ = 1 gives the reward-to-go minus V (Monte Carlo), λ = 0 one-step TD errors.
+    """
+    require(rewards.dim() == 2 and values.shape == rewards.shape and mask.shape == rewards.shape,
+            "compute_gae", "shapes", (tuple(rewards.shape), tuple(values.shape), tuple(mask.shape)),
+            "three equal [B, T]")
+    require(0.0 <= gamma <= 1.0, "compute_gae", "gamma", gamma, "in [0, 1]")
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    r, v, m = rewards.detach().to(dtype), values.detach().to(dtype), mask.bool()
+    lam_t = torch.as_tensor(lam, dtype=dtype, device=v.device)
+    require(lam_t.dim() == 0 or tuple(lam_t.shape) == (r.shape[0],), "compute_gae", "lam.shape",
+            tuple(lam_t.shape), f"a float or [B] = ({r.shape[0]},)")
+    require(bool(((lam_t >= 0) & (lam_t <= 1)).all()), "compute_gae", "lam", lam, "in [0, 1]")
+    decay = gamma * lam_t
+    adv = torch.zeros_like(v)
+    next_value = torch.zeros(r.shape[0], dtype=dtype, device=v.device)
+    running = torch.zeros_like(next_value)
+    for t in reversed(range(r.shape[1])):  # skipped steps carry the next step's value and sum through
+        step = m[:, t]
+        cur = r[:, t] + gamma * next_value - v[:, t] + decay * running
+        adv[:, t] = torch.where(step, cur, 0.0)
+        running = torch.where(step, cur, running)
+        next_value = torch.where(step, v[:, t], next_value)
+    returns = torch.where(m, adv + v, 0.0)
+    return adv, returns
+
+
+def length_adaptive_lambda(lengths: Tensor, alpha: float = 0.05) -> Tensor:
+    """VAPO's λ per sequence `[B]` from response lengths `[B]`: 1 − 1/(α·ℓ), clamped to [0, 1).
+
+    Chosen so that Σ_t λ^t = 1/(1 − λ) = α·ℓ: long responses get a λ near 1 (little
+    bias from the value model), short ones a smaller λ (less variance). α·ℓ <= 1 gives 0.
+    """
+    require(alpha > 0, "length_adaptive_lambda", "alpha", alpha, "> 0")
+    scaled = alpha * lengths.to(torch.float64)
+    lam = torch.where(scaled > 1, 1 - 1 / scaled.clamp(min=1e-12), torch.zeros_like(scaled))
+    return lam.clamp(0.0, 1.0 - 1e-12).to(torch.promote_types(lengths.dtype, torch.float32))
+
+
+def whiten(x: Tensor, mask: Tensor, sums: Callable[[Tensor], Tensor] | None = None,
+           eps: float = 1e-8) -> Tensor:
+    """(x − mean) / (std + eps) over the masked entries of `x` `[B, T]`; 0 outside the mask.
+
+    `sums` reduces `[count, Σx, Σx²]` over the pieces of a batch (e.g. an all-reduce over
+    data-parallel ranks), so every piece is whitened with the whole batch's statistics.
+    """
+    m = mask.bool()
+    dt = torch.float64
+    xs = torch.where(m, x.to(dt), 0.0)
+    stats = torch.stack([m.sum().to(dt), xs.sum(), xs.square().sum()])
+    stats = sums(stats) if sums is not None else stats
+    n = stats[0].clamp(min=1)
+    mean = stats[1] / n
+    var = (stats[2] / n - mean.square()).clamp(min=0)
+    out = (x.to(dt) - mean) / (var.sqrt() + eps)
+    return torch.where(m, out, 0.0).to(x.dtype)

@@ -540,3 +540,53 @@ def dpo_loss(
               "loss/dpo": loss.detach(), "dpo/num_pairs": count}
     host = torch.stack([v.detach().to(torch.float64) for v in values.values()]).tolist()
     return loss, dict(zip(values, host))
+
+
+# --- value-based RL: the critic's loss and VAPO's positive-example LM term ---------
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
+               clip: float | None = 0.2, global_num_tokens: Count | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss 0.5·max((V − R)², (clip(V, V_old ± ε_v) − R)²), token-mean.
+
+    values: `[B, T]` V of the critic being trained (carries the gradient); old_values:
+    `[B, T]` V before the step's critic updates; returns: `[B, T]` targets R; mask: `[B, T]`.
+    `clip=None` drops the clipped branch. `global_num_tokens`: the token count of the
+    whole step (all microbatches and DP ranks), so pieces add up to the whole batch's loss.
+    Metrics: `critic/value_loss` (this piece's share), `critic/value_clip_frac` (tokens where
+    the clipped branch is larger, so its gradient is cut), `loss/num_tokens`.
+    """
+    require(values.shape == old_values.shape == returns.shape == mask.shape, "value_loss", "shapes",
+            (tuple(values.shape), tuple(old_values.shape), tuple(returns.shape), tuple(mask.shape)),
+            "four equal [B, T]")
+    require(clip is None or clip > 0, "value_loss", "clip", clip, "None or > 0")
+    m = mask.bool()
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    v, old, ret = values.to(dtype), old_values.detach().to(dtype), returns.detach().to(dtype)
+    loss_tok = (v - ret).square()
+    clipped = torch.zeros_like(m)
+    if clip is not None:
+        clipped_sq = (old + (v - old).clamp(-clip, clip) - ret).square()
+        clipped = (clipped_sq > loss_tok).detach()
+        loss_tok = torch.maximum(loss_tok, clipped_sq)
+    loss = 0.5 * aggregate(loss_tok, m, "token-mean", global_num_tokens=global_num_tokens)
+    metrics = torch.stack([loss.detach().to(torch.float64), masked_mean(clipped.to(dtype), m).to(torch.float64),
+                           m.sum().to(torch.float64)]).tolist()
+    return loss, dict(zip(("critic/value_loss", "critic/value_clip_frac", "loss/num_tokens"), metrics))
+
+
+def ntp_loss(logp: Tensor, mask: Tensor, correct: Tensor, *,
+             global_num_tokens: Count | None = None) -> Tensor:
+    """VAPO's positive-example LM loss L_NTP = −(1/N)·Σ_{i correct} Σ_t log π_θ(y_{i,t}).
+
+    logp: `[B, T]` (carries the gradient); mask: `[B, T]` response tokens; correct: `[B]`
+    bool (the sample's answer was right). N is the number of response tokens of correct
+    samples in the whole step (`global_num_tokens`; default this piece's), so L_NTP is the
+    mean negative log-likelihood over those tokens and pieces add up to the whole batch's.
+    """
+    require(logp.dim() == 2 and mask.shape == logp.shape and tuple(correct.shape) == logp.shape[:1],
+            "ntp_loss", "shapes", (tuple(logp.shape), tuple(mask.shape), tuple(correct.shape)),
+            "[B, T], [B, T] and [B]")
+    m = mask.bool() & correct.bool()[:, None]
+    return -aggregate(logp.to(torch.promote_types(logp.dtype, torch.float32)), m, "token-mean",
+                      global_num_tokens=global_num_tokens)

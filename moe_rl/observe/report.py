@@ -445,6 +445,22 @@ def _perf_figure(m: Metrics) -> Figure:
     return fig
 
 
+def _critic_figure(m: Metrics) -> Figure:
+    """Value loss and explained variance over steps (algo.advantage=gae runs), value and return means."""
+    loss = _present(m, [("critic/value_loss", "value loss")])
+    ev = _present(m, [("critic/explained_variance", "explained variance")])
+    if not (loss or ev):
+        raise _Skip(f"no critic/value_loss or critic/explained_variance metrics in {METRICS_FILE} (no critic)")
+    means = _present(m, [("critic/value_mean", "value mean"), ("critic/return_mean", "return mean")])
+    panels = [(c, y, t, log) for c, y, t, log in (
+        (loss, "loss", "Critic value loss", True), (ev, "1 - Var(R - V) / Var(R)", "Explained variance", False),
+        (means, "value", "Values and returns", False)) if c]
+    fig, axes = _new_figure(len(panels))
+    for ax, (curves, ylabel, title, logy) in zip(axes, panels):
+        _lines(ax, m, curves, ylabel, title, logy=logy)
+    return fig
+
+
 @dataclass(frozen=True)
 class _FigureSpec:
     name: str
@@ -484,4 +500,8 @@ _FIGURES = (
     _FigureSpec("perf.png", "throughput",
                 "tokens per second and wall time per step.",
                 _perf_figure),
+    _FigureSpec("critic.png", "critic",
+                "the critic's value loss and explained variance (before each step's updates) over steps, "
+                "with the mean value and return; only for runs with a critic (algo.advantage=gae).",
+                _critic_figure),
 )

@@ -287,6 +287,9 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 # (scalar loss to backpropagate, dict of outputs to keep).
 LossFn = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, Any]]]
 
+# Per-token outputs `[b, s - 1]` of one microbatch from the model's output (log-probs, values).
+PerToken = Callable[[torch.Tensor, Microbatch], torch.Tensor]
+
 # Routing around a schedule run: given the microbatches, a context manager to run
 # the schedule in (`RouteReplay.record` / `RouteReplay.replay` bound to their routes).
 # A context that yields an object with `.routes` hands recorded routes back.
@@ -378,14 +381,17 @@ class LogProbs:
 def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_batch_size: int,
                      with_entropy: bool = False, seq_len: int | None = None,
                      routing: Routing | None = None, max_tokens: int | None = None,
-                     temperature: float = 1.0) -> LogProbs:
+                     temperature: float = 1.0, per_token: PerToken | None = None) -> LogProbs:
     """Log-probs (and entropy) of each sequence's tokens, on every rank of the model-parallel group.
 
     Both are of softmax(logits / `temperature`), the distribution the rollout engine samples from.
 
     `routing` wraps the schedule run, e.g. to record routes (R2) or replay given ones (R3).
     `max_tokens`: pack sequences into rows of this many tokens instead of padding.
+    `per_token`: what `logp` holds, from the model's output per microbatch (default
+    `microbatch_logprobs` at `temperature`; the critic passes its values, `critic.microbatch_values`).
     """
+    per_token = per_token or (lambda logits, mb: microbatch_logprobs(logits, mb, temperature))
     from megatron.core import parallel_state as ps
 
     for c in chunks:
@@ -393,7 +399,7 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
     mbs = build_microbatches(sequences, micro_batch_size, max_tokens, seq_len=seq_len, chunks=chunks)
 
     def keep(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, Any]]:
-        out = {"index": mb.index, "logp": microbatch_logprobs(logits, mb, temperature)}
+        out = {"index": mb.index, "logp": per_token(logits, mb)}
         if with_entropy:
             out["entropy"] = microbatch_entropy(logits, mb, temperature)
         return logits.new_zeros(()), out

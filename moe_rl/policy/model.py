@@ -218,9 +218,10 @@ def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32
         sequence_parallel=layout.sequence_parallel,
         use_cpu_initialization=not gpu,
         deallocate_pipeline_outputs=True,
-        # Batched p2p (torch's batch_isend_irecv) is NCCL's fast path; over gloo it garbles the
-        # interleaved (VPP) schedule once it runs more micro-batches than pipeline stages
-        # (gradients off by 1e6 against one process), so CPU runs send one op at a time.
+        # gloo runs a batch of isend/irecv one by one, matched in posting order: with pp = 2
+        # under VPP a rank's forward and backward sends go to the same peer and land in each
+        # other's buffers (wrong gradients, same shapes, no error). Unbatched ops are ordered
+        # by even/odd rank.
         batch_p2p_comm=gpu,
     )
     if moe:

@@ -54,6 +54,11 @@ class UpdateResult:
 class Policy:
     """The megatron policy on this rank (call every method on every rank: they are collective)."""
 
+    def per_token(self, logits: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+        """What the model's output becomes per token, for passes and losses: log-probs of
+        softmax(logits / T) at the spec's sampling temperature (the critic: its values)."""
+        return microbatch_logprobs(logits, mb, self.spec.temperature)
+
     def __init__(self, spec: PolicySpec) -> None:
         self.spec = spec
         self.arch: MoEArch = read_hf_config(spec.hf_dir)
@@ -114,7 +119,7 @@ class Policy:
             routing = lambda mbs: self.replay.record(mbs, confidence=route_confidence)  # noqa: E731
         return compute_logprobs(self.chunks, sequences, self.spec.micro_batch_size, with_entropy=entropy,
                                 routing=routing, max_tokens=self.spec.max_tokens_per_microbatch,
-                                temperature=self.spec.temperature)
+                                temperature=self.spec.temperature, per_token=self.per_token)
 
     # ------------------------------------------------------------ updates
 
@@ -132,7 +137,7 @@ class Policy:
                                  extras=extras, chunks=self.chunks, group_size=group_size)
 
         def loss_fn(logits: torch.Tensor, mb: Microbatch):
-            value, metrics = loss(microbatch_logprobs(logits, mb, self.spec.temperature), mb)
+            value, metrics = loss(self.per_token(logits, mb), mb)
             return value, {"metrics": metrics}
 
         routing = (lambda m: self.replay.replay(replay_routes, m)) if replay_routes is not None else None

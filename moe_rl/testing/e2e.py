@@ -128,3 +128,34 @@ def sigterm_after_first_step(args: list[str], run_dir: Path, timeout: float = 60
         time.sleep(0.2)
     out, _ = proc.communicate(timeout=300)
     return proc.returncode, out
+def digit_first_reward(completion_text: str, answer: str | None, **_: Any) -> float:
+    """A dense toy reward for critic tests: 1.0 when the completion starts with a digit (10 of 16 tokens)."""
+    return 1.0 if completion_text[:1].isdigit() else 0.0
+
+
+def critic_steps_worker(cfg_dict: dict[str, Any], run_dir: str, critic_replays: list[str]) -> list[dict[str, Any]]:
+    """`algo.advantage=gae` steps: step 1 is value pretraining (critic.warmup_steps=1), then one
+    step per critic replay mode. Returns per step the metrics and how much policy and critic moved,
+    and whether the policy's weights stayed bit for bit."""
+    from moe_rl.config import RunConfig
+    from moe_rl.loop import rl_step
+    from moe_rl.trainer import build_run
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    built = build_run(cfg, Path(run_dir), int(os.environ["RANK"]))
+    run, servers = built["run"], built["servers"]
+    out = []
+    try:
+        for step, replay in enumerate([cfg.critic.replay, *critic_replays], start=1):
+            run.cfg = dataclasses.replace(cfg, critic=dataclasses.replace(cfg.critic, replay=replay))
+            policy = [p.detach().clone() for c in run.policy.chunks for p in c.parameters()]
+            critic = _weights_fingerprint(run.critic)
+            metrics = rl_step(run, step)
+            after = [p.detach() for c in run.policy.chunks for p in c.parameters()]
+            out.append({"replay": replay, "metrics": metrics,
+                        "policy_unchanged": all(torch.equal(a, b) for a, b in zip(policy, after)),
+                        "critic_change": float((_weights_fingerprint(run.critic) - critic).abs().sum())})
+    finally:
+        if servers is not None:
+            servers.stop()
+    return out

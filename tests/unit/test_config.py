@@ -9,7 +9,7 @@ import pytest
 from moe_rl.config import ConfigError, RunConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
-SHIPPED = ["tiny_cpu.yaml", "qwen3_30b_a3b_gspo.yaml"]
+SHIPPED = ["tiny_cpu.yaml", "qwen3_30b_a3b_gspo.yaml", "tiny_cpu_vapo.yaml", "qwen3_30b_a3b_vapo.yaml"]
 
 
 def error_of(overrides: list[str], path: str | Path | None = None) -> str:

@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import dpo_step
+import critic
 import losses
 import memory
 import overhead
@@ -79,6 +80,8 @@ def sections() -> list[Section]:
          lambda q: memory.format_table(memory.bench_rows(shapes=memory.SHAPES[:2]) if q else memory.bench_rows())),
         ("step_options", "RL step cost of per-update volatility and rollout-correction masks",
          lambda q: step_options.format_table(step_options.bench_rows(rounds=1) if q else step_options.bench_rows())),
+        ("critic", "A critic (PPO / VAPO) vs GRPO: RL step time and peak memory per rank",
+         lambda q: critic.format_table(critic.bench_rows(rounds=1, batch=8, seq=64) if q else critic.bench_rows())),
     ]
     out.append(("dpo", "DPO step vs the RL update: tokens/s on the same tokens and layout",
                 lambda q: dpo_step.format_table(dpo_step.bench_rows(rounds=2, worlds=(1,)) if q
