@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
 # Calls that only wrap the step (their cumulative time is the whole step): not interesting.
@@ -32,20 +34,12 @@ def profile_rank(cfg_dict: dict[str, Any], out: str, warmup: int, steps: int, to
 
     Returns the mean phase seconds per profiled step and two top-`top` tables (text).
     """
-    import os
-
     import torch.distributed as dist
 
-    from moe_rl.config import RunConfig
+    from common import trainer_run
     from moe_rl.loop import rl_step
-    from moe_rl.trainer import build_run
 
-    cfg = RunConfig.from_dict(cfg_dict)
-    rank = dist.get_rank()
-    os.environ.setdefault("RANK", str(rank))
-    built = build_run(cfg, Path(out), rank)
-    run, servers = built["run"], built["servers"]
-    try:
+    with trainer_run(cfg_dict, out) as run:
         for step in range(1, warmup + 1):
             rl_step(run, step)
         prof = cProfile.Profile()
@@ -57,13 +51,8 @@ def profile_rank(cfg_dict: dict[str, Any], out: str, warmup: int, steps: int, to
             for k, v in metrics.items():
                 if k.startswith("perf/") and k.endswith("_s"):
                     phases[k] = phases.get(k, 0.0) + v / steps
-        return {"rank": rank, "phases": phases, "cumulative": _table(prof, "cumulative", top, steps),
-                "own": _table(prof, "tottime", top, steps)}
-    finally:
-        if run.engine is not None and hasattr(run.engine, "close"):
-            run.engine.close()
-        if servers is not None:
-            servers.stop()
+    return {"rank": dist.get_rank(), "phases": phases, "cumulative": _table(prof, "cumulative", top, steps),
+            "own": _table(prof, "tottime", top, steps)}
 
 
 def _table(prof: cProfile.Profile, key: str, top: int, steps: int) -> list[tuple[str, int, float, float]]:
@@ -80,7 +69,6 @@ def _table(prof: cProfile.Profile, key: str, top: int, steps: int) -> list[tuple
 
 
 def format_report(results: list[dict[str, Any]], top: int) -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import md_table
 
     first = results[0]
