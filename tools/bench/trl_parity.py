@@ -212,7 +212,7 @@ def _side(argv: list[str]) -> dict[str, Any]:
         return json.loads(Path(f.name).read_text())
 
 
-def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_generations: int = 60) -> str:
+def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_generations: int = 40) -> str:
     """Both sides, one after the other, as a markdown section."""
     with tempfile.TemporaryDirectory() as root:
         model = str(write_initial_model(Path(root)))
@@ -257,7 +257,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--target", type=float, default=0.8)
     p.add_argument("--task", default=TASK, help="toy task (add-easy, add-medium, add-hard)")
-    p.add_argument("--max-generations", type=int, default=60)
+    p.add_argument("--max-generations", type=int, default=40)
     p.add_argument("--side", choices=["trl", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
