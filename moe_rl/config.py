@@ -97,7 +97,7 @@ def ranged(default: float | None, *, ge: float | None = None, gt: float | None =
 
 
 DTYPES = ("fp32", "bf16", "fp16")
-ENGINES = ("local", "sglang")
+ENGINES = ("local", "sglang", "inprocess")
 WEIGHT_SYNCS = ("disk", "tensor", "nccl")
 LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "sapo", "cispo", "gmpo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -204,7 +204,8 @@ class RolloutConfig:
     """How responses are generated: engine, servers and sampling."""
 
     engine: str = choice("local", ENGINES)
-    """local = HF-transformers engine (CPU, speaks SGLang's HTTP API); sglang = real SGLang servers."""
+    """local = HF-transformers engine (CPU, speaks SGLang's HTTP API); sglang = real SGLang servers;
+    inprocess = the HF-transformers engine inside trainer rank 0 (no server, no HTTP; small CPU runs)."""
     urls: list[str] = field(default_factory=list)
     """Base URLs of servers that are already running; empty means launch `num_servers` ourselves."""
     colocated: bool = False
@@ -859,9 +860,11 @@ def _check_rollout(cfg: RunConfig) -> Iterator[str]:
                "already run): put the router's URL in rollout.urls and its workers in rollout.admin_urls")
     if r.tp_size % r.ep_size:
         yield f"rollout.ep_size: {r.ep_size} must divide rollout.tp_size={r.tp_size}"
-    if r.weight_sync == "tensor":
+    if r.weight_sync == "tensor" and r.engine != "inprocess":
         yield ("rollout.weight_sync: 'tensor' copies into an engine in the trainer's own process, but a run's "
-               "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl")
+               "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl, or "
+               "rollout.engine=inprocess")
+    yield from _check_inprocess(r)
 
 
 def replay_mode(a: AlgoConfig) -> str:
@@ -970,3 +973,15 @@ def _check_dpo(cfg: RunConfig) -> Iterator[str]:
 
 _CROSS_CHECKS = (_check_model, _check_parallel, _check_rollout, _check_algo, _check_critic, _check_data,
                  _check_reward, _check_train, _check_log, _check_dpo)
+
+
+def _check_inprocess(r: RolloutConfig) -> Iterator[str]:
+    """rollout.engine=inprocess: the engine lives in trainer rank 0, so there are no servers to reach."""
+    if r.engine != "inprocess":
+        return
+    if r.urls:
+        yield ("rollout.urls: set, but rollout.engine=inprocess generates inside the trainer; "
+               "empty rollout.urls, or use rollout.engine=local/sglang to reach running servers")
+    if r.weight_sync == "nccl":
+        yield ("rollout.weight_sync: 'nccl' broadcasts to server processes; rollout.engine=inprocess has none: "
+               "use rollout.weight_sync=tensor (or disk)")

@@ -390,6 +390,10 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
     from moe_rl.rollout.launcher import ServerGroup
     from moe_rl.rollout.sglang_client import SGLangClient
 
+    if cfg.rollout.engine == "inprocess":  # no server: the engine runs in this process
+        from moe_rl.rollout.inprocess import inprocess_engine
+
+        return inprocess_engine(cfg, hf_dir), None
     arch = policy.arch
     servers = None
     urls, admin = list(cfg.rollout.urls), list(cfg.rollout.admin_urls) or None

@@ -341,14 +341,13 @@ class Recording:
         pos = _sp_slice(s_m)
         local = ids.view(pos.stop - pos.start, b_m, -1)
         rows, starts = mb.placement()
-        for j in range(mb.tokens.shape[0]):
-            seq = int(mb.index[j])
+        # Plain ints, read once: indexing a tensor per sequence costs more than the copies.
+        for seq, a, n, row in zip(mb.index.tolist(), starts.tolist(), mb.lengths.tolist(), rows.tolist()):
             if seq < 0:
                 continue
-            a = int(starts[j])
-            lo, hi = max(pos.start, a), min(pos.stop, a + int(mb.lengths[j]))
+            lo, hi = max(pos.start, a), min(pos.stop, a + n)
             if lo < hi:
-                buf[seq, lo - a: hi - a, column] = local[lo - pos.start: hi - pos.start, int(rows[j])]
+                buf[seq, lo - a: hi - a, column] = local[lo - pos.start: hi - pos.start, row]
 
 
 def _max_over_model_parallel(buf: torch.Tensor) -> torch.Tensor:

@@ -340,3 +340,13 @@ def test_rollout_correction_bounds_need_a_mask_mode():
     assert "algo.rollout_correction.low/high" in error_of(["algo.rollout_correction.high=3"])
     cfg = load_config(None, ["algo.rollout_correction.mode=icepop", "algo.rollout_correction.high=3"])
     assert cfg.algo.rollout_correction.high == 3.0
+
+
+def test_inprocess_engine_rules():
+    cfg = load_config(None, ["rollout.engine=inprocess", "rollout.weight_sync=tensor"])
+    assert (cfg.rollout.engine, cfg.rollout.weight_sync) == ("inprocess", "tensor")
+    assert "or rollout.engine=inprocess" in error_of(["rollout.weight_sync=tensor"])
+    assert "rollout.urls: set, but rollout.engine=inprocess" in error_of(
+        ["rollout.engine=inprocess", "rollout.urls=[http://h:1]"])
+    assert "rollout.weight_sync: 'nccl' broadcasts to server processes" in error_of(
+        ["rollout.engine=inprocess", "rollout.weight_sync=nccl"])

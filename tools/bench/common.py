@@ -305,3 +305,28 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[Any]], align: str | No
     lines = ["| " + " | ".join(head) + " |", rule]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+@contextmanager
+def trainer_run(cfg_dict: dict[str, Any], out: str) -> Iterator[Any]:
+    """This rank's `loop.Run` of a config, built as `moe-rl train` builds it (`trainer.build_run`:
+    policy, rollout engine or servers, weight sync); engine and servers are stopped on exit.
+    Call on every rank of a `moe_rl.testing.dist.run_ranks` job."""
+    import torch.distributed as dist
+
+    from moe_rl.config import RunConfig
+    from moe_rl.trainer import build_run
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    rank = dist.get_rank()
+    os.environ.setdefault("RANK", str(rank))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))  # as the trainer sets it
+    built = build_run(cfg, Path(out), rank)
+    run, servers = built["run"], built["servers"]
+    try:
+        yield run
+    finally:
+        if run.engine is not None and hasattr(run.engine, "close"):
+            run.engine.close()
+        if servers is not None:
+            servers.stop()

@@ -37,6 +37,7 @@ import replay
 import rollout
 import scaling
 import step_options
+import trl_parity
 import weight_sync
 
 Section = tuple[str, str, Callable[[bool], str]]  # (key, title, run(quick) -> markdown)
@@ -88,6 +89,8 @@ def sections() -> list[Section]:
                                                 else dpo_step.bench_rows())))
     if (HERE / "packing.py").is_file():
         out.append(("packing", "Packing: packed vs padded tokens/s", _packing))
+    out.append(("trl", "Time to reward against TRL's GRPOTrainer (same model, task, batch, GSPO; TRL optional)",
+                lambda q: trl_parity.compare(["fast"], max_generations=2) if q else trl_parity.compare()))
     return out
 
 

@@ -1,0 +1,281 @@
+"""Time and samples to a success rate, moe_rl against TRL's GRPOTrainer, same task and CPU.
+
+Both train the same freshly initialised tiny Qwen3-MoE (4 layers, hidden 64, 8 experts
+top-2; one checkpoint written once by `moe_rl.testing.make_tiny_qwen3_moe`) from scratch on
+`toy:add-hard` (a+b, 100 prompts), with the same batch: 32 prompts x 8 samples of at most
+2 new tokens at temperature 1, 4 optimizer steps of 64 samples per generation, GSPO with
+the paper's clip range (3e-4, 4e-4), no KL, group-normalised advantages, Adam at a
+constant lr 3e-3, gradient clipping at 1.0. The reward is moe_rl's toy exact match.
+
+- TRL: `GRPOTrainer` with `importance_sampling_level="sequence"`, `loss_type="grpo"`
+  (per-sequence mean, as moe_rl's GSPO), generation by transformers in the same process.
+- moe_rl: `rl_step` as `moe-rl train` runs it, in the variants of `VARIANTS`.
+
+Each side runs in its own process, one after the other, in one invocation. Reported per
+side: the first generation whose batch success rate (share of samples with reward 1)
+reaches the target, the samples generated up to it, and the training seconds up to it
+(TRL: from the start of training to the log of that generation's rewards; moe_rl: the
+summed `perf/step_s` of the steps up to it; model building and imports excluded on both
+sides), and the seconds per generation after the first (the steady rate, whether or not the
+target is reached). TRL is an optional dependency (`pip install -e ".[bench]"`); without it the
+section says so and reports moe_rl alone.
+
+    python tools/bench/trl_parity.py
+    python tools/bench/trl_parity.py --variants fast --task add-easy --max-generations 80
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import md_table
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
+# The toy task (`--task`; passed to the sides' processes in the environment); at most 32 prompts a step.
+TASK = os.environ.get("MOE_RL_PARITY_TASK", "add-hard")
+SEED = 1234
+SAMPLES, NEW_TOKENS, UPDATES, LR = 8, 2, 4, 3e-3
+
+
+def _prompts_per_step(task: str) -> int:
+    from moe_rl.data.toy import make_toy_examples
+
+    return min(32, len(make_toy_examples(task)))
+
+
+PROMPTS = _prompts_per_step(TASK)
+EPS_LOW, EPS_HIGH = 3e-4, 4e-4  # the GSPO paper's clip range (moe_rl's GSPO default)
+
+# The run both sides share, as moe_rl config overrides on the demo config.
+COMMON = [f"data.train=toy:{TASK}", "data.eval=null", f"data.prompts_per_step={PROMPTS}",
+          f"rollout.n_samples={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0",
+          "algo.loss=gspo", "algo.advantage=grpo", f"algo.num_minibatches={UPDATES}",
+          f"algo.eps_low={EPS_LOW}", f"algo.eps_high={EPS_HIGH}", f"train.lr={LR}", "train.lr_schedule=constant",
+          "train.grad_clip=1.0", "train.eval_every=0", "train.save_every=0", "model.tiny.num_experts=8",
+          "model.tiny.num_experts_per_tok=2", f"model.seed={SEED}", "log.progress=false", "log.tensorboard=false"]
+# moe_rl's variants: how it runs, each a list of overrides on top of COMMON.
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "fast": ("1 process, engine in-process, tensor weight sync, no drift, no replay, one padded micro-batch per update",
+             ["train.world_size=1", "parallel.ep=1", "rollout.engine=inprocess", "rollout.weight_sync=tensor",
+              "rollout.return_routed_experts=false", "drift.enabled=false", "algo.replay=off",
+              "parallel.max_tokens_per_microbatch=null", "parallel.micro_batch_size=256"]),
+    "demo": ("the demo's layout: 2 ranks EP2, `moe-rl serve` over HTTP, disk weight sync, R2, drift every step",
+             []),
+}
+
+
+# ---------------------------------------------------------------- the shared model
+
+def write_initial_model(out: Path) -> Path:
+    """The fresh tiny Qwen3-MoE both sides start from (the checkpoint `moe-rl train` would write)."""
+    from moe_rl.config import load_config
+    from moe_rl.data.dataset import load_dataset
+    from moe_rl.trainer import initial_model
+
+    cfg = load_config(str(DEMO), COMMON)
+    return initial_model(cfg, out, 0, load_dataset(cfg.data.train, None))
+
+
+# ---------------------------------------------------------------- moe_rl
+
+def moe_rl_rank(cfg_dict: dict[str, Any], out: str, target: float, max_steps: int) -> list[dict[str, float]]:
+    """One rank: RL steps until the batch success rate reaches `target` (every rank sees the same
+    metrics, so all stop together); per step: success rate and seconds."""
+    from common import trainer_run
+    from moe_rl.loop import rl_step
+
+    rows = []
+    with trainer_run(cfg_dict, out) as run:
+        for step in range(1, max_steps + 1):
+            m = rl_step(run, step)
+            rows.append({"success": m["reward/success_rate"], "step_s": m["perf/step_s"]})
+            if m["reward/success_rate"] >= target:
+                break
+    return rows
+
+
+def run_moe_rl(variant: str, model_dir: str, out: str, target: float, max_steps: int) -> dict[str, Any]:
+    from moe_rl.config import load_config
+    from moe_rl.testing.dist import run_ranks
+
+    cfg = load_config(str(DEMO), COMMON + VARIANTS[variant][1] + [f"model.hf_path={model_dir}",
+                                                                  f"log.run_dir={out}"])
+    rows = run_ranks(moe_rl_rank, cfg.train.world_size, cfg.to_dict(), out, target, max_steps, timeout=1800)[0]
+    return summarise([r["success"] for r in rows], [sum(r["step_s"] for r in rows[: i + 1]) for i in range(len(rows))],
+                     target)
+
+
+# ---------------------------------------------------------------- TRL
+
+def toy_hf_tokenizer() -> Any:
+    """The toy tokenizer (one id per symbol, `moe_rl.data.toy.TOY_TOKENS`) as a HF fast tokenizer."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moe_rl.data.toy import TOY_TOKENS
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(TOY_TOKENS)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<pad>|<bos>|<eos>|."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def toy_reward(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], answer: list[str],
+               **_: Any) -> list[float]:
+    """moe_rl's toy exact match on the generated ids (TRL's reward-function signature)."""
+    from moe_rl.reward.toy import toy_exact_match
+
+    return [toy_exact_match("", a, completion_ids=list(ids)) for ids, a in zip(completion_ids, answer)]
+
+
+def run_trl(model_dir: str, out: str, target: float, max_generations: int) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from moe_rl.data.toy import make_toy_examples
+
+    torch.manual_seed(SEED)
+    tokenizer = toy_hf_tokenizer()
+    data = Dataset.from_list([{"prompt": "<bos>" + ex.prompt_text, "answer": ex.answer}
+                              for ex in make_toy_examples(TASK)])
+    args = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=PROMPTS * SAMPLES // UPDATES, steps_per_generation=UPDATES,
+        num_generations=SAMPLES, max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0,
+        importance_sampling_level="sequence", loss_type="grpo", epsilon=EPS_LOW, epsilon_high=EPS_HIGH, beta=0.0,
+        scale_rewards="group", learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=UPDATES * max_generations, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=True, bf16=False, seed=SEED, disable_tqdm=True, dataloader_num_workers=0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    successes: list[float] = []
+    seconds: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *_a: Any, **_k: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_log(self, _args: Any, _state: Any, control: Any, logs: dict | None = None, **_k: Any) -> None:
+            key = next((k for k in (logs or {}) if k.startswith("rewards/") and k.endswith("/mean")), None)
+            if key is None:  # only the first optimizer step of a generation logs its rewards
+                return
+            successes.append(float(logs[key]))  # rewards are 0/1: the mean is the success rate
+            seconds.append(time.perf_counter() - self.start)
+            if successes[-1] >= target:
+                control.should_training_stop = True
+
+    trainer = GRPOTrainer(model=model, reward_funcs=toy_reward, args=args, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    import trl
+
+    return summarise(successes, seconds, target) | {"version": trl.__version__}
+
+
+# ---------------------------------------------------------------- the comparison
+
+def summarise(successes: list[float], seconds: list[float], target: float) -> dict[str, Any]:
+    """Generations, samples and seconds up to the first generation at `target` (None: not reached)."""
+    hit = next((i for i, s in enumerate(successes) if s >= target), None)
+    # Steady state: the first generation also pays one-time costs (thread pools, lazy imports).
+    per_gen = (seconds[-1] - seconds[0]) / (len(seconds) - 1) if len(seconds) > 1 else float("nan")
+    best = max(successes, default=float("nan"))
+    if hit is None:
+        return {"reached": False, "generations": len(successes), "samples": None, "seconds": None,
+                "s_per_generation": per_gen, "best": best}
+    return {"reached": True, "generations": hit + 1, "samples": (hit + 1) * PROMPTS * SAMPLES,
+            "seconds": seconds[hit], "s_per_generation": per_gen, "best": best}
+
+
+def trl_available() -> bool:
+    return importlib.util.find_spec("trl") is not None
+
+
+def _side(argv: list[str]) -> dict[str, Any]:
+    """Run one side in a fresh process (threads, compat patches and imports do not leak across)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, __file__, *argv, "--result", f.name], env=env, cwd=ROOT,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(Path(f.name).read_text())
+
+
+def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_generations: int = 40) -> str:
+    """Both sides, one after the other, as a markdown section."""
+    with tempfile.TemporaryDirectory() as root:
+        model = str(write_initial_model(Path(root)))
+        results: dict[str, dict[str, Any]] = {}
+        if trl_available():
+            results["TRL GRPOTrainer"] = _side(["--side", "trl", "--model", model, "--out", f"{root}/trl",
+                                                "--target", str(target), "--max-generations", str(max_generations)])
+        for v in variants:
+            results[f"moe_rl ({v})"] = _side(["--side", v, "--model", model, "--out", f"{root}/{v}",
+                                              "--target", str(target), "--max-generations", str(max_generations)])
+    return format_table(results, variants, target)
+
+
+def format_table(results: dict[str, dict[str, Any]], variants: list[str], target: float) -> str:
+    fmt = lambda x, f: "not reached" if x is None else format(x, f)  # noqa: E731
+    rows = [(name, fmt(r["seconds"], ".1f"), fmt(r["samples"], ",d"), r["generations"], f"{r['best']:.2f}",
+             f"{r['s_per_generation']:.2f}") for name, r in results.items()]
+    lines = [f"Task toy:{TASK}, {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, {UPDATES} "
+             f"updates per generation, GSPO eps ({EPS_LOW}, {EPS_HIGH}), lr {LR}; target success {target}.", "",
+             md_table(["side", f"s to {target}", f"samples to {target}", "generations", "best success", "s / generation (after the 1st)"],
+                      rows),
+             ""]
+    lines += [f"- moe_rl ({v}): {VARIANTS[v][0]}." for v in variants]
+    trl = results.get("TRL GRPOTrainer")
+    if trl is None:
+        lines.append("- TRL is not installed (`pip install -e \".[bench]\"`): moe_rl alone.")
+        return "\n".join(lines)
+    lines.append(f"- TRL {trl['version']}, GRPOTrainer, importance_sampling_level=sequence, loss_type=grpo.")
+    for v in variants:
+        ours = results[f"moe_rl ({v})"]
+        per_gen = f"seconds per generation: **{ours['s_per_generation'] / trl['s_per_generation']:.2f}**"
+        if ours["seconds"] is not None and trl["seconds"] is not None:
+            lines.append(f"- moe_rl ({v}) / TRL, time to {target}: **{ours['seconds'] / trl['seconds']:.2f}**; "
+                         f"samples: {ours['samples'] / trl['samples']:.2f}; {per_gen}.")
+        else:
+            lines.append(f"- moe_rl ({v}) / TRL: {target} not reached by both within the generations run; {per_gen}.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--target", type=float, default=0.8)
+    p.add_argument("--task", default=TASK, help="toy task (add-easy, add-medium, add-hard)")
+    p.add_argument("--max-generations", type=int, default=40)
+    p.add_argument("--side", choices=["trl", *VARIANTS], help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.task != TASK:  # the constants above follow the task: start again with it set
+        os.environ["MOE_RL_PARITY_TASK"] = a.task
+        os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:]])
+    if a.side is None:
+        print(compare(a.variants, a.target, a.max_generations))
+        return
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.side == "trl":
+        res = run_trl(a.model, a.out, a.target, a.max_generations)
+    else:
+        res = run_moe_rl(a.side, a.model, a.out, a.target, a.max_generations)
+    Path(a.result).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
