@@ -191,6 +191,9 @@ def plan_servers(rollout: Any, shape: NodeShape, servers_per_node: int | None = 
         tp, most = 1, (None if shape.cpu else shape.gpus_per_node)
         default = -(-int(rollout.num_servers) // shape.serve_nodes)  # ceil: at least num_servers in all
         default = default if most is None else min(default, most)
+    elif engine == "inprocess":
+        raise LaunchError("rollout.engine=inprocess runs the engine inside trainer rank 0 of a one-machine run; "
+                          "a SLURM job launches rollout servers: use rollout.engine=local (CPU) or sglang")
     else:
         raise LaunchError(f"rollout.engine must be 'local' or 'sglang', got {engine!r}")
     n = servers_per_node if servers_per_node is not None else default
