@@ -50,7 +50,8 @@ class DPORun:
     rank: int = 0
     weight_version: int = 0
     drift_state: dict[str, Any] = field(default_factory=dict)
-    rewards: Any = None            # no reward model, engine or weight sync in DPO
+    rewards: Any = None            # no reward model, critic, engine or weight sync in DPO
+    critic: Any = None
     engine: Any = None
     weight_sync: Any = None
 
