@@ -274,7 +274,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     eos = eos[0] if isinstance(eos, list) else eos
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
     engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
-    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2,
+    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=getattr(engine, "keys", None),
                             **(update_group(cfg, servers) if cfg.rollout.weight_sync == "nccl" else {}))
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
@@ -387,17 +387,23 @@ def _free_port(avoid: int) -> int:
 
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
     """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
-    from moe_rl.rollout.launcher import ServerGroup
+    from moe_rl.rollout.auth import read_key_file
+    from moe_rl.rollout.launcher import RunIdentity, ServerGroup
     from moe_rl.rollout.sglang_client import SGLangClient
 
     arch = policy.arch
     servers = None
-    urls, admin = list(cfg.rollout.urls), list(cfg.rollout.admin_urls) or None
-    if not urls:
-        servers = ServerGroup.from_config(cfg.rollout, hf_dir, out / "servers").start()
-        servers.wait_healthy(timeout=cfg.rollout.timeout_s)
-        urls, admin = servers.urls, servers.admin_urls
+    r = cfg.rollout
+    urls, admin = list(r.urls), list(r.admin_urls) or None
+    keys, served_name = (read_key_file(r.api_key_file) if r.api_key_file else None), r.served_model_name
+    if not urls:  # launched here: fresh run id (and keys off loopback), supervised, weights only from ours
+        identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights"])
+        servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity).start()
+        servers.wait_healthy(timeout=r.timeout_s)
+        servers.watch()
+        urls, admin, keys, served_name = servers.urls, servers.admin_urls, identity.keys, identity.run_id
     client = SGLangClient(urls, admin_urls=admin, max_concurrency=cfg.rollout.concurrency,
+                          keys=keys, served_name=served_name, no_server_timeout=r.timeout_s,
                           request_timeout=cfg.rollout.timeout_s, max_attempts=cfg.rollout.retries + 1,
                           num_layers=arch.num_layers, topk=arch.moe_router_topk,
                           num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers))

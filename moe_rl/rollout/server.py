@@ -88,13 +88,15 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from moe_rl.rollout.auth import decide, read_key_file
 from moe_rl.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from moe_rl.rollout.local_engine import MemoryReleasedError
 from moe_rl.rollout.weight_sync import TensorMeta, new_custom_group, unflatten_bucket
@@ -111,6 +113,8 @@ GROUPS: web.AppKey["_UpdateGroups"] = web.AppKey("update_groups", object)
 SERVER_ARGS: web.AppKey[dict] = web.AppKey("server_args", dict)
 HEALTH_TIMEOUT: web.AppKey[float] = web.AppKey("health_timeout", float)
 MAX_REQUEST_TOKENS: web.AppKey[int] = web.AppKey("max_request_tokens", int)
+KEYS: web.AppKey[tuple] = web.AppKey("keys", tuple)
+TRUSTED: web.AppKey[Any] = web.AppKey("trusted_dirs", object)
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 18  # 256k new tokens: a full RL step of the demo is ~4k
 
 HEALTH_CHECK_TIMEOUT = 20.0  # s; SGLang's default (SGLANG_HEALTH_CHECK_TIMEOUT, http_server.py)
@@ -324,6 +328,26 @@ async def _json_errors(request: web.Request, handler):
         return _error(500, f"{type(e).__name__}: {e}")
 
 
+@web.middleware
+async def _auth(request: web.Request, handler):
+    """SGLang's Bearer-key check (moe_rl/rollout/auth.py): 401 before any work is done."""
+    api_key, admin_key = request.app[KEYS]
+    if decide(request.path, request.method, request.headers.get("Authorization"), api_key, admin_key):
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+
+def _untrusted(path: str, trusted: Any) -> str | None:
+    """Why `path` may not be loaded (None when it lies under a --trusted-dir, or none were set)."""
+    if trusted is None:
+        return None
+    real = Path(path).resolve()
+    if any(real == d or d in real.parents for d in trusted):
+        return None
+    return (f"{path} is not under a trusted directory ({', '.join(map(str, trusted)) or 'none'}); "
+            "start the server with --trusted-dir to allow it")
+
+
 async def _read_json(request: web.Request) -> Any:
     raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
     if not raw.strip():
@@ -363,6 +387,9 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
     body = await _read_json(request)
     if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
         raise BadRequest("send {\"model_path\": \"<HF checkpoint dir>\", \"weight_version\": ...}")
+    refused = _untrusted(body["model_path"], request.app[TRUSTED])
+    if refused:
+        return web.json_response({"success": False, "message": refused, "num_paused_requests": 0}, status=403)
     version = body.get("weight_version")
     abort = bool(body.get("abort_all_requests", False))
     loop = asyncio.get_running_loop()
@@ -482,7 +509,7 @@ def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
     return {
         "model_path": engine.model_path,
         "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
-        "served_model_name": engine.model_path,
+        "served_model_name": server_args.get("served_model_name") or engine.model_path,
         "skip_tokenizer_init": engine.tokenizer is None,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": str(engine.device),
@@ -495,7 +522,7 @@ def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
         "disaggregation_mode": "null",
         "enable_return_routed_experts": bool(engine.moe_layer_ids),
         "weight_version": engine.weight_version,
-        **{k: v for k, v in server_args.items() if k not in ("max_running_requests",)},
+        **{k: v for k, v in server_args.items() if k not in ("max_running_requests", "served_model_name")},
         # SGLang's internal_states hold scheduler state per dp rank; here, this engine's
         "internal_states": [{"memory_released": engine.memory_released,
                              "generating": bool(getattr(engine, "busy", False))}],
@@ -773,15 +800,21 @@ ROUTES: list[tuple[tuple[str, ...], tuple[str, ...], Callable[[web.Request], Any
 def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0,
              health_timeout: float = HEALTH_CHECK_TIMEOUT, group_timeout: timedelta = timedelta(minutes=10),
              server_args: dict[str, Any] | None = None,
-             max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> web.Application:
+             max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None,
+             admin_api_key: str | None = None, trusted_dirs: Sequence[str | Path] | None = None) -> web.Application:
     """The aiohttp application serving `engine` (a LocalEngine) over SGLang's native API.
+
+    api_key / admin_api_key: SGLang's Bearer keys (moe_rl/rollout/auth.py). trusted_dirs:
+    the only directories /update_weights_from_disk loads from (None = any).
 
     health_timeout: seconds /health_generate waits for a forward step; group_timeout: how
     long joining a weight-update group (and each broadcast) may take; server_args: launch
     options reported by /server_info (host, port, random_seed, ...).
     """
     size = int(max_body_mb * 1024 * 1024)
-    app = web.Application(client_max_size=size, middlewares=[_json_errors])
+    app = web.Application(client_max_size=size, middlewares=[_auth, _json_errors])
+    app[KEYS] = (api_key, admin_api_key)
+    app[TRUSTED] = None if trusted_dirs is None else [Path(d).resolve() for d in trusted_dirs]
     app[ENGINE] = engine
     app[MAX_BODY] = size
     app[BATCHER] = _Batcher(engine, max_batch)
@@ -908,6 +941,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-check-timeout", type=float, default=HEALTH_CHECK_TIMEOUT,
                         help="seconds /health_generate waits for a forward step before answering 503 (SGLang: 20)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--config", default=None,
+                        help="YAML file with 'api-key: KEY' and 'admin-api-key: KEY' lines (as SGLang's --config): "
+                             "every endpoint but /health* then needs 'Authorization: Bearer KEY', weight and "
+                             "control endpoints the admin key; keep the file mode 600")
+    parser.add_argument("--trusted-dir", action="append", default=None,
+                        help="a directory /update_weights_from_disk may load from (repeatable); default: the "
+                             "directory that holds --model. Other paths are refused with 403")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name /server_info reports (SGLang's flag; the launcher sets the run id, so a "
+                             "trainer recognises its own servers)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -915,6 +958,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keys = read_key_file(args.config) if args.config else None
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     engine = LocalEngine(args.model, seed=args.seed, dtype=args.dtype, device=device,
                          max_batch=args.max_batch, logprob_mode=args.logprob_mode,
@@ -930,7 +974,10 @@ def run(args: argparse.Namespace) -> int:
                 pass
         app = make_app(engine, max_batch=args.max_batch, max_body_mb=args.max_body_mb,
                        health_timeout=args.health_check_timeout, max_request_tokens=args.max_request_tokens,
-                       server_args={"host": args.host, "random_seed": args.seed})
+                       server_args={"host": args.host, "random_seed": args.seed,
+                                    "served_model_name": args.served_model_name},
+                       api_key=keys.api_key if keys else None, admin_api_key=keys.admin_api_key if keys else None,
+                       trusted_dirs=args.trusted_dir or [Path(args.model).resolve().parent])
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
