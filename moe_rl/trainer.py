@@ -10,6 +10,7 @@ checkpoints/, weights/ (versions synced to the engine), servers/ (engine logs), 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from moe_rl.config import ConfigError, RunConfig, load_config
 from moe_rl.integrity import check_file, file_record, read_meta
+from moe_rl.rollout.outage import EXIT_NO_SERVER, RolloutLost
 
 CHECKPOINTS = "checkpoints"
 
@@ -207,7 +209,11 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
     progress = Progress(cfg.train.steps, enabled=rank == 0, live=None if cfg.log.progress else False)
     try:
         for step in range(start_step, cfg.train.steps + 1):
-            metrics = step_fn(run, step)
+            before = _step_state(run)
+            try:
+                metrics = step_fn(run, step)
+            except RolloutLost as e:  # every rank, at the same point: the step changed nothing but its draws
+                return _save_and_give_up(run, out, step - 1, before, cfg, log, e)
             if eval_set is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 metrics |= evaluate(run, eval_set, step)
             metrics["step"] = step
@@ -237,6 +243,26 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
         figures = write_report(out)
         log.info("report: %s", ", ".join(str(f) for f in figures))
     return 0
+
+
+def _step_state(run: Any) -> dict[str, Any]:
+    """What a step changes before its rollout returns (the prompt draws), to undo when it fails."""
+    return copy.deepcopy({"sampler": run.sampler.state_dict(),
+                          "rewards": run.rewards.state_dict() if run.rewards is not None else None})
+
+
+def _save_and_give_up(run: Any, out: Path, last: int, before: dict[str, Any], cfg: RunConfig, log: Any,
+                      error: Exception) -> int:
+    """No rollout server recovered: checkpoint step `last` as it ended (draws undone), exit 3."""
+    run.sampler.load_state_dict(before["sampler"])
+    if before["rewards"] is not None:
+        run.rewards.load_state_dict(before["rewards"])
+    done = latest_checkpoint(out)
+    if last >= 1 and (done is None or done.name != f"step_{last:06d}"):
+        save_checkpoint(run, out, last, cfg.train.keep_last)
+    log.error("no rollout server answered within rollout.timeout_s=%g s (%s); checkpoint of step %d saved, "
+              "resume with train.resume=auto once the servers are back", cfg.rollout.timeout_s, error, last)
+    return EXIT_NO_SERVER
 
 
 def _agree(flag: bool) -> bool:

@@ -252,13 +252,34 @@ def _sample_json(res: GenerateResult, req: GenerateRequest, rid: str, return_log
 
 
 # -------------------------------------------------------------------------- batcher
+class _Job:
+    """One /generate call, cut into chunks of at most max_batch samples (whole prompts)."""
+
+    def __init__(self, reqs: list[GenerateRequest], max_batch: int, fut: asyncio.Future):
+        self.chunks: list[list[GenerateRequest]] = []
+        for r in reqs:
+            if not self.chunks or sum(x.sampling.n for x in self.chunks[-1]) + r.sampling.n > max_batch:
+                self.chunks.append([])
+            self.chunks[-1].append(r)
+        self.results: list[list[GenerateResult]] = []
+        self.fut = fut
+
+
 class _Batcher:
-    """Collects /generate calls that arrive while the engine is busy into one engine call."""
+    """Feeds the engine from every /generate call in turn.
+
+    Each call is cut into chunks of at most `max_batch` samples; every engine call takes the
+    next chunk of each waiting call in rotation (up to max_batch samples), so a small request
+    that arrives behind a huge one waits for one chunk, not for the whole huge request. A
+    call whose client went away (its future cancelled) loses its remaining chunks: at most the
+    chunk already in the engine is generated for nobody.
+    """
 
     def __init__(self, engine: Any, max_batch: int):
         self.engine = engine
         self.max_batch = max(1, int(max_batch))
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.jobs: list[_Job] = []
+        self.wake = asyncio.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-generate")
         self.task: asyncio.Task | None = None
 
@@ -276,36 +297,49 @@ class _Batcher:
 
     async def submit(self, reqs: list[GenerateRequest]) -> list[list[GenerateResult]]:
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put((reqs, fut))
-        return await fut
+        self.jobs.append(_Job(reqs, self.max_batch, fut))
+        self.wake.set()
+        return await fut  # cancelled with the handler when the client disconnects
+
+    def _next_batch(self) -> list[tuple[_Job, list[GenerateRequest]]]:
+        self.jobs = [j for j in self.jobs if not j.fut.done()]  # callers that went away
+        batch: list[tuple[_Job, list[GenerateRequest]]] = []
+        rows = 0
+        for job in list(self.jobs):
+            chunk = job.chunks[0]
+            n = sum(r.sampling.n for r in chunk)
+            if batch and rows + n > self.max_batch:
+                continue
+            batch.append((job, job.chunks.pop(0)))
+            rows += n
+            self.jobs.remove(job)
+            if job.chunks:
+                self.jobs.append(job)  # its next chunk waits behind the others: rotation
+        return batch
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            item = await self.queue.get()
-            batch = [item]
-            rows = sum(r.sampling.n for r in item[0])
-            while rows < self.max_batch and not self.queue.empty():
-                nxt = self.queue.get_nowait()
-                batch.append(nxt)
-                rows += sum(r.sampling.n for r in nxt[0])
-            batch = [(reqs, fut) for reqs, fut in batch if not fut.done()]  # caller went away
+            batch = self._next_batch()
             if not batch:
+                self.wake.clear()
+                await self.wake.wait()
                 continue
-            flat = [r for reqs, _ in batch for r in reqs]
+            flat = [r for _, chunk in batch for r in chunk]
             try:
                 results = await loop.run_in_executor(self.executor, self.engine.generate, flat)
             except Exception as e:  # noqa: BLE001 - reported to every caller of this batch
                 log.exception("generation failed")
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+                for job, _ in batch:
+                    if not job.fut.done():
+                        job.fut.set_exception(e)
                 continue
             k = 0
-            for reqs, fut in batch:
-                if not fut.done():
-                    fut.set_result(results[k:k + len(reqs)])
-                k += len(reqs)
+            for job, chunk in batch:
+                job.results.extend(results[k:k + len(chunk)])
+                k += len(chunk)
+                if not job.chunks and not job.fut.done():
+                    job.fut.set_result(job.results)
 
 
 # ---------------------------------------------------------------------------- app
@@ -887,7 +921,7 @@ class ServerThread:
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
         app = make_app(self.engine, **self._app_kw, server_args={"host": self.host})
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
@@ -978,7 +1012,8 @@ def run(args: argparse.Namespace) -> int:
                                     "served_model_name": args.served_model_name},
                        api_key=keys.api_key if keys else None, admin_api_key=keys.admin_api_key if keys else None,
                        trusted_dirs=args.trusted_dir or [Path(args.model).resolve().parent])
-        runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its call (and its queued chunks)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()

@@ -444,8 +444,22 @@ class SGLangClient:
         """Async variant, awaitable from any event loop."""
         return await self._on_loop(self._generate(requests))
 
+    async def _recheck_identity(self) -> None:
+        """Before a batch: each healthy server we update directly must still be the run's own (a
+        server that died between two calls may have been replaced by a stranger on its port)."""
+        if self.served_name is None:
+            return
+
+        async def one(s: _Server) -> None:
+            try:
+                await self._check_identity(s)
+            except (_Retryable, RolloutError) as e:
+                self._mark_unhealthy(s, str(e))
+        await asyncio.gather(*(one(s) for s in self._admin if s.healthy))
+
     async def _generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
         self._ensure_session()
+        await self._recheck_identity()
         if self._released:
             log.debug("servers were released (release_memory_occupation): resuming them before generating")
             await self._aresume()
