@@ -70,10 +70,19 @@ Differences from SGLang, on purpose: `sampling_seed` is always honoured (SGLang 
 gives every copy the same seed); log-probs are log_softmax(logits / T) as SGLang's
 (see --logprob-mode and local_engine.py); there is no prefix cache, so /flush_cache is a no-op.
 
-Generation runs in one worker thread; requests that arrive while it is busy are
-batched together into the next engine call (up to --max-batch samples), so
-/health keeps answering and concurrent /generate calls are safe. Weight updates
-load and validate in another thread and swap between two decode steps.
+Generation runs in one worker thread. Each /generate call is cut into chunks of at most
+--max-batch samples, and every engine call takes the next chunk of each waiting call in
+turn, so /health keeps answering, concurrent calls are safe and a small request waits one
+chunk behind a huge one, not the whole of it. A call whose client disconnects is
+cancelled: its chunks not yet in the engine are dropped. Weight updates load and validate
+in another thread and swap between two decode steps.
+
+Access (SGLang's scheme, moe_rl/rollout/auth.py): `--config FILE` with `api-key:` /
+`admin-api-key:` lines makes every endpoint but /health* need `Authorization: Bearer KEY`
+(the weight and control endpoints the admin key), 401 otherwise. /update_weights_from_disk
+loads only from under a `--trusted-dir` (default: the directory holding --model), 403
+otherwise. `--served-model-name` is what /server_info reports, so a trainer can tell its
+own servers from whatever else answers on the port.
 """
 from __future__ import annotations
 
