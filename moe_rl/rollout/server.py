@@ -291,20 +291,29 @@ class _Batcher:
         self.wake = asyncio.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-generate")
         self.task: asyncio.Task | None = None
+        self.closed = False
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """No chunk starts after this; waiting calls are cancelled (the one in the engine runs on
+        until the engine is aborted)."""
+        self.closed = True
         if self.task is not None:
             self.task.cancel()
             try:
                 await self.task
             except (asyncio.CancelledError, Exception):
                 pass
+        for job in self.jobs:
+            job.fut.cancel()
+        self.jobs = []
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, reqs: list[GenerateRequest]) -> list[list[GenerateResult]]:
+        if self.closed:
+            raise web.HTTPServiceUnavailable(text="the server is shutting down")
         fut = asyncio.get_running_loop().create_future()
         self.jobs.append(_Job(reqs, self.max_batch, fut))
         self.wake.set()
@@ -1032,7 +1041,8 @@ def run(args: argparse.Namespace) -> int:
             await stop.wait()
         finally:
             # End in-flight samples now (finish_reason "abort"): a long request must not hold
-            # SIGTERM for as long as it would take to finish.
+            # SIGTERM for as long as it would take to finish, nor start its next chunk.
+            await app[BATCHER].stop()
             engine.pause_generation("abort")
             await runner.cleanup()
 

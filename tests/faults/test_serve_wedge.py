@@ -73,7 +73,7 @@ def test_client_gone_stops_its_generation(engine):
 
 
 def test_health_generate_fails_while_generation_is_stuck(engine):
-    with ServerThread(engine, max_batch=MAX_BATCH, health_timeout=1.0) as srv:
+    with ServerThread(engine, max_batch=MAX_BATCH, health_timeout=2.0) as srv:
         def status() -> int:
             try:
                 with urllib.request.urlopen(srv.url + "/health_generate", timeout=30) as r:
@@ -81,7 +81,10 @@ def test_health_generate_fails_while_generation_is_stuck(engine):
             except urllib.error.HTTPError as e:
                 return e.code
 
-        assert status() == 200
+        def healthy() -> bool:  # a loaded machine may miss one 2 s window; a working engine not three
+            return any(status() == 200 for _ in range(3))
+
+        assert healthy()
         engine.pause_generation("in_place")  # the scheduler makes no progress: a wedged engine
         try:
             assert status() == 503
@@ -89,4 +92,4 @@ def test_health_generate_fails_while_generation_is_stuck(engine):
                 assert r.status == 200  # the plain liveness check cannot tell, as in SGLang
         finally:
             engine.continue_generation()
-        assert status() == 200
+        assert healthy()
