@@ -93,7 +93,7 @@ def read_key_file(path: str | Path) -> RunKeys:
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise ValueError(f"rollout.api_key_file: cannot read {path}: {e.strerror}") from None
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue

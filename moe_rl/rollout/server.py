@@ -92,6 +92,7 @@ import base64
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -1010,7 +1011,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    keys = read_key_file(args.config) if args.config else None
+    try:
+        keys = read_key_file(args.config) if args.config else None
+    except ValueError as e:
+        print(f"moe-rl serve: --config: {e}", file=sys.stderr)
+        return 2
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     engine = LocalEngine(args.model, seed=args.seed, dtype=args.dtype, device=device,
                          max_batch=args.max_batch, logprob_mode=args.logprob_mode,

@@ -100,3 +100,15 @@ def test_keyed_server_refuses_strangers(tiny_hf_dir, tmp_path):
     for secret in (keys.api_key, keys.admin_api_key):
         assert secret not in cmdline and secret not in log_text
     assert stat.S_IMODE(os.stat(group.log_paths["server-0"]).st_mode) == 0o600
+
+
+def test_unreadable_or_malformed_key_file_is_refused_before_any_work(tmp_path):
+    from moe_rl.config import load_config
+    from moe_rl.preflight import preflight
+
+    bad = tmp_path / "auth.yaml"
+    bad.write_text("apikey = x\n")
+    for path, needle in ((tmp_path / "missing.yaml", "cannot read"), (bad, "auth.yaml:1: expected 'api-key: KEY'")):
+        cfg = load_config("launch/configs/tiny_cpu.yaml", [f"rollout.api_key_file={path}"])
+        problem = preflight(cfg, 2)
+        assert problem.startswith("rollout.api_key_file: ") and needle in problem, problem
