@@ -325,10 +325,9 @@ class _Batcher:
         batch: list[tuple[_Job, list[GenerateRequest]]] = []
         rows = 0
         for job in list(self.jobs):
-            chunk = job.chunks[0]
-            n = sum(r.sampling.n for r in chunk)
-            if batch and rows + n > self.max_batch:
-                continue
+            if rows >= self.max_batch:  # as before chunking: calls join until max_batch is reached
+                break
+            n = sum(r.sampling.n for r in job.chunks[0])
             batch.append((job, job.chunks.pop(0)))
             rows += n
             self.jobs.remove(job)
