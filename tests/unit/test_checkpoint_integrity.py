@@ -26,7 +26,7 @@ class _State:
 
 
 def _run(value: float):
-    return SimpleNamespace(policy=_State(value), sampler=_State(value), rewards=_State(value), rank=0,
+    return SimpleNamespace(policy=_State(value), sampler=_State(value), rewards=_State(value), critic=None, rank=0,
                            weight_version=int(value), drift_state={}, pending=None, engine=None,
                            cfg=load_config(None), weight_sync=SimpleNamespace(sync=lambda *a: None))
 
