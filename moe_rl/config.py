@@ -271,7 +271,8 @@ class RolloutConfig:
     """With `urls`: the --served-model-name the servers run under; a server reporting another
     name in /server_info is refused. None = not checked (launched servers always are)."""
     max_restarts: int = ranged(3, ge=0)
-    """Launched servers: how often each one that dies is restarted (same port, same argv)."""
+    """Launched servers: how often each one that dies is restarted (same port, same argv; not with
+    weight_sync=nccl, where a new server cannot join the update group and would serve stale weights)."""
 
 
 @dataclass

@@ -425,6 +425,8 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
     if not urls:  # launched here: fresh run id (and keys off loopback), supervised, weights only from ours
         identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights"])
         servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity).start()
+        if r.weight_sync == "nccl":  # a restarted server could not rejoin the update group: it would serve stale weights
+            servers.max_restarts = 0
         servers.wait_healthy(timeout=r.timeout_s)
         servers.watch()
         urls, admin, keys, served_name = servers.urls, servers.admin_urls, identity.keys, identity.run_id
