@@ -265,7 +265,7 @@ def test_sigterm_stops_the_server_within_seconds_mid_generation(tiny_hf_dir):
     start = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     try:
-        srv.proc.wait(timeout=10)
+        srv.proc.wait(timeout=20)
     finally:
         _stop(srv.proc)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 20  # the whole request would take minutes
