@@ -264,6 +264,16 @@ class RolloutConfig:
     None = a free port picked at start (set it when a firewall allows only fixed ports)."""
     return_routed_experts: bool = True
     """Ask the engine for its routed experts; needed for R3 and train-rollout mismatch metrics."""
+    api_key_file: str | None = None
+    """With `urls`: the servers' keys, a file of 'api-key: KEY' and 'admin-api-key: KEY' lines
+    (mode 600; the file SGLang and `moe-rl serve` read with --config). Launched servers on a
+    non-loopback `host` get fresh per-run keys instead; on loopback they stay keyless."""
+    served_model_name: str | None = None
+    """With `urls`: the --served-model-name the servers run under; a server reporting another
+    name in /server_info is refused. None = not checked (launched servers always are)."""
+    max_restarts: int = ranged(3, ge=0)
+    """Launched servers: how often each one that dies is restarted (same port, same argv; not with
+    weight_sync=nccl, where a new server cannot join the update group and would serve stale weights)."""
 
 
 @dataclass

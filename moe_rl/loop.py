@@ -32,6 +32,7 @@ from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, 
 from moe_rl.policy.policy import Policy
 from moe_rl.reward.runner import RewardRunner
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
+from moe_rl.rollout.outage import attempt, unwrap
 
 
 @dataclass
@@ -175,7 +176,7 @@ def rollout(run: Run, step: int) -> tuple[Samples, int]:
         run.pending = _prefetch(run, next_prompts(run), step)
         run.pending_version = run.weight_version
     prompts, future = run.pending
-    samples = _samples(run, prompts, broadcast(future.result() if future is not None else None))
+    samples = _samples(run, prompts, unwrap(broadcast(attempt(future.result) if future is not None else None)))
     staleness = run.weight_version - run.pending_version
     run.pending = _prefetch(run, next_prompts(run), step + 1)
     run.pending_version = run.weight_version
@@ -195,8 +196,8 @@ def _prefetch(run: Run, prompts: list[Prompt], step: int) -> tuple[list[Prompt],
 
 def generate(run: Run, prompts: list[Prompt], step: int, greedy: bool = False) -> Samples:
     """Rank 0 asks the engine for G samples per prompt; the result reaches every rank."""
-    payload = _request(run, prompts, step, greedy) if run.rank == 0 else None
-    return _samples(run, prompts, broadcast(payload))
+    payload = attempt(lambda: _request(run, prompts, step, greedy)) if run.rank == 0 else None
+    return _samples(run, prompts, unwrap(broadcast(payload)))  # a lost engine: RolloutLost on every rank
 
 
 def _request(run: Run, prompts: list[Prompt], step: int, greedy: bool) -> list:

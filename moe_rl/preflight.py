@@ -17,7 +17,7 @@ from moe_rl.config import RunConfig
 
 def preflight(cfg: RunConfig, world_size: int) -> str | None:
     """The first problem that would stop this run, or None."""
-    for check in (_model, lambda c: _layout(c, world_size), _resume, _data):
+    for check in (_model, lambda c: _layout(c, world_size), _resume, _data, _keys):
         problem = check(cfg)
         if problem:
             return problem
@@ -89,4 +89,18 @@ def _data(cfg: RunConfig) -> str | None:
             if bad:
                 return (f"{key}: row {uid} has token id {bad[0]} outside the model's vocabulary "
                         f"[0, {vocab}); the data was tokenized for another model")
+    return None
+
+
+def _keys(cfg: RunConfig) -> str | None:
+    """rollout.api_key_file must be readable and hold the keys (moe_rl/rollout/auth.py)."""
+    path = getattr(cfg.rollout, "api_key_file", None)
+    if not path or cfg.train.mode == "dpo":
+        return None
+    from moe_rl.rollout.auth import read_key_file
+
+    try:
+        read_key_file(path)
+    except ValueError as e:
+        return f"rollout.api_key_file: {e}"
     return None

@@ -10,6 +10,7 @@ checkpoints/, weights/ (versions synced to the engine), servers/ (engine logs), 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from moe_rl.config import ConfigError, RunConfig, load_config
 from moe_rl.integrity import check_file, file_record, read_meta
+from moe_rl.rollout.outage import EXIT_NO_SERVER, RolloutLost
 
 CHECKPOINTS = "checkpoints"
 
@@ -207,7 +209,11 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
     progress = Progress(cfg.train.steps, enabled=rank == 0, live=None if cfg.log.progress else False)
     try:
         for step in range(start_step, cfg.train.steps + 1):
-            metrics = step_fn(run, step)
+            before = _step_state(run)
+            try:
+                metrics = step_fn(run, step)
+            except RolloutLost as e:  # every rank, at the same point: the step changed nothing but its draws
+                return _save_and_give_up(run, out, step - 1, before, cfg, log, e)
             if eval_set is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 metrics |= evaluate(run, eval_set, step)
             metrics["step"] = step
@@ -237,6 +243,26 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
         figures = write_report(out)
         log.info("report: %s", ", ".join(str(f) for f in figures))
     return 0
+
+
+def _step_state(run: Any) -> dict[str, Any]:
+    """What a step changes before its rollout returns (the prompt draws), to undo when it fails."""
+    return copy.deepcopy({"sampler": run.sampler.state_dict(),
+                          "rewards": run.rewards.state_dict() if run.rewards is not None else None})
+
+
+def _save_and_give_up(run: Any, out: Path, last: int, before: dict[str, Any], cfg: RunConfig, log: Any,
+                      error: Exception) -> int:
+    """No rollout server recovered: checkpoint step `last` as it ended (draws undone), exit 3."""
+    run.sampler.load_state_dict(before["sampler"])
+    if before["rewards"] is not None:
+        run.rewards.load_state_dict(before["rewards"])
+    done = latest_checkpoint(out)
+    if last >= 1 and (done is None or done.name != f"step_{last:06d}"):
+        save_checkpoint(run, out, last, cfg.train.keep_last)
+    log.error("no rollout server answered within rollout.timeout_s=%g s (%s); checkpoint of step %d saved, "
+              "resume with train.resume=auto once the servers are back", cfg.rollout.timeout_s, error, last)
+    return EXIT_NO_SERVER
 
 
 def _agree(flag: bool) -> bool:
@@ -274,7 +300,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     eos = eos[0] if isinstance(eos, list) else eos
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
     engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
-    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2,
+    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=getattr(engine, "keys", None),
                             **(update_group(cfg, servers) if cfg.rollout.weight_sync == "nccl" else {}))
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
@@ -387,7 +413,8 @@ def _free_port(avoid: int) -> int:
 
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
     """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
-    from moe_rl.rollout.launcher import ServerGroup
+    from moe_rl.rollout.auth import read_key_file
+    from moe_rl.rollout.launcher import RunIdentity, ServerGroup
     from moe_rl.rollout.sglang_client import SGLangClient
 
     if cfg.rollout.engine == "inprocess":  # no server: the engine runs in this process
@@ -396,12 +423,19 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
         return inprocess_engine(cfg, hf_dir), None
     arch = policy.arch
     servers = None
-    urls, admin = list(cfg.rollout.urls), list(cfg.rollout.admin_urls) or None
-    if not urls:
-        servers = ServerGroup.from_config(cfg.rollout, hf_dir, out / "servers").start()
-        servers.wait_healthy(timeout=cfg.rollout.timeout_s)
-        urls, admin = servers.urls, servers.admin_urls
+    r = cfg.rollout
+    urls, admin = list(r.urls), list(r.admin_urls) or None
+    keys, served_name = (read_key_file(r.api_key_file) if r.api_key_file else None), r.served_model_name
+    if not urls:  # launched here: fresh run id (and keys off loopback), supervised, weights only from ours
+        identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights"])
+        servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity).start()
+        if r.weight_sync == "nccl":  # a restarted server could not rejoin the update group: it would serve stale weights
+            servers.max_restarts = 0
+        servers.wait_healthy(timeout=r.timeout_s)
+        servers.watch()
+        urls, admin, keys, served_name = servers.urls, servers.admin_urls, identity.keys, identity.run_id
     client = SGLangClient(urls, admin_urls=admin, max_concurrency=cfg.rollout.concurrency,
+                          keys=keys, served_name=served_name, no_server_timeout=r.timeout_s,
                           request_timeout=cfg.rollout.timeout_s, max_attempts=cfg.rollout.retries + 1,
                           num_layers=arch.num_layers, topk=arch.moe_router_topk,
                           num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers))

@@ -89,7 +89,8 @@ class Rendered:
 # known only when the job runs; `bash_word` turns them into variable expansions.
 _VARS = {"@@PYTHON@@": "PYTHON", "@@MODEL@@": "MODEL_PATH", "@@NODE@@": "node",
          "@@ROUTER_NODE@@": "ROUTER_NODE", "@@ROUTER_ADDR@@": "ROUTER_ADDR", "@@RUN_DIR@@": "RUN_DIR",
-         "@@CONFIG@@": "CONFIG"}
+         "@@CONFIG@@": "CONFIG", "@@KEY_FILE@@": "KEY_FILE", "@@SERVED_NAME@@": "SERVED_NAME",
+         "@@API_KEY@@": "API_KEY"}
 _ARRAYS = {"@@WORKERS@@": '"${WORKER_URLS[@]}"'}
 _SENTINEL = re.compile("|".join(re.escape(s) for s in _VARS))
 
@@ -229,14 +230,28 @@ def _server_argv(cfg: Any, servers: ServerLayout, index: int, host: str, colocat
     from moe_rl.rollout.launcher import local_server_command, sglang_server_command
 
     port = servers.ports[index]
+    own = list(SERVER_IDENTITY)
     if servers.engine == "local":
-        return local_server_command("@@MODEL@@", host=host, port=port, python="@@PYTHON@@")
+        return local_server_command("@@MODEL@@", host=host, port=port, python="@@PYTHON@@", extra_args=own)
     extra = _without_tp_flags([str(a) for a in cfg.rollout.sglang_args])  # folded into servers.tp
     if colocated and "--enable-memory-saver" not in extra:
         extra.append("--enable-memory-saver")  # lets the trainer release SGLang's memory between phases
     return sglang_server_command("@@MODEL@@", host=host, port=port, tp_size=servers.tp,
                                  ep_size=int(cfg.rollout.ep_size), mem_fraction=float(cfg.rollout.mem_fraction),
-                                 base_gpu_id=index * servers.tp, python="@@PYTHON@@", extra_args=extra)
+                                 base_gpu_id=index * servers.tp, python="@@PYTHON@@", extra_args=own + extra)
+
+
+# Every server reads the job's keys from a mode-600 file (SGLang's --config) and serves under the
+# job's id, which the trainer checks (moe_rl/rollout/auth.py); neither key is in the script.
+SERVER_IDENTITY = ("--config", "@@KEY_FILE@@", "--served-model-name", "@@SERVED_NAME@@")
+
+
+def _keys_setup() -> str:
+    return ("# Per-job keys, mode 600 on the shared run dir: the servers (--config) and the trainer\n"
+            "# (rollout.api_key_file) read them there; they are never on a command line or in this script.\n"
+            'KEY_FILE="${RUN_DIR}/servers/auth.yaml"\n'
+            'SERVED_NAME="moe-rl-${SLURM_JOB_ID}"\n'
+            'run_task write-keys "$KEY_FILE"')
 
 
 def _without_tp_flags(args: list[str]) -> list[str]:
@@ -280,11 +295,14 @@ def _router_setup(cfg: Any, servers: ServerLayout, bind_node: bool) -> str:
     port = servers.router_port
     host = "@@ROUTER_ADDR@@" if bind_node else str(cfg.rollout.host)
     # Its metrics exporter gets the next port (the default 0.0.0.0:29000 is shared by every router on a node).
-    argv = router_command(["@@WORKERS@@"], host=host, port=port, prometheus_port=port + 1, python="@@PYTHON@@")
+    # The router calls the workers with the api key (its --api-key; read at run time, not written here).
+    argv = router_command(["@@WORKERS@@"], host=host, port=port, prometheus_port=port + 1, python="@@PYTHON@@",
+                          extra_args=["--api-key", "@@API_KEY@@"])
     srun = _srun_line('"$ROUTER_NODE"', '"${LOG_DIR}/router-${ROUTER_NODE}.log"', argv).removeprefix("  ")
     return ("# sglang-router in front of every server: generation requests go to it, weight\n"
             "# updates go to each server (rollout.admin_urls), which the router does not relay.\n"
             'ROUTER_NODE="${ROLLOUT_NODES[0]}"\n'
+            "API_KEY=$(sed -n 's/^api-key: //p' \"$KEY_FILE\")\n"
             f'ROUTER_URL="http://${{ROUTER_NODE}}:{port}"\n'
             f"{_router_addr() if bind_node else ''}"
             f"{srun}\n"
@@ -346,6 +364,8 @@ def _train_args(rollout: Any, base: Sequence[str], servers: ServerLayout, coloca
     if servers.use_router:
         words.append('"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"')
     words += _server_overrides(rollout, servers, colocated, fields)
+    if "api_key_file" in fields:
+        words += ['"rollout.api_key_file=${KEY_FILE}"', '"rollout.served_model_name=${SERVED_NAME}"']
     return ["  " + w for w in words]
 
 
@@ -409,6 +429,7 @@ def render_script(config_path: str | Path, overrides: Sequence[str], shape: Node
         "master_port": str(opts.master_port) if opts.master_port else
         f"$(( {MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_SPAN} ))",
         "env_exports": _env_exports(opts, shape), "model_setup": _model_setup(cfg, base[:-1]),
+        "keys_setup": _keys_setup(),
         "server_lines": _server_lines(cfg, servers, bind_node, shape.colocated),
         "router_setup": _router_setup(cfg, servers, bind_node),
         "train_args": "\n".join(_train_args(cfg.rollout, base, servers, shape.colocated, fields)),

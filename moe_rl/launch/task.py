@@ -183,6 +183,8 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("finished", help="exit 0 when the run dir holds a checkpoint of the last step")
     f.add_argument("--run-dir", required=True)
     f.add_argument("--steps", type=int, required=True)
+    k = sub.add_parser("write-keys", help="write fresh server keys to a file of mode 600 (SGLang --config YAML)")
+    k.add_argument("path")
     m = sub.add_parser("prepare-model", help="write the fresh model of a config without model.hf_path")
     m.add_argument("--config", required=True)
     m.add_argument("--run-dir", required=True)
@@ -204,6 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             step = last_checkpoint_step(args.run_dir)
             print(f"last complete checkpoint: step {step} of {args.steps}")
             return 0 if step >= args.steps else NOT_FINISHED
+        elif args.cmd == "write-keys":
+            from moe_rl.rollout.auth import RunKeys, write_key_file
+
+            print(f"server keys: {write_key_file(args.path, RunKeys.new())}")
         elif args.cmd == "prepare-model":
             print(prepare_model(args.config, args.overrides, args.run_dir))
     except TaskError as e:

@@ -33,16 +33,20 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from moe_rl.rollout.auth import RunKeys, needs_keys, redact, write_key_file
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +143,8 @@ def wants_router(cfg: Any) -> bool:
 
 
 def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None, ep_size: int | None = None,
-                 python: str | None = None) -> tuple[list[ServerSpec], ServerSpec | None]:
+                 python: str | None = None, identity: "RunIdentity | None" = None
+                 ) -> tuple[list[ServerSpec], ServerSpec | None]:
     """The servers (and the router, or None) a `RolloutConfig` asks for.
 
     Server i listens on `cfg.base_port + i`; the router, when there is one (see
@@ -148,6 +153,9 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
     kernel's ephemeral range, so that no connection takes them before the servers bind). Each SGLang
     server gets its own `tp_size` GPUs (`--base-gpu-id i * tp_size`). tp_size /
     ep_size default to the config's `tp_size` / `ep_size` fields when it has them, else 1.
+    `identity` adds what makes the servers this run's: `--served-model-name` (the run id),
+    `--config` with the keys file, and for `moe-rl serve` its `--trusted-dir`s; with keys the
+    router binds loopback only (it forwards to the workers with the api key, and checks none itself).
     """
     if getattr(cfg, "urls", None):
         raise ValueError(f"rollout.urls is set ({', '.join(cfg.urls)}): those servers already run; "
@@ -162,26 +170,63 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
     if base + n + 1 > 65535:
         raise ValueError(f"rollout.base_port={base} leaves no room for {n} servers and a router below 65536")
     servers: list[ServerSpec] = []
+    own = identity.server_args() if identity is not None else []
     for i in range(n):
         port = base + i
         if cfg.engine == "local":
-            argv = local_server_command(model_path, host=host, port=port, python=python)
+            extra = own + [a for d in (identity.trusted_dirs if identity else ()) for a in ("--trusted-dir", str(d))]
+            argv = local_server_command(model_path, host=host, port=port, python=python, extra_args=extra)
             servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port, _local_env()))
         elif cfg.engine == "sglang":
             argv = sglang_server_command(model_path, host=host, port=port, tp_size=tp, ep_size=ep,
                                          mem_fraction=float(cfg.mem_fraction), base_gpu_id=i * tp,
-                                         python=python, extra_args=list(cfg.sglang_args))
+                                         python=python, extra_args=own + list(cfg.sglang_args))
             servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port))
         else:
             raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.engine!r}")
     router = None
     if wants_router(cfg):
-        argv = router_command([s.url for s in servers], host=host, port=base + n, prometheus_port=base + n + 1,
-                              python=python)
+        keyed = identity is not None and identity.keys is not None
+        rhost = "127.0.0.1" if keyed else host
+        argv = router_command([s.url for s in servers], host=rhost, port=base + n, prometheus_port=base + n + 1,
+                              python=python, extra_args=["--api-key", identity.keys.api_key] if keyed else ())
         # /readiness, not /health: the router answers /health at once, but refuses
         # /generate (503) until it has registered a healthy worker.
-        router = ServerSpec("router", tuple(argv), host, base + n, health_path="/readiness")
+        router = ServerSpec("router", tuple(argv), rhost, base + n, health_path="/readiness")
     return servers, router
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What tells this run's servers from any other: the run id they serve under, the keys
+    file (None = keyless, loopback-only runs) and where `moe-rl serve` may load weights from."""
+
+    run_id: str
+    key_file: Path | None = None
+    keys: "RunKeys | None" = None
+    trusted_dirs: tuple[Path, ...] = ()
+
+    @classmethod
+    def for_run(cls, out: str | Path, host: str, trusted_dirs: Sequence[str | Path] = ()) -> "RunIdentity":
+        """A fresh id (and, when `host` is not loopback, fresh keys in `<out>/servers/auth.yaml`, mode 600)."""
+        out = Path(out)
+        run_id = f"moe-rl-{out.name}-{secrets.token_hex(4)}".replace(":", "-")
+        keys = key_file = None
+        if needs_keys(host):
+            keys = RunKeys.new()
+            key_file = write_key_file(out / "servers" / "auth.yaml", keys)
+        return cls(run_id, key_file, keys, tuple(Path(d) for d in trusted_dirs))
+
+    def server_args(self) -> list[str]:
+        args = ["--served-model-name", self.run_id]
+        return args + (["--config", str(self.key_file)] if self.key_file is not None else [])
+
+    def scrub(self, text: str) -> str:
+        """`text` with the keys replaced by *** (server logs hold them: SGLang logs its arguments)."""
+        if self.keys is not None:
+            for k in (self.keys.api_key, self.keys.admin_api_key):
+                text = text.replace(k, "***")
+        return text
 
 
 def _local_env() -> dict[str, str]:
@@ -220,6 +265,15 @@ def port_is_free(host: str, port: int) -> bool:
             s.bind((host if host not in _WILDCARD_HOSTS else ("::" if family == socket.AF_INET6 else ""), port))
         except OSError:
             return False
+    return True
+
+
+def _wait_port_free(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not port_is_free(host, port):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
     return True
 
 
@@ -284,21 +338,29 @@ class ServerGroup:
     """
 
     def __init__(self, servers: Sequence[ServerSpec], log_dir: str | Path, *, router: ServerSpec | None = None,
-                 env: Mapping[str, str] | None = None, stop_timeout: float = 15.0):
+                 env: Mapping[str, str] | None = None, stop_timeout: float = 15.0,
+                 identity: RunIdentity | None = None, max_restarts: int = 3):
         if not servers:
             raise ValueError("a ServerGroup needs at least one server")
         self.servers, self.router = list(servers), router
         self.log_dir = Path(log_dir)
         self.env = dict(env or {})
         self.stop_timeout = float(stop_timeout)
+        self.identity = identity
+        self.max_restarts = int(max_restarts)
+        self.restarts: dict[str, int] = {}
         self._running: list[_Running] = []
+        self._lock = threading.Lock()
+        self._watching: threading.Event | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | Path, log_dir: str | Path, *, tp_size: int | None = None,
-                    ep_size: int | None = None, env: Mapping[str, str] | None = None) -> "ServerGroup":
+                    ep_size: int | None = None, env: Mapping[str, str] | None = None,
+                    identity: RunIdentity | None = None) -> "ServerGroup":
         """The group a `RolloutConfig` describes (see `plan_servers`)."""
-        servers, router = plan_servers(cfg, model_path, tp_size=tp_size, ep_size=ep_size)
-        return cls(servers, log_dir, router=router, env=env)
+        servers, router = plan_servers(cfg, model_path, tp_size=tp_size, ep_size=ep_size, identity=identity)
+        return cls(servers, log_dir, router=router, env=env, identity=identity,
+                   max_restarts=int(getattr(cfg, "max_restarts", 3)))
 
     @property
     def specs(self) -> list[ServerSpec]:
@@ -342,11 +404,12 @@ class ServerGroup:
             raise
         return self
 
-    def _launch(self, spec: ServerSpec) -> _Running:
+    def _launch(self, spec: ServerSpec, append: bool = False) -> _Running:
         path = self.log_paths[spec.name]
         env = {**os.environ, **spec.env, **self.env}
-        with open(path, "wb") as logf:  # the child keeps its own descriptor
-            logf.write(f"$ {' '.join(spec.argv)}\n".encode())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o600)  # SGLang logs its keys
+        with os.fdopen(fd, "wb") as logf:  # the child keeps its own descriptor
+            logf.write(f"$ {' '.join(redact(spec.argv))}\n".encode())
             logf.flush()
             # A session of its own: stop() signals the whole process group, children included.
             # preexec_fn only calls prctl (no locks, no allocation that could deadlock after fork)
@@ -385,7 +448,7 @@ class ServerGroup:
         parts = []
         for r, why in problems:
             parts.append(f"{r.spec.name} ({r.spec.url}) {why}; log: {r.log_path}\n"
-                         f"--- last lines of {r.log_path} ---\n{tail(r.log_path)}\n---")
+                         f"--- last lines of {r.log_path} ---\n{self._scrub(tail(r.log_path))}\n---")
         message = "rollout servers failed to start:\n" + "\n".join(parts)
         log.error(message)
         if stop:
@@ -396,10 +459,60 @@ class ServerGroup:
         """Whether each started process is still running."""
         return {r.spec.name: r.proc.poll() is None for r in self._running}
 
+    def _scrub(self, text: str) -> str:
+        return self.identity.scrub(text) if self.identity is not None else text
+
+    # --------------------------------------------------------------- supervision
+    def restart_dead(self) -> list[str]:
+        """Relaunch every process that exited (same argv, same port), at most `max_restarts`
+        times each; returns the names restarted. The clients find them by probing: a
+        restarted server proves it is this run's and gets the current weights before use."""
+        done = []
+        with self._lock:
+            for i, r in enumerate(self._running):
+                if r.proc.poll() is None:
+                    continue
+                name = r.spec.name
+                if self.restarts.get(name, 0) >= self.max_restarts:
+                    continue
+                self._signal(r.proc.pid, signal.SIGKILL)  # what is left of its group (SGLang's children)
+                self._wait_groups_gone([r.proc.pid], 5.0)
+                if not _wait_port_free(r.spec.host, r.spec.port, 10.0):
+                    log.error("%s exited (code %s) but port %d is held by another process: not restarted; "
+                              "the client will not use what answers there unless it is this run's",
+                              name, r.proc.returncode, r.spec.port)
+                    continue
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                log.warning("%s exited with code %s; restarting it (%d of %d); log %s", name, r.proc.returncode,
+                            self.restarts[name], self.max_restarts, r.log_path)
+                self._running[i] = self._launch(r.spec, append=True)
+                done.append(name)
+        return done
+
+    def watch(self, interval: float = 1.0) -> "ServerGroup":
+        """Supervise in a daemon thread: `restart_dead()` every `interval` s until `stop()`."""
+        if self._watching is None:
+            self._watching = threading.Event()
+            stopped = self._watching
+
+            def loop() -> None:
+                while not stopped.wait(interval):
+                    try:
+                        self.restart_dead()
+                    except Exception:  # noqa: BLE001 - a supervisor must not die of one failed restart
+                        log.exception("restarting a rollout server failed")
+
+            threading.Thread(target=loop, name="server-supervisor", daemon=True).start()
+        return self
+
     # -------------------------------------------------------------------- stop
     def stop(self) -> None:
         """SIGTERM every process group (router first), SIGKILL what is left after `stop_timeout`."""
-        running, self._running = self._running, []
+        if self._watching is not None:
+            self._watching.set()
+            self._watching = None
+        with self._lock:
+            running, self._running = self._running, []
         atexit.unregister(self.stop)
         if not running:
             return

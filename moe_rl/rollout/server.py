@@ -70,10 +70,19 @@ Differences from SGLang, on purpose: `sampling_seed` is always honoured (SGLang 
 gives every copy the same seed); log-probs are log_softmax(logits / T) as SGLang's
 (see --logprob-mode and local_engine.py); there is no prefix cache, so /flush_cache is a no-op.
 
-Generation runs in one worker thread; requests that arrive while it is busy are
-batched together into the next engine call (up to --max-batch samples), so
-/health keeps answering and concurrent /generate calls are safe. Weight updates
-load and validate in another thread and swap between two decode steps.
+Generation runs in one worker thread. Each /generate call is cut into chunks of at most
+--max-batch samples, and every engine call takes the next chunk of each waiting call in
+turn, so /health keeps answering, concurrent calls are safe and a small request waits one
+chunk behind a huge one, not the whole of it. A call whose client disconnects is
+cancelled: its chunks not yet in the engine are dropped. Weight updates load and validate
+in another thread and swap between two decode steps.
+
+Access (SGLang's scheme, moe_rl/rollout/auth.py): `--config FILE` with `api-key:` /
+`admin-api-key:` lines makes every endpoint but /health* need `Authorization: Bearer KEY`
+(the weight and control endpoints the admin key), 401 otherwise. /update_weights_from_disk
+loads only from under a `--trusted-dir` (default: the directory holding --model), 403
+otherwise. `--served-model-name` is what /server_info reports, so a trainer can tell its
+own servers from whatever else answers on the port.
 """
 from __future__ import annotations
 
@@ -83,18 +92,21 @@ import base64
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from moe_rl.rollout.auth import decide, read_key_file
 from moe_rl.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from moe_rl.rollout.local_engine import MemoryReleasedError
 from moe_rl.rollout.weight_sync import TensorMeta, new_custom_group, unflatten_bucket
@@ -111,6 +123,8 @@ GROUPS: web.AppKey["_UpdateGroups"] = web.AppKey("update_groups", object)
 SERVER_ARGS: web.AppKey[dict] = web.AppKey("server_args", dict)
 HEALTH_TIMEOUT: web.AppKey[float] = web.AppKey("health_timeout", float)
 MAX_REQUEST_TOKENS: web.AppKey[int] = web.AppKey("max_request_tokens", int)
+KEYS: web.AppKey[tuple] = web.AppKey("keys", tuple)
+TRUSTED: web.AppKey[Any] = web.AppKey("trusted_dirs", object)
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 18  # 256k new tokens: a full RL step of the demo is ~4k
 
 HEALTH_CHECK_TIMEOUT = 20.0  # s; SGLang's default (SGLANG_HEALTH_CHECK_TIMEOUT, http_server.py)
@@ -248,60 +262,102 @@ def _sample_json(res: GenerateResult, req: GenerateRequest, rid: str, return_log
 
 
 # -------------------------------------------------------------------------- batcher
+class _Job:
+    """One /generate call, cut into chunks of at most max_batch samples (whole prompts)."""
+
+    def __init__(self, reqs: list[GenerateRequest], max_batch: int, fut: asyncio.Future):
+        self.chunks: list[list[GenerateRequest]] = []
+        for r in reqs:
+            if not self.chunks or sum(x.sampling.n for x in self.chunks[-1]) + r.sampling.n > max_batch:
+                self.chunks.append([])
+            self.chunks[-1].append(r)
+        self.results: list[list[GenerateResult]] = []
+        self.fut = fut
+
+
 class _Batcher:
-    """Collects /generate calls that arrive while the engine is busy into one engine call."""
+    """Feeds the engine from every /generate call in turn.
+
+    Each call is cut into chunks of at most `max_batch` samples; every engine call takes the
+    next chunk of each waiting call in rotation (up to max_batch samples), so a small request
+    that arrives behind a huge one waits for one chunk, not for the whole huge request. A
+    call whose client went away (its future cancelled) loses its remaining chunks: at most the
+    chunk already in the engine is generated for nobody.
+    """
 
     def __init__(self, engine: Any, max_batch: int):
         self.engine = engine
         self.max_batch = max(1, int(max_batch))
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.jobs: list[_Job] = []
+        self.wake = asyncio.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-generate")
         self.task: asyncio.Task | None = None
+        self.closed = False
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """No chunk starts after this; waiting calls are cancelled (the one in the engine runs on
+        until the engine is aborted)."""
+        self.closed = True
         if self.task is not None:
             self.task.cancel()
             try:
                 await self.task
             except (asyncio.CancelledError, Exception):
                 pass
+        for job in self.jobs:
+            job.fut.cancel()
+        self.jobs = []
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, reqs: list[GenerateRequest]) -> list[list[GenerateResult]]:
+        if self.closed:
+            raise web.HTTPServiceUnavailable(text="the server is shutting down")
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put((reqs, fut))
-        return await fut
+        self.jobs.append(_Job(reqs, self.max_batch, fut))
+        self.wake.set()
+        return await fut  # cancelled with the handler when the client disconnects
+
+    def _next_batch(self) -> list[tuple[_Job, list[GenerateRequest]]]:
+        self.jobs = [j for j in self.jobs if not j.fut.done()]  # callers that went away
+        batch: list[tuple[_Job, list[GenerateRequest]]] = []
+        rows = 0
+        for job in list(self.jobs):
+            if rows >= self.max_batch:  # as before chunking: calls join until max_batch is reached
+                break
+            n = sum(r.sampling.n for r in job.chunks[0])
+            batch.append((job, job.chunks.pop(0)))
+            rows += n
+            self.jobs.remove(job)
+            if job.chunks:
+                self.jobs.append(job)  # its next chunk waits behind the others: rotation
+        return batch
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            item = await self.queue.get()
-            batch = [item]
-            rows = sum(r.sampling.n for r in item[0])
-            while rows < self.max_batch and not self.queue.empty():
-                nxt = self.queue.get_nowait()
-                batch.append(nxt)
-                rows += sum(r.sampling.n for r in nxt[0])
-            batch = [(reqs, fut) for reqs, fut in batch if not fut.done()]  # caller went away
+            batch = self._next_batch()
             if not batch:
+                self.wake.clear()
+                await self.wake.wait()
                 continue
-            flat = [r for reqs, _ in batch for r in reqs]
+            flat = [r for _, chunk in batch for r in chunk]
             try:
                 results = await loop.run_in_executor(self.executor, self.engine.generate, flat)
             except Exception as e:  # noqa: BLE001 - reported to every caller of this batch
                 log.exception("generation failed")
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+                for job, _ in batch:
+                    if not job.fut.done():
+                        job.fut.set_exception(e)
                 continue
             k = 0
-            for reqs, fut in batch:
-                if not fut.done():
-                    fut.set_result(results[k:k + len(reqs)])
-                k += len(reqs)
+            for job, chunk in batch:
+                job.results.extend(results[k:k + len(chunk)])
+                k += len(chunk)
+                if not job.chunks and not job.fut.done():
+                    job.fut.set_result(job.results)
 
 
 # ---------------------------------------------------------------------------- app
@@ -322,6 +378,26 @@ async def _json_errors(request: web.Request, handler):
     except Exception as e:  # noqa: BLE001
         log.exception("error in %s %s", request.method, request.path)
         return _error(500, f"{type(e).__name__}: {e}")
+
+
+@web.middleware
+async def _auth(request: web.Request, handler):
+    """SGLang's Bearer-key check (moe_rl/rollout/auth.py): 401 before any work is done."""
+    api_key, admin_key = request.app[KEYS]
+    if decide(request.path, request.method, request.headers.get("Authorization"), api_key, admin_key):
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+
+def _untrusted(path: str, trusted: Any) -> str | None:
+    """Why `path` may not be loaded (None when it lies under a --trusted-dir, or none were set)."""
+    if trusted is None:
+        return None
+    real = Path(path).resolve()
+    if any(real == d or d in real.parents for d in trusted):
+        return None
+    return (f"{path} is not under a trusted directory ({', '.join(map(str, trusted)) or 'none'}); "
+            "start the server with --trusted-dir to allow it")
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -363,6 +439,9 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
     body = await _read_json(request)
     if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
         raise BadRequest("send {\"model_path\": \"<HF checkpoint dir>\", \"weight_version\": ...}")
+    refused = _untrusted(body["model_path"], request.app[TRUSTED])
+    if refused:
+        return web.json_response({"success": False, "message": refused, "num_paused_requests": 0}, status=403)
     version = body.get("weight_version")
     abort = bool(body.get("abort_all_requests", False))
     loop = asyncio.get_running_loop()
@@ -482,7 +561,7 @@ def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
     return {
         "model_path": engine.model_path,
         "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
-        "served_model_name": engine.model_path,
+        "served_model_name": server_args.get("served_model_name") or engine.model_path,
         "skip_tokenizer_init": engine.tokenizer is None,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": str(engine.device),
@@ -495,7 +574,7 @@ def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
         "disaggregation_mode": "null",
         "enable_return_routed_experts": bool(engine.moe_layer_ids),
         "weight_version": engine.weight_version,
-        **{k: v for k, v in server_args.items() if k not in ("max_running_requests",)},
+        **{k: v for k, v in server_args.items() if k not in ("max_running_requests", "served_model_name")},
         # SGLang's internal_states hold scheduler state per dp rank; here, this engine's
         "internal_states": [{"memory_released": engine.memory_released,
                              "generating": bool(getattr(engine, "busy", False))}],
@@ -773,15 +852,21 @@ ROUTES: list[tuple[tuple[str, ...], tuple[str, ...], Callable[[web.Request], Any
 def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0,
              health_timeout: float = HEALTH_CHECK_TIMEOUT, group_timeout: timedelta = timedelta(minutes=10),
              server_args: dict[str, Any] | None = None,
-             max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> web.Application:
+             max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None,
+             admin_api_key: str | None = None, trusted_dirs: Sequence[str | Path] | None = None) -> web.Application:
     """The aiohttp application serving `engine` (a LocalEngine) over SGLang's native API.
+
+    api_key / admin_api_key: SGLang's Bearer keys (moe_rl/rollout/auth.py). trusted_dirs:
+    the only directories /update_weights_from_disk loads from (None = any).
 
     health_timeout: seconds /health_generate waits for a forward step; group_timeout: how
     long joining a weight-update group (and each broadcast) may take; server_args: launch
     options reported by /server_info (host, port, random_seed, ...).
     """
     size = int(max_body_mb * 1024 * 1024)
-    app = web.Application(client_max_size=size, middlewares=[_json_errors])
+    app = web.Application(client_max_size=size, middlewares=[_auth, _json_errors])
+    app[KEYS] = (api_key, admin_api_key)
+    app[TRUSTED] = None if trusted_dirs is None else [Path(d).resolve() for d in trusted_dirs]
     app[ENGINE] = engine
     app[MAX_BODY] = size
     app[BATCHER] = _Batcher(engine, max_batch)
@@ -854,7 +939,7 @@ class ServerThread:
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
         app = make_app(self.engine, **self._app_kw, server_args={"host": self.host})
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
@@ -908,6 +993,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-check-timeout", type=float, default=HEALTH_CHECK_TIMEOUT,
                         help="seconds /health_generate waits for a forward step before answering 503 (SGLang: 20)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--config", default=None,
+                        help="YAML file with 'api-key: KEY' and 'admin-api-key: KEY' lines (as SGLang's --config): "
+                             "every endpoint but /health* then needs 'Authorization: Bearer KEY', weight and "
+                             "control endpoints the admin key; keep the file mode 600")
+    parser.add_argument("--trusted-dir", action="append", default=None,
+                        help="a directory /update_weights_from_disk may load from (repeatable); default: the "
+                             "directory that holds --model. Other paths are refused with 403")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name /server_info reports (SGLang's flag; the launcher sets the run id, so a "
+                             "trainer recognises its own servers)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -915,6 +1010,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        keys = read_key_file(args.config) if args.config else None
+    except ValueError as e:
+        print(f"moe-rl serve: --config: {e}", file=sys.stderr)
+        return 2
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     engine = LocalEngine(args.model, seed=args.seed, dtype=args.dtype, device=device,
                          max_batch=args.max_batch, logprob_mode=args.logprob_mode,
@@ -930,8 +1030,12 @@ def run(args: argparse.Namespace) -> int:
                 pass
         app = make_app(engine, max_batch=args.max_batch, max_body_mb=args.max_body_mb,
                        health_timeout=args.health_check_timeout, max_request_tokens=args.max_request_tokens,
-                       server_args={"host": args.host, "random_seed": args.seed})
-        runner = web.AppRunner(app, access_log=None)
+                       server_args={"host": args.host, "random_seed": args.seed,
+                                    "served_model_name": args.served_model_name},
+                       api_key=keys.api_key if keys else None, admin_api_key=keys.admin_api_key if keys else None,
+                       trusted_dirs=args.trusted_dir or [Path(args.model).resolve().parent])
+        # handler_cancellation: a client that disconnects cancels its call (and its queued chunks)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
@@ -941,7 +1045,8 @@ def run(args: argparse.Namespace) -> int:
             await stop.wait()
         finally:
             # End in-flight samples now (finish_reason "abort"): a long request must not hold
-            # SIGTERM for as long as it would take to finish.
+            # SIGTERM for as long as it would take to finish, nor start its next chunk.
+            await app[BATCHER].stop()
             engine.pause_generation("abort")
             await runner.cleanup()
 

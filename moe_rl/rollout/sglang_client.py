@@ -71,6 +71,7 @@ from typing import Any, Coroutine, Sequence
 import aiohttp
 import numpy as np
 
+from moe_rl.rollout.auth import RunKeys
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, WeightsSource,
                                    moe_layer_ids, num_experts_of, to_route_dtype, topk_of)
 
@@ -130,6 +131,9 @@ class SGLangClient:
         (moe-rl serve reports them) or from `<model_path>/config.json` when readable.
     retry_aborted: resubmit samples that came back with finish_reason "abort"
         (e.g. from pause_generation) instead of returning them.
+    keys: the run's api / admin keys (moe_rl/rollout/auth.py), sent as Bearer tokens.
+    served_name: the `served_model_name` the servers were launched with (the run id): a
+        server whose /server_info reports another name is not ours and is never used.
     """
 
     def __init__(self, urls: Sequence[str] | str, *, admin_urls: Sequence[str] | None = None,
@@ -137,15 +141,18 @@ class SGLangClient:
                  max_attempts: int = 4, backoff_base: float = 0.5, backoff_max: float = 10.0,
                  probe_interval: float = 5.0, probe_timeout: float = 20.0, no_server_timeout: float = 60.0,
                  num_layers: int | None = None, topk: int | None = None, num_experts: int | None = None,
-                 moe_layer_ids: Sequence[int] | None = None, retry_aborted: bool = False):
+                 moe_layer_ids: Sequence[int] | None = None, retry_aborted: bool = False,
+                 keys: RunKeys | None = None, served_name: str | None = None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
-        self._servers = [_Server(u.rstrip("/")) for u in urls]
+        # With a run id to check, a server is used only once a probe has seen it is ours.
+        self._servers = [_Server(u.rstrip("/"), healthy=served_name is None) for u in urls]
         admin = [u.rstrip("/") for u in (admin_urls or [])]
         # A router in front: `urls` are not the workers themselves.
         self._behind_router = bool(admin) and set(admin) != set(self.urls)
-        self._admin = [_Server(u) for u in admin] if self._behind_router else self._servers
+        self._admin = [_Server(u, healthy=served_name is None) for u in admin] if self._behind_router \
+            else self._servers
         self.max_concurrency = int(max_concurrency)
         self.request_timeout = float(request_timeout)
         self.connect_timeout = float(connect_timeout)
@@ -154,6 +161,7 @@ class SGLangClient:
         self.probe_interval, self.probe_timeout = float(probe_interval), float(probe_timeout)
         self.no_server_timeout = float(no_server_timeout)
         self.retry_aborted = retry_aborted
+        self.keys, self.served_name = keys, served_name
         self._geo_args = (num_layers, topk, num_experts, None if moe_layer_ids is None else list(moe_layer_ids))
         self._geometry: _Geometry | None = None
         self._target_weights: tuple[str, str | None] | None = None  # last (path, version) applied
@@ -246,7 +254,9 @@ class SGLangClient:
         t = self.request_timeout if timeout is None else timeout
         to = aiohttp.ClientTimeout(total=t, sock_connect=min(self.connect_timeout, t))
         try:
-            async with session.request(method, server.url + path, json=payload, timeout=to) as resp:
+            headers = self.keys.header(path) if self.keys is not None else None
+            async with session.request(method, server.url + path, json=payload, timeout=to,
+                                       headers=headers) as resp:
                 return resp.status, await resp.read()
         except asyncio.TimeoutError:
             raise _Retryable(f"no answer to {method} {path} within {t:g} s") from None
@@ -305,6 +315,8 @@ class SGLangClient:
             status, body = await self._request(server, "GET", path, timeout=self.probe_timeout)
             if status != 200:
                 raise _Retryable(f"{path} answered HTTP {status}")
+            if not server.healthy and server in self._admin:
+                await self._check_identity(server)
             target = self._target_weights
             # Bring a recovered server up to date (only when it is one we update directly).
             if target is not None and not server.healthy and server in self._admin:
@@ -368,6 +380,17 @@ class SGLangClient:
         generate URL answers (and, behind a router, at least one worker too)."""
         return bool(self._run(self._ahealth()))
 
+    async def _check_identity(self, server: _Server) -> None:
+        """Refuse (RolloutError) a server whose /server_info names another run than `served_name`:
+        whatever answers on a dead server's port may be another run's or another model."""
+        if self.served_name is None:
+            return
+        info = await self._json(server, "GET", "/server_info", timeout=self.probe_timeout)
+        name = info.get("served_model_name") if isinstance(info, dict) else None
+        if name != self.served_name:
+            raise RolloutError(f"server {server.url} is not this run's: it serves {name!r}, expected "
+                               f"{self.served_name!r}; it is not used")
+
     async def _model_info(self, server: _Server) -> Any:
         """GET /model_info; /get_model_info (its name before sglang 0.5.23) when that is a 404."""
         for path in ("/model_info", "/get_model_info"):
@@ -421,8 +444,22 @@ class SGLangClient:
         """Async variant, awaitable from any event loop."""
         return await self._on_loop(self._generate(requests))
 
+    async def _recheck_identity(self) -> None:
+        """Before a batch: each healthy server we update directly must still be the run's own (a
+        server that died between two calls may have been replaced by a stranger on its port)."""
+        if self.served_name is None:
+            return
+
+        async def one(s: _Server) -> None:
+            try:
+                await self._check_identity(s)
+            except (_Retryable, RolloutError) as e:
+                self._mark_unhealthy(s, str(e))
+        await asyncio.gather(*(one(s) for s in self._admin if s.healthy))
+
     async def _generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
         self._ensure_session()
+        await self._recheck_identity()
         if self._released:
             log.debug("servers were released (release_memory_occupation): resuming them before generating")
             await self._aresume()
@@ -566,6 +603,7 @@ class SGLangClient:
         return payload
 
     async def _update_one(self, server: _Server, path: str, version: str | None) -> None:
+        await self._check_identity(server)  # never push this run's weights into a stranger
         payload = self._disk_update_payload(path, version)
         d = await self._json(server, "POST", "/update_weights_from_disk", payload, ok_statuses=(200, 400))
         if not isinstance(d, dict) or not d.get("success"):

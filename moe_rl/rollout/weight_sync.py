@@ -587,10 +587,12 @@ def bucket_payloads(buckets: Sequence[Sequence[TensorMeta]], group_name: str, ve
             for i, b in enumerate(buckets)]
 
 
-def _post_json(url: str, path: str, payload: Any, timeout: float) -> tuple[int, Any]:
-    """POST JSON; returns (HTTP status, parsed body or text). Connection problems raise WeightSyncError."""
+def _post_json(url: str, path: str, payload: Any, timeout: float, keys: Any = None) -> tuple[int, Any]:
+    """POST JSON (with the run's Bearer key when `keys`, a RunKeys, is given); returns (HTTP status,
+    parsed body or text). Connection problems raise WeightSyncError."""
+    headers = {"Content-Type": "application/json", **(keys.header(path) if keys is not None else {})}
     req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(payload).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
@@ -643,8 +645,10 @@ class NcclSync:
                  server_tp_sizes: int | Sequence[int] = 1, group_name: str = "moe_rl_weight_sync",
                  backend: str = "nccl", bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None,
                  load_format: str | None = "flattened_bucket", flush_cache: bool = True,
-                 http_timeout: float = 600.0, group_timeout: timedelta = timedelta(minutes=10), group: Any = None):
+                 http_timeout: float = 600.0, group_timeout: timedelta = timedelta(minutes=10), group: Any = None,
+                 keys: Any = None):
         self.urls = [u.rstrip("/") for u in admin_urls]
+        self.keys = keys  # the servers' RunKeys (moe_rl/rollout/auth.py), or None
         if not self.urls:
             raise ValueError("NcclSync needs the servers' URLs")
         tps = [server_tp_sizes] * len(self.urls) if isinstance(server_tp_sizes, int) else list(server_tp_sizes)
@@ -675,7 +679,7 @@ class NcclSync:
         futures = [self._pool.submit(_post_json, url, path,
                                      init_group_payload(self.master_address, self.master_port, off,
                                                         self.world_size, self.group_name, self.backend),
-                                     self.http_timeout) for url, off in zip(self.urls, self.offsets)]
+                                     self.http_timeout, self.keys) for url, off in zip(self.urls, self.offsets)]
         try:  # the servers' HTTP calls return only once everybody joined: join while they wait
             self._pg = new_custom_group(self.backend, f"tcp://{self.master_address}:{self.master_port}",
                                         self.world_size, 0, self.group_name, self.group_timeout)
@@ -701,7 +705,7 @@ class NcclSync:
             return
         for url in self.urls:
             try:
-                _post_json(url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30.0)
+                _post_json(url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30.0, self.keys)
             except WeightSyncError as e:
                 log.warning("%s", e)
         dist.destroy_process_group(self._pg)
@@ -739,7 +743,8 @@ class NcclSync:
         payload = update_payload(bucket.metas, self.group_name, flush_cache=self.flush_cache and bucket.last,
                                  weight_version=str(version) if bucket.last else None, load_format=self.load_format)
         path = "/update_weights_from_distributed"
-        futures = [self._pool.submit(_post_json, url, path, payload, self.http_timeout) for url in self.urls]
+        futures = [self._pool.submit(_post_json, url, path, payload, self.http_timeout, self.keys)
+                   for url in self.urls]
         device = compute_device()
         if self.load_format == "flattened_bucket":
             dist.broadcast(flatten_bucket([t.to(device) for t in bucket.tensors]), src=0, group=self._pg)
@@ -752,7 +757,8 @@ class NcclSync:
         """POST to every server; a 404 on the session endpoints means an SGLang without them."""
         if self._session is False:
             return None
-        futures = [self._pool.submit(_post_json, url, path, payload, self.http_timeout) for url in self.urls]
+        futures = [self._pool.submit(_post_json, url, path, payload, self.http_timeout, self.keys)
+                   for url in self.urls]
         errors, missing = [], 0
         for url, fut in zip(self.urls, futures):
             try:
@@ -781,7 +787,7 @@ WeightSync = Union[DiskSync, TensorSync, NcclSync]
 def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Sequence[str] = (),
                      master_address: str | None = None, master_port: int | None = None,
                      server_tp_sizes: int | Sequence[int] = 1, bucket_bytes: int | None = None,
-                     keep_last: int = 2, backend: str = "nccl", group: Any = None) -> WeightSync:
+                     keep_last: int = 2, backend: str = "nccl", group: Any = None, keys: Any = None) -> WeightSync:
     """The sync `rollout.weight_sync` names (`cfg` is a RunConfig or its RolloutConfig).
 
     disk needs `root` (a directory the trainer and the servers share); nccl needs
@@ -804,5 +810,5 @@ def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Se
             raise ValueError("rollout.weight_sync=nccl needs the servers' admin_urls, master_address and master_port")
         return NcclSync(admin_urls, master_address=master_address, master_port=master_port,
                         server_tp_sizes=server_tp_sizes, bucket_bytes=bucket_bytes or (1 << 30), backend=backend,
-                        http_timeout=max(600.0, float(getattr(rollout, "timeout_s", 0.0))), group=group)
+                        http_timeout=max(600.0, float(getattr(rollout, "timeout_s", 0.0))), group=group, keys=keys)
     raise ValueError(f"rollout.weight_sync must be disk, tensor or nccl, got {kind!r}")

@@ -15,14 +15,15 @@ from moe_rl.testing.dist import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_serve_process(model_dir: str | Path, *extra: str, timeout: float = 120.0) -> SimpleNamespace:
-    """Start `moe-rl serve --model model_dir` on a free loopback port with `extra` flags.
+def start_serve_process(model_dir: str | Path, *extra: str, timeout: float = 120.0,
+                        port: int | None = None) -> SimpleNamespace:
+    """Start `moe-rl serve --model model_dir` on a free loopback port (or `port`) with `extra` flags.
 
     Returns once it prints its "serving ..." line: `.url`, `.proc`, `.log` (every line it
     printed so far and later: the pipe is drained for its whole life). A server that exits
     or stays silent for `timeout` s is killed, and RuntimeError shows what it printed.
     """
-    port = free_port()
+    port = free_port() if port is None else port
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "serve", "--model", str(model_dir),

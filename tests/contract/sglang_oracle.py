@@ -16,7 +16,7 @@ Requests:
 - {"op": "request", "cls": "InitWeightsUpdateGroupReqInput", "body": {...}}: an admin
   body validated as FastAPI does for `Annotated[cls, Body()]`.
 - {"op": "server_args", "argv": [...]}: `sglang.launch_server`'s flags through
-  ServerArgs.add_cli_args + from_cli_args.
+  ServerArgs.add_cli_args + from_cli_args (a --config YAML merged first, as SGLang does).
 Replies: {"ok": true, ...} or {"ok": false, "error": "<type>: <message>"}.
 """
 from __future__ import annotations
@@ -162,6 +162,10 @@ class _Parser(argparse.ArgumentParser):
 def _server_args(sg: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     parser = _Parser(prog="sglang.launch_server")
     sg["ServerArgs"].add_cli_args(parser)
+    if "--config" in argv:  # as prepare_server_args does: the YAML file's options, then the command line's
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+        argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
     args = sg["ServerArgs"].from_cli_args(parser.parse_args(argv))
     import msgspec
 

@@ -48,6 +48,7 @@ CALLS = {
     ("GET", "/health_generate"): "sglang_client (re-probing a failed server)",
     ("GET", "/model_info"): "sglang_client",
     ("GET", "/get_model_info"): "sglang_client (fallback for servers before 0.5.23)",
+    ("GET", "/server_info"): "sglang_client (is the server this run's: served_model_name)",
     ("POST", "/update_weights_from_disk"): "sglang_client",
     ("POST", "/flush_cache"): "sglang_client",
     ("POST", "/pause_generation"): "sglang_client",
@@ -335,8 +336,12 @@ def test_slurm_script_server_and_router_lines_parse(oracle, tmp_path, nodes, rol
                          SlurmOptions(python="/opt/venv/bin/python"), run_dir=tmp_path / "run", chdir="/work").text
     servers = _script_commands(text, "sglang.launch_server")
     assert servers
+    from moe_rl.rollout.auth import RunKeys, write_key_file
+
+    keys = write_key_file(tmp_path / "auth.yaml", RunKeys.new())  # what `run_task write-keys` makes at run time
     for argv in servers:
-        fields = _server_args(oracle, argv)
+        fields = _server_args(oracle, [str(keys) if a == "${KEY_FILE}" else a for a in argv])
+        assert fields["api_key"] and fields["admin_api_key"] and fields["served_model_name"] == "${SERVED_NAME}"
         assert fields["enable_return_routed_experts"] and fields["skip_tokenizer_init"]
         assert fields["model_path"] == "${MODEL_PATH}"
         if rollout_nodes == 0:  # colocated: the trainer releases SGLang's memory between phases
@@ -351,6 +356,18 @@ def _router_args(argv: list[str]) -> Any:
 
     i = argv.index("sglang_router.launch_router")
     return parse_router_args(argv[i + 1:])
+
+
+def test_sglang_reads_the_run_keys_and_id_we_pass(oracle, tmp_path):
+    """The launcher's key file, given with --config, sets SGLang's --api-key / --admin-api-key."""
+    from moe_rl.rollout.launcher import RunIdentity
+
+    ident = RunIdentity.for_run(tmp_path / "run", "0.0.0.0")
+    argv = sglang_server_command("/models/qwen3", host="0.0.0.0", port=30001, extra_args=ident.server_args())
+    assert ident.keys.api_key not in " ".join(argv)
+    fields = _server_args(oracle, argv)
+    assert fields["api_key"] == ident.keys.api_key and fields["admin_api_key"] == ident.keys.admin_api_key
+    assert fields["served_model_name"] == ident.run_id
 
 
 def test_router_flags_parse_with_sglang_routers_parser():

@@ -141,9 +141,19 @@ def test_launch_router_when_the_trainer_can_reach_the_servers_behind_it(tmp_path
     assert r.servers.router_port == 30004
     flat = re.sub(r" \\\n\s*", " ", r.text)  # command lines without their wrapping
     assert ('-m sglang_router.launch_router --host 0.0.0.0 --port 30004 --prometheus-host 0.0.0.0 '
-            '--prometheus-port 30005 --worker-urls "${WORKER_URLS[@]}" &') in flat
+            '--prometheus-port 30005 --worker-urls "${WORKER_URLS[@]}" --api-key "${API_KEY}" &') in flat
     assert '"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"' in r.text
     assert 'GENERATE_URLS=("$ROUTER_URL")' in r.text
+
+
+def test_launch_servers_read_per_job_keys_from_a_private_file(tmp_path):
+    """The script writes fresh keys at run time (mode 600); servers and trainer get the file, never a key."""
+    r = _render(QWEN, 4, 2, 8, ["parallel.ep=4"], tmp_path)
+    flat = re.sub(r" \\\n\s*", " ", r.text)
+    assert 'run_task write-keys "$KEY_FILE"' in r.text
+    assert r.text.index("write-keys") < r.text.index("sglang.launch_server")
+    assert flat.count('--config "${KEY_FILE}" --served-model-name "${SERVED_NAME}"') >= 1
+    assert '"rollout.api_key_file=${KEY_FILE}"' in r.text and '"rollout.served_model_name=${SERVED_NAME}"' in r.text
 
 
 def test_launch_puts_a_router_in_front_and_updates_its_workers(tmp_path):
@@ -203,7 +213,7 @@ def test_launch_container_runs_every_helper_inside_the_image(tmp_path, config, n
         if "$PYTHON" in line or "${PYTHON}" in line:
             assert line.startswith("srun "), f"moe_rl runs outside the container: {line}"
     calls = [m.group(1) for line in commands for m in re.finditer(r"\brun_task ([a-z-]+)", line)]
-    want = (["finished"] + (["prepare-model"] if config == TINY else []) +
+    want = (["finished", "write-keys"] + (["prepare-model"] if config == TINY else []) +
             ["wait-healthy"] * (2 if r.servers.use_router else 1))
     assert sorted(calls) == sorted(want)
     tool = _shellcheck()
