@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from moe_rl.config import RolloutConfig
-from moe_rl.rollout.auth import ADMIN_PATHS, RunKeys, decide, read_key_file, redact
+from moe_rl.rollout.auth import ADMIN_PATHS, decide, read_key_file, redact
 from moe_rl.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from moe_rl.rollout.launcher import RunIdentity, ServerGroup
 from moe_rl.rollout.sglang_client import SGLangClient

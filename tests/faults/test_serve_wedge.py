@@ -3,7 +3,6 @@ a client that goes away stops costing generation, and /health_generate reports a
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import urllib.error
 import urllib.request
