@@ -82,6 +82,10 @@ class _Retryable(Exception):
     """A failure of one server that another server (or a later try) may not have."""
 
 
+class _Unreachable(_Retryable):
+    """No answer at all (connection refused or reset, timeout): the server is down or restarting."""
+
+
 @dataclass(eq=False)  # one object per server: compared by identity
 class _Server:
     url: str
@@ -259,9 +263,9 @@ class SGLangClient:
                                        headers=headers) as resp:
                 return resp.status, await resp.read()
         except asyncio.TimeoutError:
-            raise _Retryable(f"no answer to {method} {path} within {t:g} s") from None
+            raise _Unreachable(f"no answer to {method} {path} within {t:g} s") from None
         except aiohttp.ClientError as e:
-            raise _Retryable(f"{method} {path} failed: {type(e).__name__}: {e}") from None
+            raise _Unreachable(f"{method} {path} failed: {type(e).__name__}: {e}") from None
 
     @staticmethod
     def _error_text(body: bytes) -> str:
@@ -620,22 +624,29 @@ class SGLangClient:
         for s, r in failed:
             if isinstance(r, BaseException) and not isinstance(r, (_Retryable, RolloutError)):
                 raise r
-        if not ok:
+        if not ok and not all(isinstance(r, _Unreachable) for _, r in failed):
             raise RolloutError("weight update failed on every server: "
                                + " | ".join(f"{s.url}: {r}" for s, r in failed))
+        # Every server unreachable (dead, restarting): the weights are still the target. None of
+        # them serves again before a probe has applied them, and the next call waits for one
+        # (`_pick`, up to no_server_timeout), so nothing generates from stale weights.
         self._target_weights = (path, version)
         for s, r in failed:  # stale now: kept out of rotation until a probe re-applies the update
             self._mark_unhealthy(s, f"missed weight update {version}: {r}")
-        if failed:
+        if not ok:
+            log.warning("no server reachable for weights %s; whichever comes back takes them before it serves",
+                        path)
+        elif failed:
             log.warning("weights %s applied on %d of %d servers; the others are re-tried when probed",
                         path, len(ok), len(servers))
 
     def update_weights_from_disk(self, path: str | Path, version: str | int | None = None) -> None:
         """POST /update_weights_from_disk to every (admin) server.
 
-        Raises RolloutError when no server took the weights (then nothing changed).
+        Raises RolloutError when every server refused the weights (then nothing changed).
         Servers that refused or were unreachable are kept out of rotation and get the
-        update again when their /health answers.
+        update again when their /health answers; when none was reachable, the next call
+        waits for one to come back with these weights.
         """
         self._run(self._aupdate_weights_from_disk(str(path), None if version is None else str(version)))
 

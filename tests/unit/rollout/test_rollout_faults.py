@@ -30,8 +30,8 @@ def _sample(prompt: list[int], n_out: int, route_rows: int | None = None) -> dic
 class FakeServer:
     """A tiny aiohttp server in a thread; `mode` picks how /generate misbehaves."""
 
-    def __init__(self, mode: str):
-        self.mode, self.calls = mode, 0
+    def __init__(self, mode: str, port: int = 0):
+        self.mode, self.calls, self.port = mode, 0, port
         self.version, self.updates, self.update_status = "default", [], 200
         self.wedged = False   # /health still answers 200, /health_generate does not (a stuck scheduler)
         self.old_api = False  # an SGLang before 0.5.23: /get_model_info only
@@ -60,7 +60,7 @@ class FakeServer:
             app.router.add_post(path, self._admin)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         await site.start()
         self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         self._ready.set()
@@ -123,8 +123,8 @@ class FakeServer:
 def fake(request):
     servers = []
 
-    def make(mode):
-        servers.append(FakeServer(mode))
+    def make(mode, port=0):
+        servers.append(FakeServer(mode, port))
         return servers[-1]
 
     yield make
@@ -217,6 +217,32 @@ def test_weight_update_refused_everywhere_raises(fake):
     with _client([a.url]) as c, pytest.raises(RolloutError, match="failed on every server") as ei:
         c.update_weights_from_disk("/ckpt/bad", version="v9")
     assert a.url in str(ei.value) and a.version == "default"
+
+
+def test_weight_update_with_every_server_down_waits_for_one_back_with_the_weights(fake):
+    from moe_rl.testing import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    back: list[FakeServer] = []
+    with _client([url], no_server_timeout=20) as c:
+        c.update_weights_from_disk("/ckpt/step2", version="v2")  # nobody answers (restarting): no error
+        assert not c.server_states()[url]["healthy"]
+        threading.Timer(0.5, lambda: back.append(fake("ok", port))).start()  # the restarted server
+        out = c.generate(REQ)                                      # waits for it
+    assert out[0][0].weight_version == "v2"                        # it served only after taking them
+    assert back[0].updates == [{"model_path": "/ckpt/step2", "weight_version": "v2"}]
+
+
+def test_weight_update_with_every_server_down_and_none_back_fails_the_next_call():
+    from moe_rl.testing import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with _client([url], no_server_timeout=0.5) as c:
+        c.update_weights_from_disk("/ckpt/step2", version="v2")
+        with pytest.raises(RolloutError, match="no healthy SGLang server") as ei:
+            c.generate(REQ)
+    assert url in str(ei.value)
 
 
 def test_colocated_memory_release_and_resume_reach_every_server(fake):
