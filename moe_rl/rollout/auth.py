@@ -46,7 +46,9 @@ class RunKeys:
 
     @classmethod
     def new(cls) -> "RunKeys":
-        return cls(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+        # Hex, not urlsafe base64: SGLang turns its --config file into argv, and a key starting with
+        # "-" would then be read as a flag ("--api-key: expected one argument").
+        return cls(secrets.token_hex(32), secrets.token_hex(32))
 
     def header(self, path: str) -> dict[str, str]:
         """The Authorization header a client sends to `path` (admin key for admin endpoints)."""

@@ -55,6 +55,16 @@ def test_key_file_is_private_and_redacted(tmp_path):
     assert redact(["x", "--api-key", "s3", "--admin-api-key=s4"]) == ["x", "--api-key", "***", "--admin-api-key=***"]
 
 
+def test_keys_never_read_as_flags():
+    """SGLang turns the --config file into argv: a key starting with "-" would be taken for a flag."""
+    from moe_rl.rollout.auth import RunKeys
+
+    for _ in range(2000):
+        keys = RunKeys.new()
+        for key in (keys.api_key, keys.admin_api_key):
+            assert len(key) >= 32 and not key.startswith("-") and key.isalnum(), key
+
+
 def _call(url: str, path: str, key: str | None, body: dict | None = None) -> int:
     req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
                                  method="GET" if body is None else "POST",
