@@ -110,14 +110,15 @@ def test_no_server_back_within_the_timeout_checkpoints_and_exits(reference, tmp_
     _same(reference, _metrics(tmp_path), range(1, STEPS + 1))
 
 
-def test_rank_killed_leaves_no_server_and_resume_continues(reference, tmp_path):
+@pytest.mark.parametrize("victim", [0, 1])
+def test_rank_killed_leaves_no_server_and_resume_continues(reference, tmp_path, victim):
     proc = _train(tmp_path)
     _wait_step(tmp_path, 2, proc)
     server = _server_pid(tmp_path)
     children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     ranks = sorted(p for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text())
     assert len(ranks) == 2, children
-    os.kill(ranks[1], signal.SIGKILL)  # rank 1 (spawned second)
+    os.kill(ranks[victim], signal.SIGKILL)  # rank 0 started the server; rank 1 did not
     code, out = _finish(proc)
     assert code != 0
     deadline = time.monotonic() + 30
