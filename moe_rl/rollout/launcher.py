@@ -155,7 +155,8 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
     ep_size default to the config's `tp_size` / `ep_size` fields when it has them, else 1.
     `identity` adds what makes the servers this run's: `--served-model-name` (the run id),
     `--config` with the keys file, and for `moe-rl serve` its `--trusted-dir`s; with keys the
-    router binds loopback only (it forwards to the workers with the api key, and checks none itself).
+    router gets the api key (it checks its callers' keys and passes the key on to the workers) and binds
+    loopback only: the trainer is on this machine.
     """
     if getattr(cfg, "urls", None):
         raise ValueError(f"rollout.urls is set ({', '.join(cfg.urls)}): those servers already run; "

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -68,7 +71,8 @@ def test_keys_never_read_as_flags():
 def _call(url: str, path: str, key: str | None, body: dict | None = None) -> int:
     req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
                                  method="GET" if body is None else "POST",
-                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status
@@ -122,3 +126,63 @@ def test_unreadable_or_malformed_key_file_is_refused_before_any_work(tmp_path):
         cfg = load_config("launch/configs/tiny_cpu.yaml", [f"rollout.api_key_file={path}"])
         problem = preflight(cfg, 2)
         assert problem.startswith("rollout.api_key_file: ") and needle in problem, problem
+
+
+def test_router_refuses_callers_without_the_run_key():
+    """sglang-router 0.3.2 given `--api-key` (as the launcher and the SLURM script start it) checks
+    callers' Bearer keys itself, and passes the key on to the workers."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from moe_rl.rollout.auth import RunKeys
+    from moe_rl.rollout.launcher import router_command
+    from moe_rl.testing import free_ports
+
+    pytest.importorskip("sglang_router")
+    seen: list[str | None] = []
+
+    class Worker(BaseHTTPRequestHandler):  # answers every probe; records the key /generate arrives with
+        def _reply(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path == "/generate":
+                seen.append(self.headers.get("Authorization"))
+            body = json.dumps({"text": "", "meta_info": {}, "model_path": "m", "is_generation": True}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _reply
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    worker = ThreadingHTTPServer(("127.0.0.1", 0), Worker)
+    threading.Thread(target=worker.serve_forever, daemon=True).start()
+    keys = RunKeys.new()
+    port = free_ports(2)
+    argv = router_command([f"http://127.0.0.1:{worker.server_address[1]}"], host="127.0.0.1", port=port,
+                          prometheus_port=port + 1, extra_args=["--api-key", keys.api_key])
+    router = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if _call(url, "/readiness", None) == 200:
+                    break
+            except urllib.error.URLError:  # not listening yet
+                pass
+            assert time.monotonic() < deadline and router.poll() is None, "the router did not become ready"
+            time.sleep(0.3)
+        gen = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+        assert _call(url, "/generate", None, gen) == 401
+        assert _call(url, "/generate", "wrong", gen) == 401
+        assert _call(url, "/generate", keys.api_key, gen) == 200
+        assert keys.api_key not in open(f"/proc/{router.pid}/cmdline", "rb").read().decode()  # it renames itself
+    finally:
+        router.terminate()
+        router.wait(30)
+        worker.shutdown()
+    assert seen == [f"Bearer {keys.api_key}"]
+
