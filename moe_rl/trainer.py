@@ -83,7 +83,7 @@ def resolve_run_dir(cfg: RunConfig) -> Path:
 
 
 def _single(cfg: RunConfig, run_dir: str) -> int:
-    from moe_rl.testing.dist import free_port
+    from moe_rl.ports import free_port
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(free_port())})
@@ -94,7 +94,7 @@ def spawn(cfg: RunConfig, run_dir: str) -> int:
     """Start `train.world_size` local ranks; a rank's failure ends the run with its traceback."""
     import torch.multiprocessing as mp
 
-    from moe_rl.testing.dist import free_port
+    from moe_rl.ports import free_port
 
     port = free_port()
     ctx = mp.start_processes(_spawned, args=(cfg.to_dict(), run_dir, cfg.train.world_size, port),

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from moe_rl.ports import free_ports
 from moe_rl.rollout.auth import RunKeys, needs_keys, redact, write_key_file
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
     tp = int(tp_size if tp_size is not None else getattr(cfg, "tp_size", 1) or 1)
     ep = int(ep_size if ep_size is not None else getattr(cfg, "ep_size", 1) or 1)
     host = str(cfg.host)
-    base = int(cfg.base_port) if cfg.base_port else _free_ports(n + 2)
+    base = int(cfg.base_port) if cfg.base_port else free_ports(n + 2)
     if base + n + 1 > 65535:
         raise ValueError(f"rollout.base_port={base} leaves no room for {n} servers and a router below 65536")
     servers: list[ServerSpec] = []
@@ -238,12 +239,6 @@ def _local_env() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def _free_ports(n: int) -> int:
-    from moe_rl.testing.dist import free_ports
-
-    return free_ports(n)
-
 
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the process that started it dies (Linux), so a

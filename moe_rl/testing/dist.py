@@ -10,48 +10,16 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from moe_rl.ports import free_port
+
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
-
-
-def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int = 1, low: int = 20000, high: int = 32000) -> int:
-    """The first of `n` consecutive loopback TCP ports that are free now, for servers started later.
-
-    Taken below the kernel's ephemeral range (32768 and up), which `free_port` draws from:
-    gloo's listeners and outgoing connections get ports there too, so a port found free
-    there may be taken by the time a server binds it, seconds later.
-    """
-    import random
-
-    rng = random.Random()
-    for _ in range(200):
-        start = rng.randrange(low, high - n)
-        if all(_bindable(p) for p in range(start, start + n)):
-            return start
-    raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high})")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
