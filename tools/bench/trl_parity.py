@@ -75,7 +75,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
              ["train.world_size=1", "parallel.ep=1", "rollout.engine=inprocess", "rollout.weight_sync=tensor",
               "rollout.return_routed_experts=false", "drift.enabled=false", "algo.replay=off",
               "parallel.max_tokens_per_microbatch=null", "parallel.micro_batch_size=256"]),
-    "demo": ("the demo's layout: 2 ranks EP2, `moe-rl serve` over HTTP, disk weight sync, R2, drift every step",
+    "demo": ("the demo's layout: 2 ranks EP2, `moe-rl serve` over HTTP, disk weight sync, R2, drift every 5th step",
              []),
 }
 
