@@ -208,13 +208,14 @@ def trl_available() -> bool:
 
 def _side(argv: list[str]) -> dict[str, Any]:
     """Run one side in a fresh process (threads, compat patches and imports do not leak across)."""
+    load = os.getloadavg()[0]  # other work on the machine slows the sides unequally: shown per side
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, __file__, *argv, "--result", f.name], env=env, cwd=ROOT,
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(Path(f.name).read_text())
+        return json.loads(Path(f.name).read_text()) | {"load": load}
 
 
 def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_generations: int = 150) -> str:
@@ -234,10 +235,11 @@ def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_gener
 def format_table(results: dict[str, dict[str, Any]], variants: list[str], target: float) -> str:
     fmt = lambda x, f: "not reached" if x is None else format(x, f)  # noqa: E731
     rows = [(name, fmt(r["seconds"], ".1f"), fmt(r["samples"], ",d"), r["generations"], f"{r['best']:.2f}",
-             f"{r['s_per_generation']:.2f}") for name, r in results.items()]
+             f"{r['s_per_generation']:.2f}", f"{r.get('load', float('nan')):.1f}") for name, r in results.items()]
     lines = [f"Task toy:{TASK}, {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, {UPDATES} "
              f"updates per generation, GSPO eps ({EPS_LOW}, {EPS_HIGH}), lr {LR}; target success {target}.", "",
-             md_table(["side", f"s to {target}", f"samples to {target}", "generations", "best success", "s / generation (after the 1st)"],
+             md_table(["side", f"s to {target}", f"samples to {target}", "generations", "best success", "s / generation (after the 1st)",
+                       "load at start"],
                       rows),
              ""]
     lines += [f"- moe_rl ({v}): {VARIANTS[v][0]}." for v in variants]
