@@ -21,7 +21,7 @@ GAE = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=2
        "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy", "train.eval_every=0",
        "reward.name=moe_rl.testing.e2e:digit_first_reward", "algo.advantage=gae", "algo.loss=dapo",
        "algo.lam=adaptive", "algo.lam_alpha=1.0", "algo.ntp_coef=0.1", "critic.lr=1e-3",
-       "critic.warmup_steps=1", "critic.updates_per_step=2", "drift.probe_size=4"]
+       "critic.warmup_steps=1", "critic.updates_per_step=2", "drift.probe_size=4", "drift.every=1"]
 KEYS = ["critic/value_loss", "critic/explained_variance", "critic/value_mean", "critic/return_mean",
         "critic/value_clip_frac", "critic/grad_norm", "critic/lam_policy_mean", "critic/drift/volatility",
         "loss/pg_loss", "loss/ntp_loss", "perf/grad_norm", "drift/volatility"]

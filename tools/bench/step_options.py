@@ -73,7 +73,8 @@ def bench_rows(rounds: int = 4, world: int = 1) -> list[dict[str, Any]]:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(CONFIG, [f"train.world_size={world}", f"parallel.ep={world}", f"log.run_dir={tmp}",
-                                   f"rollout.base_port={free_ports(1)}", "log.tensorboard=false"])
+                                   f"rollout.base_port={free_ports(1)}", "log.tensorboard=false",
+                                   "drift.every=1", "drift.probe_every=1"])  # drift in every step, as before
         times = run_ranks(_worker, world, cfg.to_dict(), tmp, rounds, timeout=1800)[0]
     base = statistics.median(times["default"]["updates"])
     return [{"variant": k, "updates_s": statistics.median(v["updates"]), "step_s": statistics.median(v["step"]),

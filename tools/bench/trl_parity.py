@@ -1,11 +1,14 @@
 """Time and samples to a success rate, moe_rl against TRL's GRPOTrainer, same task and CPU.
 
 Both train the same freshly initialised tiny Qwen3-MoE (4 layers, hidden 64, 8 experts
-top-2; one checkpoint written once by `moe_rl.testing.make_tiny_qwen3_moe`) from scratch on
-`toy:add-hard` (a+b, 100 prompts), with the same batch: 32 prompts x 8 samples of at most
-2 new tokens at temperature 1, 4 optimizer steps of 64 samples per generation, GSPO with
-the paper's clip range (3e-4, 4e-4), no KL, group-normalised advantages, Adam at a
-constant lr 3e-3, gradient clipping at 1.0. The reward is moe_rl's toy exact match.
+top-2; one checkpoint written once by `moe_rl.testing.make_tiny_qwen3_moe`) from scratch with
+the demo's run (launch/configs/tiny_cpu.yaml): `toy:add-easy` (a+b, 9 prompts), 9 prompts x
+16 samples of 1 new token at temperature 1, 2 optimizer steps of 72 samples per generation,
+GSPO with the paper's clip range (3e-4, 4e-4), no KL, group-normalised advantages, Adam at a
+constant lr 1e-3, gradient clipping at 1.0. The reward is moe_rl's toy exact match. Both
+sides reach 0.8 there, in 30-45 generations. In the other settings tried (2 new tokens, where
+the answer must end with `<eos>`: chance 1/256; add-medium; lr 3e-3 or 1e-2) at most one side
+reached 0.8 within 60-120 generations (README, "Small runs").
 
 - TRL: `GRPOTrainer` with `importance_sampling_level="sequence"`, `loss_type="grpo"`
   (per-sequence mean, as moe_rl's GSPO), generation by transformers in the same process.
@@ -21,7 +24,7 @@ target is reached). TRL is an optional dependency (`pip install -e ".[bench]"`);
 section says so and reports moe_rl alone.
 
     python tools/bench/trl_parity.py
-    python tools/bench/trl_parity.py --variants fast --task add-easy --max-generations 80
+    python tools/bench/trl_parity.py --variants fast --task add-medium --lr 3e-3 --max-generations 80
 """
 from __future__ import annotations
 
@@ -42,10 +45,12 @@ from common import md_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
-# The toy task (`--task`; passed to the sides' processes in the environment); at most 32 prompts a step.
-TASK = os.environ.get("MOE_RL_PARITY_TASK", "add-hard")
+# The run's settings (`--task`, `--lr`, ...; passed to the sides' processes in the environment).
+# The defaults are the demo's run (launch/configs/tiny_cpu.yaml), which both sides learn.
+DEFAULTS = {"task": "add-easy", "lr": 1e-3, "samples": 16, "new_tokens": 1, "updates": 2}
+SETTINGS = DEFAULTS | json.loads(os.environ.get("MOE_RL_PARITY", "{}"))
+TASK, LR, SAMPLES, NEW_TOKENS, UPDATES = (SETTINGS[k] for k in ("task", "lr", "samples", "new_tokens", "updates"))
 SEED = 1234
-SAMPLES, NEW_TOKENS, UPDATES, LR = 8, 2, 4, 3e-3
 
 
 def _prompts_per_step(task: str) -> int:
@@ -70,7 +75,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
              ["train.world_size=1", "parallel.ep=1", "rollout.engine=inprocess", "rollout.weight_sync=tensor",
               "rollout.return_routed_experts=false", "drift.enabled=false", "algo.replay=off",
               "parallel.max_tokens_per_microbatch=null", "parallel.micro_batch_size=256"]),
-    "demo": ("the demo's layout: 2 ranks EP2, `moe-rl serve` over HTTP, disk weight sync, R2, drift every step",
+    "demo": ("the demo's layout: 2 ranks EP2, `moe-rl serve` over HTTP, disk weight sync, R2, drift every 5th step",
              []),
 }
 
@@ -203,16 +208,17 @@ def trl_available() -> bool:
 
 def _side(argv: list[str]) -> dict[str, Any]:
     """Run one side in a fresh process (threads, compat patches and imports do not leak across)."""
+    load = os.getloadavg()[0]  # other work on the machine slows the sides unequally: shown per side
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, __file__, *argv, "--result", f.name], env=env, cwd=ROOT,
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(Path(f.name).read_text())
+        return json.loads(Path(f.name).read_text()) | {"load": load}
 
 
-def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_generations: int = 40) -> str:
+def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_generations: int = 150) -> str:
     """Both sides, one after the other, as a markdown section."""
     with tempfile.TemporaryDirectory() as root:
         model = str(write_initial_model(Path(root)))
@@ -229,10 +235,11 @@ def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_gener
 def format_table(results: dict[str, dict[str, Any]], variants: list[str], target: float) -> str:
     fmt = lambda x, f: "not reached" if x is None else format(x, f)  # noqa: E731
     rows = [(name, fmt(r["seconds"], ".1f"), fmt(r["samples"], ",d"), r["generations"], f"{r['best']:.2f}",
-             f"{r['s_per_generation']:.2f}") for name, r in results.items()]
+             f"{r['s_per_generation']:.2f}", f"{r.get('load', float('nan')):.1f}") for name, r in results.items()]
     lines = [f"Task toy:{TASK}, {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, {UPDATES} "
              f"updates per generation, GSPO eps ({EPS_LOW}, {EPS_HIGH}), lr {LR}; target success {target}.", "",
-             md_table(["side", f"s to {target}", f"samples to {target}", "generations", "best success", "s / generation (after the 1st)"],
+             md_table(["side", f"s to {target}", f"samples to {target}", "generations", "best success", "s / generation (after the 1st)",
+                       "load at start"],
                       rows),
              ""]
     lines += [f"- moe_rl ({v}): {VARIANTS[v][0]}." for v in variants]
@@ -257,14 +264,19 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--target", type=float, default=0.8)
     p.add_argument("--task", default=TASK, help="toy task (add-easy, add-medium, add-hard)")
-    p.add_argument("--max-generations", type=int, default=40)
+    p.add_argument("--lr", type=float, default=LR, help="Adam's constant learning rate")
+    p.add_argument("--samples", type=int, default=SAMPLES, help="samples per prompt")
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="max new tokens per sample")
+    p.add_argument("--updates", type=int, default=UPDATES, help="optimizer steps per generation")
+    p.add_argument("--max-generations", type=int, default=150)
     p.add_argument("--side", choices=["trl", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.task != TASK:  # the constants above follow the task: start again with it set
-        os.environ["MOE_RL_PARITY_TASK"] = a.task
+    wanted = {k: getattr(a, k) for k in DEFAULTS}
+    if wanted != SETTINGS:  # the constants above follow the settings: start again with them set
+        os.environ["MOE_RL_PARITY"] = json.dumps(wanted)
         os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:]])
     if a.side is None:
         print(compare(a.variants, a.target, a.max_generations))
