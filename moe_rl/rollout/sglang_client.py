@@ -509,6 +509,12 @@ class SGLangClient:
                 try:
                     data = await self._json(server, "POST", "/generate", payload)
                     results = self._parse(server.url, req, data, geo)
+                    stale = self._stale_version(results)
+                    if stale is not None:  # a restarted server that has not taken the weights yet
+                        errors.append(f"{server.url}: sampled with weight version {stale!r}, expected "
+                                      f"{self._target_weights[1]!r}")  # type: ignore[index]
+                        await self._resync(server)
+                        continue
                     if self.retry_aborted and any(r.finish_reason == "abort" for r in results) \
                             and attempt < self.max_attempts:
                         errors.append(f"{server.url}: sample aborted by the server")
@@ -523,6 +529,32 @@ class SGLangClient:
             if attempt < self.max_attempts:
                 await asyncio.sleep(self._backoff(attempt))
         raise RolloutError(f"generate failed after {self.max_attempts} attempts: " + " | ".join(errors[-4:]))
+
+    def _stale_version(self, results: list[GenerateResult]) -> str | None:
+        """The weight version a sample reports when it is not the one last pushed (else None)."""
+        want = self._target_weights[1] if self._target_weights is not None else None
+        if want is None:
+            return None
+        return next((r.weight_version for r in results
+                     if r.weight_version is not None and r.weight_version != want), None)
+
+    async def _resync(self, server: _Server) -> None:
+        """After a sample from stale weights: a server we update directly goes out of rotation
+        until a probe has loaded the weights; behind a router (which may have sent the request to
+        any worker), every worker reporting another version gets the weights now."""
+        if not self._behind_router:
+            self._mark_unhealthy(server, "serves stale weights")
+            return
+        path, version = self._target_weights  # type: ignore[misc]
+
+        async def one(w: _Server) -> None:
+            try:
+                if str((await self._model_info(w)).get("weight_version")) != version:
+                    log.info("worker %s serves stale weights; applying %s", w.url, path)
+                    await self._update_one(w, path, version)
+            except (_Retryable, RolloutError) as e:
+                self._mark_unhealthy(w, str(e))
+        await asyncio.gather(*(one(w) for w in self._admin))
 
     def _backoff(self, attempt: int) -> float:
         return min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)

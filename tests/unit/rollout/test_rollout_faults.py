@@ -35,6 +35,7 @@ class FakeServer:
         self.version, self.updates, self.update_status = "default", [], 200
         self.wedged = False   # /health still answers 200, /health_generate does not (a stuck scheduler)
         self.old_api = False  # an SGLang before 0.5.23: /get_model_info only
+        self.forward_to: "FakeServer | None" = None  # a router: samples come from this worker's weights
         self.paths: list[str] = []
         self.admin_calls: list[str] = []
         self._ready = threading.Event()
@@ -94,7 +95,7 @@ class FakeServer:
         n_out = body["sampling_params"]["max_new_tokens"]
         if self.mode == "ok":
             sample = _sample(prompt, n_out)
-            sample["meta_info"]["weight_version"] = self.version
+            sample["meta_info"]["weight_version"] = (self.forward_to or self).version
             return web.json_response(sample)
         if self.mode == "500":
             return web.json_response({"error": {"message": "CUDA error: an illegal memory access"}}, status=500)
@@ -243,6 +244,31 @@ def test_weight_update_with_every_server_down_and_none_back_fails_the_next_call(
         with pytest.raises(RolloutError, match="no healthy SGLang server") as ei:
             c.generate(REQ)
     assert url in str(ei.value)
+
+
+def test_server_serving_stale_weights_is_resynced_and_its_samples_retried(fake):
+    a, b = fake("ok"), fake("ok")
+    with _client([a.url, b.url], max_attempts=4) as c:
+        c.update_weights_from_disk("/ckpt/step1", version="v1")
+        b.version = "default"                  # restarted behind the client's back: initial weights
+        out = c.generate(REQ * 8)
+        assert {r[0].weight_version for r in out} == {"v1"}  # no sample of the stale weights is kept
+        deadline = time.monotonic() + 5
+        while b.version != "v1" and time.monotonic() < deadline:
+            c.generate(REQ)                    # probes bring b back with the weights
+            time.sleep(0.05)
+    assert b.version == "v1" and [u["model_path"] for u in b.updates] == ["/ckpt/step1"] * 2
+
+
+def test_worker_behind_a_router_serving_stale_weights_gets_them_before_the_retry(fake):
+    worker, router = fake("ok"), fake("ok")
+    router.forward_to = worker
+    with _client([router.url], admin_urls=[worker.url], max_attempts=3) as c:
+        c.update_weights_from_disk("/ckpt/step1", version="v1")
+        worker.version = "default"             # the worker restarted; the router sends it requests
+        out = c.generate(REQ)
+    assert out[0][0].weight_version == "v1"
+    assert worker.version == "v1" and len(worker.updates) == 2 and not router.updates
 
 
 def test_colocated_memory_release_and_resume_reach_every_server(fake):
