@@ -319,15 +319,9 @@ class SGLangClient:
             status, body = await self._request(server, "GET", path, timeout=self.probe_timeout)
             if status != 200:
                 raise _Retryable(f"{path} answered HTTP {status}")
-            if not server.healthy and server in self._admin:
+            if not server.healthy and server in self._admin:  # a server we update directly, recovering
                 await self._check_identity(server)
-            target = self._target_weights
-            # Bring a recovered server up to date (only when it is one we update directly).
-            if target is not None and not server.healthy and server in self._admin:
-                info = await self._model_info(server)
-                if target[1] is None or str(info.get("weight_version")) != target[1]:
-                    log.info("server %s missed a weight update; applying %s", server.url, target[0])
-                    await self._update_one(server, target[0], target[1])
+                await self._bring_up_to_date(server)
             if not server.healthy:
                 log.info("server %s is healthy again", server.url)
             server.healthy, server.last_error = True, None
@@ -545,16 +539,23 @@ class SGLangClient:
         if not self._behind_router:
             self._mark_unhealthy(server, "serves stale weights")
             return
-        path, version = self._target_weights  # type: ignore[misc]
 
         async def one(w: _Server) -> None:
             try:
-                if str((await self._model_info(w)).get("weight_version")) != version:
-                    log.info("worker %s serves stale weights; applying %s", w.url, path)
-                    await self._update_one(w, path, version)
+                await self._bring_up_to_date(w)
             except (_Retryable, RolloutError) as e:
                 self._mark_unhealthy(w, str(e))
         await asyncio.gather(*(one(w) for w in self._admin))
+
+    async def _bring_up_to_date(self, server: _Server) -> None:
+        """Load the last pushed weights into `server` unless its /model_info reports their version."""
+        target = self._target_weights
+        if target is None:
+            return
+        path, version = target
+        if version is None or str((await self._model_info(server)).get("weight_version")) != version:
+            log.info("server %s does not serve weight version %s; applying %s", server.url, version, path)
+            await self._update_one(server, path, version)
 
     def _backoff(self, attempt: int) -> float:
         return min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
