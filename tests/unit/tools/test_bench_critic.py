@@ -1,22 +1,7 @@
 """The critic benchmark section: registered in `make bench`, its table from rows, its command line."""
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield {name: importlib.import_module(name) for name in ("critic", "run_all")}
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_registered_and_table(bench, capsys):

@@ -1,7 +1,6 @@
 """The policy benchmarks: command lines, tables, parameter counts, and the GPU script's CPU dry run."""
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -13,15 +12,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "tools" / "bench"
 MODULES = ("common", "overhead", "scaling", "weight_sync", "memory", "gpu_update", "step_options", "run_all")
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield {name: importlib.import_module(name) for name in MODULES}
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m != "common"])
