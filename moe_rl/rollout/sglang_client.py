@@ -66,7 +66,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Coroutine, Sequence
+from typing import Any, Awaitable, Callable, Coroutine, Sequence
 
 import aiohttp
 import numpy as np
@@ -447,13 +447,16 @@ class SGLangClient:
         server that died between two calls may have been replaced by a stranger on its port)."""
         if self.served_name is None:
             return
+        await self._check_each([s for s in self._admin if s.healthy], self._check_identity)
 
+    async def _check_each(self, servers: list[_Server], check: Callable[[_Server], Awaitable[None]]) -> None:
+        """`check` every server at once; one whose check fails goes out of rotation."""
         async def one(s: _Server) -> None:
             try:
-                await self._check_identity(s)
+                await check(s)
             except (_Retryable, RolloutError) as e:
                 self._mark_unhealthy(s, str(e))
-        await asyncio.gather(*(one(s) for s in self._admin if s.healthy))
+        await asyncio.gather(*(one(s) for s in servers))
 
     async def _generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
         self._ensure_session()
@@ -539,13 +542,7 @@ class SGLangClient:
         if not self._behind_router:
             self._mark_unhealthy(server, "serves stale weights")
             return
-
-        async def one(w: _Server) -> None:
-            try:
-                await self._bring_up_to_date(w)
-            except (_Retryable, RolloutError) as e:
-                self._mark_unhealthy(w, str(e))
-        await asyncio.gather(*(one(w) for w in self._admin))
+        await self._check_each(self._admin, self._bring_up_to_date)
 
     async def _bring_up_to_date(self, server: _Server) -> None:
         """Load the last pushed weights into `server` unless its /model_info reports their version."""
