@@ -90,7 +90,7 @@ def sections() -> list[Section]:
     if (HERE / "packing.py").is_file():
         out.append(("packing", "Packing: packed vs padded tokens/s", _packing))
     out.append(("trl", "Time to reward against TRL's GRPOTrainer (same model, task, batch, GSPO; TRL optional)",
-                lambda q: trl_parity.compare(["fast"], max_generations=2) if q else trl_parity.compare()))
+                lambda q: trl_parity.compare(["fast"], max_generations=2, seeds=trl_parity.SEEDS[:1]) if q else trl_parity.compare()))
     return out
 
 

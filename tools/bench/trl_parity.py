@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +52,8 @@ DEMO = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
 DEFAULTS = {"task": "add-easy", "lr": 1e-3, "samples": 16, "new_tokens": 1, "updates": 2}
 SETTINGS = DEFAULTS | json.loads(os.environ.get("MOE_RL_PARITY", "{}"))
 TASK, LR, SAMPLES, NEW_TOKENS, UPDATES = (SETTINGS[k] for k in ("task", "lr", "samples", "new_tokens", "updates"))
-SEED = 1234
+TRL = "TRL GRPOTrainer"  # the TRL side's row
+SEEDS = [1234, 1235, 1236]  # each seed: a fresh model, sampler order and sampling noise for both sides
 
 
 def _prompts_per_step(task: str) -> int:
@@ -62,14 +65,18 @@ def _prompts_per_step(task: str) -> int:
 PROMPTS = _prompts_per_step(TASK)
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4  # the GSPO paper's clip range (moe_rl's GSPO default)
 
-# The run both sides share, as moe_rl config overrides on the demo config.
-COMMON = [f"data.train=toy:{TASK}", "data.eval=null", f"data.prompts_per_step={PROMPTS}",
-          f"rollout.n_samples={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0",
-          "algo.loss=gspo", "algo.advantage=grpo", f"algo.num_minibatches={UPDATES}",
-          f"algo.eps_low={EPS_LOW}", f"algo.eps_high={EPS_HIGH}", f"train.lr={LR}", "train.lr_schedule=constant",
-          "train.grad_clip=1.0", "train.eval_every=0", "train.save_every=0", "model.tiny.num_experts=8",
-          "model.tiny.num_experts_per_tok=2", f"model.seed={SEED}", "log.progress=false", "log.tensorboard=false"]
-# moe_rl's variants: how it runs, each a list of overrides on top of COMMON.
+
+def common(seed: int) -> list[str]:
+    """The run both sides share, as moe_rl config overrides on the demo config."""
+    return [f"data.train=toy:{TASK}", "data.eval=null", f"data.prompts_per_step={PROMPTS}",
+            f"rollout.n_samples={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0",
+            "algo.loss=gspo", "algo.advantage=grpo", f"algo.num_minibatches={UPDATES}",
+            f"algo.eps_low={EPS_LOW}", f"algo.eps_high={EPS_HIGH}", f"train.lr={LR}", "train.lr_schedule=constant",
+            "train.grad_clip=1.0", "train.eval_every=0", "train.save_every=0", "model.tiny.num_experts=8",
+            "model.tiny.num_experts_per_tok=2", f"model.seed={seed}", "log.progress=false", "log.tensorboard=false"]
+
+
+# moe_rl's variants: how it runs, each a list of overrides on top of `common`.
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fast": ("1 process, engine in-process, tensor weight sync, no drift, no replay, one padded micro-batch per update",
              ["train.world_size=1", "parallel.ep=1", "rollout.engine=inprocess", "rollout.weight_sync=tensor",
@@ -82,13 +89,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 
 # ---------------------------------------------------------------- the shared model
 
-def write_initial_model(out: Path) -> Path:
+def write_initial_model(out: Path, seed: int) -> Path:
     """The fresh tiny Qwen3-MoE both sides start from (the checkpoint `moe-rl train` would write)."""
     from moe_rl.config import load_config
     from moe_rl.data.dataset import load_dataset
     from moe_rl.trainer import initial_model
 
-    cfg = load_config(str(DEMO), COMMON)
+    cfg = load_config(str(DEMO), common(seed))
     return initial_model(cfg, out, 0, load_dataset(cfg.data.train, None))
 
 
@@ -110,11 +117,11 @@ def moe_rl_rank(cfg_dict: dict[str, Any], out: str, target: float, max_steps: in
     return rows
 
 
-def run_moe_rl(variant: str, model_dir: str, out: str, target: float, max_steps: int) -> dict[str, Any]:
+def run_moe_rl(variant: str, model_dir: str, out: str, target: float, max_steps: int, seed: int) -> dict[str, Any]:
     from moe_rl.config import load_config
     from moe_rl.testing.dist import run_ranks
 
-    cfg = load_config(str(DEMO), COMMON + VARIANTS[variant][1] + [f"model.hf_path={model_dir}",
+    cfg = load_config(str(DEMO), common(seed) + VARIANTS[variant][1] + [f"model.hf_path={model_dir}",
                                                                   f"log.run_dir={out}"])
     rows = run_ranks(moe_rl_rank, cfg.train.world_size, cfg.to_dict(), out, target, max_steps, timeout=1800)[0]
     return summarise([r["success"] for r in rows], [sum(r["step_s"] for r in rows[: i + 1]) for i in range(len(rows))],
@@ -143,7 +150,7 @@ def toy_reward(prompts: list[Any], completions: list[Any], completion_ids: list[
     return [toy_exact_match("", a, completion_ids=list(ids)) for ids, a in zip(completion_ids, answer)]
 
 
-def run_trl(model_dir: str, out: str, target: float, max_generations: int) -> dict[str, Any]:
+def run_trl(model_dir: str, out: str, target: float, max_generations: int, seed: int) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -151,7 +158,7 @@ def run_trl(model_dir: str, out: str, target: float, max_generations: int) -> di
 
     from moe_rl.data.toy import make_toy_examples
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     tokenizer = toy_hf_tokenizer()
     data = Dataset.from_list([{"prompt": "<bos>" + ex.prompt_text, "answer": ex.answer}
                               for ex in make_toy_examples(TASK)])
@@ -161,7 +168,7 @@ def run_trl(model_dir: str, out: str, target: float, max_generations: int) -> di
         importance_sampling_level="sequence", loss_type="grpo", epsilon=EPS_LOW, epsilon_high=EPS_HIGH, beta=0.0,
         scale_rewards="group", learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         max_steps=UPDATES * max_generations, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=True, bf16=False, seed=SEED, disable_tqdm=True, dataloader_num_workers=0)
+        use_cpu=True, bf16=False, seed=seed, disable_tqdm=True, dataloader_num_workers=0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     successes: list[float] = []
     seconds: list[float] = []
@@ -218,44 +225,64 @@ def _side(argv: list[str]) -> dict[str, Any]:
         return json.loads(Path(f.name).read_text()) | {"load": load}
 
 
-def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_generations: int = 150) -> str:
-    """Both sides, one after the other, as a markdown section."""
+def compare(variants: list[str] = list(VARIANTS), target: float = 0.8, max_generations: int = 150,
+            seeds: list[int] = SEEDS) -> str:
+    """Both sides, one after the other, once per seed, as a markdown section."""
+    results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as root:
-        model = str(write_initial_model(Path(root)))
-        results: dict[str, dict[str, Any]] = {}
-        if trl_available():
-            results["TRL GRPOTrainer"] = _side(["--side", "trl", "--model", model, "--out", f"{root}/trl",
-                                                "--target", str(target), "--max-generations", str(max_generations)])
-        for v in variants:
-            results[f"moe_rl ({v})"] = _side(["--side", v, "--model", model, "--out", f"{root}/{v}",
-                                              "--target", str(target), "--max-generations", str(max_generations)])
-    return format_table(results, variants, target)
+        for seed in seeds:
+            model = str(write_initial_model(Path(root) / str(seed), seed))
+            args = ["--model", model, "--target", str(target), "--max-generations", str(max_generations),
+                    "--seed", str(seed)]
+            if trl_available():
+                results.setdefault(TRL, []).append(_side(["--side", "trl", "--out", f"{root}/{seed}/trl", *args]))
+            for v in variants:
+                results.setdefault(f"moe_rl ({v})", []).append(
+                    _side(["--side", v, "--out", f"{root}/{seed}/{v}", *args]))
+    return format_table(results, variants, target, seeds)
 
 
-def format_table(results: dict[str, dict[str, Any]], variants: list[str], target: float) -> str:
+def _median(values: list[float | None]) -> float | None:
+    """The median, a missing value (target not reached) counting as the largest; None if that is the median."""
+    m = statistics.median([math.inf if v is None else v for v in values])
+    return None if math.isinf(m) else m
+
+
+def _ratios(ours: list[dict[str, Any]], trl: list[dict[str, Any]], key: str) -> list[float | None]:
+    """Per seed, ours / TRL for `key` (None where either side missed the target)."""
+    return [None if o[key] is None or t[key] is None else o[key] / t[key] for o, t in zip(ours, trl)]
+
+
+def format_table(results: dict[str, list[dict[str, Any]]], variants: list[str], target: float,
+                 seeds: list[int]) -> str:
+    """One row per side, medians over the seeds; then the per-seed ratios against TRL and their medians."""
     fmt = lambda x, f: "not reached" if x is None else format(x, f)  # noqa: E731
-    rows = [(name, fmt(r["seconds"], ".1f"), fmt(r["samples"], ",d"), r["generations"], f"{r['best']:.2f}",
-             f"{r['s_per_generation']:.2f}", f"{r.get('load', float('nan')):.1f}") for name, r in results.items()]
+    rows = []
+    for name, runs in results.items():
+        reached = sum(r["reached"] for r in runs)
+        rows.append((name, f"{reached}/{len(runs)}", fmt(_median([r["seconds"] for r in runs]), ".1f"),
+                     fmt(_median([r["samples"] for r in runs]), ",.0f"),
+                     fmt(_median([r["generations"] if r["reached"] else None for r in runs]), ".0f"),
+                     f"{statistics.median(r['s_per_generation'] for r in runs):.2f}",
+                     f"{statistics.mean(r.get('load', math.nan) for r in runs):.1f}"))
     lines = [f"Task toy:{TASK}, {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, {UPDATES} "
-             f"updates per generation, GSPO eps ({EPS_LOW}, {EPS_HIGH}), lr {LR}; target success {target}.", "",
-             md_table(["side", f"s to {target}", f"samples to {target}", "generations", "best success", "s / generation (after the 1st)",
-                       "load at start"],
-                      rows),
-             ""]
+             f"updates per generation, GSPO eps ({EPS_LOW}, {EPS_HIGH}), lr {LR}; target success {target}; "
+             f"seeds {', '.join(map(str, seeds))} (medians over the seeds).", "",
+             md_table(["side", f"reached {target}", f"s to {target}", f"samples to {target}", "generations",
+                       "s / generation (after the 1st)", "load at start"], rows), ""]
     lines += [f"- moe_rl ({v}): {VARIANTS[v][0]}." for v in variants]
-    trl = results.get("TRL GRPOTrainer")
+    trl = results.get(TRL)
     if trl is None:
         lines.append("- TRL is not installed (`pip install -e \".[bench]\"`): moe_rl alone.")
         return "\n".join(lines)
-    lines.append(f"- TRL {trl['version']}, GRPOTrainer, importance_sampling_level=sequence, loss_type=grpo.")
+    lines.append(f"- TRL {trl[0]['version']}, GRPOTrainer, importance_sampling_level=sequence, loss_type=grpo.")
     for v in variants:
         ours = results[f"moe_rl ({v})"]
-        per_gen = f"seconds per generation: **{ours['s_per_generation'] / trl['s_per_generation']:.2f}**"
-        if ours["seconds"] is not None and trl["seconds"] is not None:
-            lines.append(f"- moe_rl ({v}) / TRL, time to {target}: **{ours['seconds'] / trl['seconds']:.2f}**; "
-                         f"samples: {ours['samples'] / trl['samples']:.2f}; {per_gen}.")
-        else:
-            lines.append(f"- moe_rl ({v}) / TRL: {target} not reached by both within the generations run; {per_gen}.")
+        time, samples, per_gen = (_ratios(ours, trl, k) for k in ("seconds", "samples", "s_per_generation"))
+        each = "; ".join(f"{seed}: {fmt(r, '.2f')}" for seed, r in zip(seeds, time))
+        lines.append(f"- moe_rl ({v}) / TRL, median of the per-seed ratios: time to {target} "
+                     f"**{fmt(_median(time), '.2f')}**; samples {fmt(_median(samples), '.2f')}; seconds per "
+                     f"generation **{_median(per_gen):.2f}**. Time ratio per seed: {each}.")
     return "\n".join(lines)
 
 
@@ -269,6 +296,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="max new tokens per sample")
     p.add_argument("--updates", type=int, default=UPDATES, help="optimizer steps per generation")
     p.add_argument("--max-generations", type=int, default=150)
+    p.add_argument("--seeds", type=int, nargs="+", default=SEEDS, help="one run of each side per seed")
+    p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     p.add_argument("--side", choices=["trl", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -279,13 +308,13 @@ def main() -> None:
         os.environ["MOE_RL_PARITY"] = json.dumps(wanted)
         os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:]])
     if a.side is None:
-        print(compare(a.variants, a.target, a.max_generations))
+        print(compare(a.variants, a.target, a.max_generations, a.seeds))
         return
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if a.side == "trl":
-        res = run_trl(a.model, a.out, a.target, a.max_generations)
+        res = run_trl(a.model, a.out, a.target, a.max_generations, a.seed)
     else:
-        res = run_moe_rl(a.side, a.model, a.out, a.target, a.max_generations)
+        res = run_moe_rl(a.side, a.model, a.out, a.target, a.max_generations, a.seed)
     Path(a.result).write_text(json.dumps(res))
 
 
