@@ -13,7 +13,8 @@ against megatron-core 0.16.1 by running TP/PP/EP/DP layouts with DDP and the opt
 """
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -62,6 +63,32 @@ class _CudaToCpu(TorchFunctionMode):
             name = func(*args)
             return _CUDA_TYPE_NAMES.get(name, name)
         return func(*args, **kwargs)
+
+
+@contextmanager
+def native() -> Iterator[None]:
+    """Run a block without the CUDA-to-CPU redirect: for code that names no CUDA device
+    (the model's forward, the in-process rollout engine).
+
+    The redirect is a `TorchFunctionMode`, so every torch call under it, tensor methods
+    and `len(tensor)` included, takes a detour through Python (about 1-2 us each): a tenth
+    of a tiny model's RL step. Only compat's own mode is suspended, and only where it is
+    the innermost one: a mode pushed on top of it (the test device guard, which must see
+    every op) keeps both in place. Without compat active this does nothing.
+    """
+    # torch has no public way to read or pop the mode stack; these two are what its own
+    # `TorchFunctionMode.__torch_function__` implementations use.
+    stack = torch.overrides._get_current_function_mode_stack()
+    if not stack or not isinstance(stack[-1], _CudaToCpu):
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """megatron's `get_default_causal_mask` (a `device="cuda"` literal), on the CPU."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
 def _cpu_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
@@ -130,6 +157,12 @@ def activate() -> bool:
     torch.cuda.synchronize = _noop("synchronize")  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     torch.cuda.empty_cache = _noop("empty_cache")  # type: ignore[assignment]
+
+    # The unfused softmax builds its causal mask with a `device="cuda"` literal; the model's
+    # forward runs outside the redirect (`native`), so the name it calls is redirected.
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
 
     define_missing_te_gemm()
     _ACTIVE = True

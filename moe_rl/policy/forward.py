@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from moe_rl.data.balance import pack_bins
 from moe_rl.devices import compute_device
+from moe_rl.policy import compat
 from moe_rl.policy.packing import PackedRow, model_kwargs, pack_row, unpack
 
 
@@ -308,14 +309,16 @@ def run_schedule(chunks: list[Any], microbatches: list[Microbatch], loss_fn: Los
 
     def forward_step(data_iterator: Iterator[Microbatch], model: Any):
         mb = next(data_iterator).to(compute_device())
-        if mb.packed is not None:
-            output = model(mb.packed.tokens, mb.packed.positions, **model_kwargs(mb.packed))
-        else:
-            pos = torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
-            output = model(mb.tokens, pos, attention_mask=None)
+        with compat.native():  # the forward and the loss name no CUDA device (the schedule does)
+            if mb.packed is not None:
+                output = model(mb.packed.tokens, mb.packed.positions, **model_kwargs(mb.packed))
+            else:
+                pos = torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
+                output = model(mb.tokens, pos, attention_mask=None)
 
         def loss_func(logits: torch.Tensor):
-            loss, out = loss_fn(logits, mb)
+            with compat.native():
+                loss, out = loss_fn(logits, mb)
             return loss, torch.ones((), dtype=torch.int), out
 
         return output, loss_func
