@@ -110,7 +110,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     if samples is None:
         return metrics | clock.metrics()
     share = my_share(run, samples)                                # this data-parallel rank's sequences
-    old = old_logprobs(run, share.samples)                        # routes recorded (R2) or the engine's (R3)
+    old = old_logprobs(run, share.samples, step)                  # routes recorded (R2) or the engine's (R3)
     clock.lap("old_logprobs")
     if run.critic is not None:                                    # algo.advantage=gae (moe_rl/critic_step.py):
         metrics |= critic_step(run, share, old, step)             # values, GAE advantages, critic updates
@@ -361,15 +361,16 @@ class OldPass:
     replay: torch.Tensor | None        # routes replayed in the updates (None = replay off)
 
 
-def old_logprobs(run: Run, mine: Samples) -> OldPass:
-    """Log-probs of the sampling policy as the trainer computes them (pi_old)."""
-    mode = replay_mode(run.cfg.algo)
+def old_logprobs(run: Run, mine: Samples, step: int) -> OldPass:
+    """Log-probs of the sampling policy as the trainer computes them (pi_old); the trainer's
+    own routes only where R2 replays them or this step measures drift on its tokens."""
+    mode, drift = replay_mode(run.cfg.algo), step_drift_due(run, step)
     if mode == "r3":
         engine = engine_routes(mine)
         old = run.policy.logprobs(mine.sequences, replay_routes=engine)
-        free = run.policy.logprobs(mine.sequences, record_routes=True).routes if run.cfg.drift.enabled else None
+        free = run.policy.logprobs(mine.sequences, record_routes=True).routes if drift else None
         return OldPass(old.logp, free, engine)
-    old = run.policy.logprobs(mine.sequences, record_routes=True)
+    old = run.policy.logprobs(mine.sequences, record_routes=drift or mode == "r2")
     return OldPass(old.logp, old.routes, old.routes if mode == "r2" else None)
 
 
@@ -546,12 +547,18 @@ def sync_weights(run: Run) -> None:
 def measure_drift(run: Run, mine: Samples, old: OldPass, step: int) -> dict[str, float]:
     """Route volatility across the step's updates, engine-vs-trainer mismatch, expert load, probe set."""
     d = run.cfg.drift
-    if not d.enabled or old.free_routes is None:
+    if not d.enabled:
         return {}
     out = probe_drift(run, mine, step) if step % d.probe_every == 0 else {}
-    if d.step_tokens and step % d.every == 0:
+    if step_drift_due(run, step):
         out |= step_drift(run, mine, old)
     return out
+
+
+def step_drift_due(run: Run, step: int) -> bool:
+    """Whether this step measures drift on its own tokens (`step_drift`, every `drift.every` steps)."""
+    d = run.cfg.drift
+    return d.enabled and d.step_tokens and step % d.every == 0
 
 
 def probe_set(run: Run, mine: Samples) -> list[torch.Tensor]:

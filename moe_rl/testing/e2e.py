@@ -76,8 +76,8 @@ class _ReplaySpy:
         self.loop, self.old_pass, self.mine, self.updates = loop, None, None, []
         real_old, real_update = loop.old_logprobs, run.policy.update
 
-        def old_logprobs(run: Any, mine: Any) -> Any:
-            self.old_pass, self.mine = real_old(run, mine), mine
+        def old_logprobs(run: Any, mine: Any, step: int) -> Any:
+            self.old_pass, self.mine = real_old(run, mine, step), mine
             return self.old_pass
 
         def update(sequences: Any, extras: Any, loss: Any, replay_routes: Any = None) -> Any:
