@@ -8,10 +8,31 @@ tensor into its model instead of written to and read from disk. For small CPU ru
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from moe_rl.policy.compat import native
+from moe_rl.rollout.engine import GenerateRequest, GenerateResult
 from moe_rl.rollout.local_engine import LocalEngine
+
+
+class InProcessEngine(LocalEngine):
+    """`LocalEngine` in the trainer's process: it generates outside the CPU redirect that
+    the policy installs there (`moe_rl.policy.compat.native`: the engine names no CUDA
+    device, and the redirect costs every torch call a detour through Python)."""
+
+    def generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
+        with native():
+            return super().generate(requests)
+
+    def update_weights_from_tensors(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                                    version: str | int | None = None) -> None:
+        # The pairs come from the policy's export (megatron code, which needs the redirect):
+        # drawn here, copied in outside it.
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        with native():
+            super().update_weights_from_tensors(items, version)
 
 
 def inprocess_engine(cfg: Any, hf_dir: str | Path) -> LocalEngine:
@@ -23,5 +44,5 @@ def inprocess_engine(cfg: Any, hf_dir: str | Path) -> LocalEngine:
     """
     import torch
 
-    return LocalEngine(hf_dir, device="cuda" if torch.cuda.is_available() else "cpu",
+    return InProcessEngine(hf_dir, device="cuda" if torch.cuda.is_available() else "cpu",
                        max_batch=cfg.data.prompts_per_step * cfg.rollout.n_samples)
