@@ -116,6 +116,7 @@ class PolicyOptimizer:
             params_dtype=model_cfg.params_dtype, use_distributed_optimizer=cfg.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
+        _foreach_adam_on_cpu(self.optimizer)
         decay = max(cfg.total_steps - cfg.warmup_steps, 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
@@ -227,6 +228,18 @@ def grads_as_params(chunks: list[Any]) -> None:
             if g is None:
                 g = p.grad
             p.data.copy_(g if g is not None else torch.zeros_like(p))
+
+
+def _foreach_adam_on_cpu(optimizer: Any) -> None:
+    """Let torch's Adam update all parameters per op on CPU too (`foreach`, torch's default on
+    CUDA only): a few calls per step instead of ~10 per parameter, the same results bit for bit."""
+    if torch.cuda.is_available():
+        return
+    for opt in _sub_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                group["foreach"] = True
 
 
 def _sub_optimizers(optimizer: Any) -> list[Any]:
