@@ -81,6 +81,10 @@ class Samples:
                        None if self.rewards is None else self.rewards[idx],
                        None if self.advantages is None else self.advantages[idx])
 
+    def lengths(self) -> list[int]:
+        """Each sequence's length T_i (`shape[0]`: `len()` of a tensor costs several times more)."""
+        return [s.shape[0] for s in self.sequences]
+
     def completion_ids(self) -> list[list[int]]:
         """Each sample's generated ids, as the engine returned them (a stop token included)."""
         return [s[p:].tolist() for s, p in zip(self.sequences, self.prompt_lens.tolist())]
@@ -124,7 +128,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     clock.lap("weight_sync")
     metrics |= measure_drift(run, share.samples, old, step)       # drift/
     clock.lap("drift")
-    tokens = sum(len(s) for s in samples.sequences)
+    tokens = sum(samples.lengths())
     return metrics | clock.metrics() | {"perf/tokens_per_s": tokens / clock.total(),
                                         "perf/weight_version": float(run.weight_version)}
 
@@ -246,7 +250,7 @@ def score(run: Run, samples: Samples) -> dict[str, float]:
     rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()),
                            dtype=torch.float32)
     samples.rewards = rewards
-    lengths = torch.tensor([len(s) for s in samples.sequences]) - samples.prompt_lens
+    lengths = torch.tensor(samples.lengths()) - samples.prompt_lens
     return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "reward/success_rate": float((rewards >= 1.0).float().mean()),
             "reward/failures": float(run.rewards.failures),
@@ -287,7 +291,7 @@ def advantages_and_filters(run: Run, samples: Samples | None) -> tuple[Samples |
         return None, {}
     rewards = samples.rewards
     if a.overlong_max_len:
-        lengths = torch.tensor([len(s) for s in samples.sequences]) - samples.prompt_lens
+        lengths = torch.tensor(samples.lengths()) - samples.prompt_lens
         rewards = shape_overlong_rewards(rewards, lengths, max_len=a.overlong_max_len,
                                          cache_len=a.overlong_cache_len)
     samples.rewards = rewards
@@ -317,7 +321,7 @@ class Share:
 
 def my_share(run: Run, samples: Samples) -> Share:
     """This DP rank's share of the samples, minibatch by minibatch."""
-    lengths = [len(s) for s in samples.sequences]
+    lengths = samples.lengths()
     mine = share_indices(lengths, run.policy.dp_size, run.policy.dp_rank, run.cfg.algo.num_minibatches,
                          by_tokens=run.policy.packs_sequences)
     bounds = list(itertools.accumulate((len(m) for m in mine), initial=0))
@@ -388,7 +392,7 @@ def engine_routes(samples: Samples) -> torch.Tensor:
 def response_mask(samples: Samples, width: int) -> torch.Tensor:
     """`[B, width]`: 1 where position t predicts a completion token (t >= P - 1, t < T - 1)."""
     t = torch.arange(width).view(1, -1)
-    lengths = torch.tensor([len(s) for s in samples.sequences]).view(-1, 1)
+    lengths = torch.tensor(samples.lengths()).view(-1, 1)
     return ((t >= samples.prompt_lens.view(-1, 1) - 1) & (t < lengths - 1)).float()
 
 
@@ -396,7 +400,7 @@ def engine_logp_tokens(samples: Samples, width: int) -> torch.Tensor:
     """Engine log-probs placed at the positions that predict them: `[B, width]`."""
     out = torch.zeros(len(samples), width)
     for i, (p, lp) in enumerate(zip(samples.prompt_lens.tolist(), samples.engine_logp)):
-        out[i, p - 1: p - 1 + len(lp)] = lp[: max(width - p + 1, 0)]
+        out[i, p - 1: p - 1 + lp.shape[0]] = lp[: max(width - p + 1, 0)]
     return out
 
 
@@ -578,7 +582,7 @@ def probe_drift(run: Run, mine: Samples, step: int) -> dict[str, float]:
 def probe_routes(policy: Policy, probe: list[torch.Tensor]) -> torch.Tensor:
     """Routes `[N, L, K]` of every routed token of the `probe` sequences under the current weights."""
     routes = policy.logprobs(probe, record_routes=True).routes
-    lengths = torch.tensor([len(s) for s in probe])
+    lengths = torch.tensor([s.shape[0] for s in probe])
     return routes[torch.arange(routes.shape[1]).view(1, -1) < (lengths - 1).view(-1, 1)]
 
 
@@ -617,7 +621,7 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
     """Drift on the step's own tokens: before the first vs after the last optimizer step."""
     arch = run.policy.arch
     width = old.logp.shape[1]
-    lengths = torch.tensor([len(s) for s in mine.sequences])
+    lengths = torch.tensor(mine.lengths())
     tokens = torch.arange(width).view(1, -1) < (lengths - 1).view(-1, 1)  # every routed token
     passed = run.policy.logprobs(mine.sequences, record_routes=True, route_confidence=True)
     after = passed.routes

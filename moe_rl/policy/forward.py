@@ -84,13 +84,13 @@ def make_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, pad_
     """
     if not sequences:
         raise ValueError("no sequences to process")
-    lengths = torch.tensor([len(s) for s in sequences])
+    lengths = torch.tensor([s.shape[0] for s in sequences])
     if int(lengths.min()) < 2:
         raise ValueError("every sequence needs at least 2 tokens (a prompt token and one to score)")
     s = pad_length(seq_len or int(lengths.max()), pad_multiple)
     tokens = torch.full((len(sequences), s), pad_id, dtype=torch.long)
     for i, seq in enumerate(sequences):
-        tokens[i, : len(seq)] = seq
+        tokens[i, : seq.shape[0]] = seq
     out = []
     for start in range(0, len(sequences), micro_batch_size):
         idx = torch.arange(start, min(start + micro_batch_size, len(sequences)))
@@ -159,7 +159,7 @@ def make_packed_microbatches(sequences: list[torch.Tensor], max_tokens: int, pad
     """
     if not sequences:
         raise ValueError("no sequences to process")
-    lengths = [len(s) for s in sequences]
+    lengths = [s.shape[0] for s in sequences]
     if min(lengths) < 2:
         raise ValueError("every sequence needs at least 2 tokens (a prompt token and one to score)")
     k = group_size
@@ -209,7 +209,7 @@ def build_microbatches(sequences: list[torch.Tensor], micro_batch_size: int, max
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    longest = max(len(x) for x in sequences) if sequences else 0
+    longest = max(x.shape[0] for x in sequences) if sequences else 0
     if max_tokens:
         extras = {k: fit_width(v, longest - 1) for k, v in (extras or {}).items()}
         return make_packed_microbatches(sequences, max_tokens, pad_multiple=tp, extras=extras,
@@ -424,7 +424,7 @@ def compute_logprobs(chunks: list[Any], sequences: list[torch.Tensor], micro_bat
     _broadcast_from_last_stage(logp)
     if ent is not None:
         _broadcast_from_last_stage(ent)
-    lengths = torch.tensor([len(x) for x in sequences])
+    lengths = torch.tensor([x.shape[0] for x in sequences])
     mask = (torch.arange(s - 1).unsqueeze(0) < (lengths - 1).unsqueeze(1)).float()
     return LogProbs(logp=logp * mask, mask=mask, entropy=None if ent is None else ent * mask,
                     routes=getattr(recording, "routes", None),

@@ -46,7 +46,7 @@ class PackedRow:
 
 def pack_row(sequences: list[torch.Tensor], length: int, fmt: str, pad_id: int = 0) -> PackedRow:
     """Concatenate `sequences` (each `[T_i]`) into a row of `length` tokens."""
-    used = sum(len(s) for s in sequences)
+    used = sum(s.shape[0] for s in sequences)
     if used > length:
         raise ValueError(f"{used} tokens do not fit a packed row of {length}")
     tokens = torch.full((1, length), pad_id, dtype=torch.long)
