@@ -326,6 +326,10 @@ class AlgoConfig:
     """Masks (and TIS) for the trainer/rollout mismatch, composable with every loss."""
     num_minibatches: int = ranged(4, ge=1)
     """Optimizer updates per step (the step's samples split evenly); 4 as in GSPO."""
+    shuffle_minibatches: bool = True
+    """Split the step's samples into minibatches in a random order (seeded by data.shuffle_seed and
+    the step, the same on every rank), so each update sees samples of every prompt, as
+    PPO implementations do; false keeps the prompt order (each prompt's samples together)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop groups whose task rewards (before overlong shaping) are all
     equal, and sample further prompts until the step has data.prompts_per_step informative groups

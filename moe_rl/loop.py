@@ -27,7 +27,7 @@ from moe_rl.config import RunConfig, replay_mode
 from moe_rl.critic_step import critic_step
 from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
-from moe_rl.data.sampler import PromptSampler
+from moe_rl.data.sampler import PromptSampler, seeded_shuffle
 from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, logprob_mismatch, route_stats)
 from moe_rl.policy.policy import Policy
 from moe_rl.reward.runner import RewardRunner
@@ -113,7 +113,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics |= more
     if samples is None:
         return metrics | clock.metrics()
-    share = my_share(run, samples)                                # this data-parallel rank's sequences
+    share = my_share(run, samples, step)                          # this data-parallel rank's sequences
     old = old_logprobs(run, share.samples, step)                  # routes recorded (R2) or the engine's (R3)
     clock.lap("old_logprobs")
     if run.critic is not None:                                    # algo.advantage=gae (moe_rl/critic_step.py):
@@ -319,8 +319,12 @@ class Share:
     minibatches: list[list[int]]
 
 
-def my_share(run: Run, samples: Samples) -> Share:
-    """This DP rank's share of the samples, minibatch by minibatch."""
+def my_share(run: Run, samples: Samples, step: int) -> Share:
+    """This DP rank's share of the samples, minibatch by minibatch (`algo.shuffle_minibatches`:
+    taken from the samples in the step's seeded random order)."""
+    if run.cfg.algo.shuffle_minibatches:
+        key = f"moe_rl.minibatches:{run.cfg.data.shuffle_seed}:{step}"
+        samples = samples.select(seeded_shuffle(range(len(samples)), key))
     lengths = samples.lengths()
     mine = share_indices(lengths, run.policy.dp_size, run.policy.dp_rank, run.cfg.algo.num_minibatches,
                          by_tokens=run.policy.packs_sequences)

@@ -37,6 +37,39 @@ def test_share_indices_same_minibatches_either_way_and_balanced_by_tokens(dp, m)
     assert sorted(i for r in range(dp) for mb in plain[r] for i in mb) == list(range(32))
 
 
+def _share(shuffle: bool, step: int, dp: int = 2, rank: int = 0) -> list[list[int]]:
+    """my_share on 4 prompts x 4 samples (sequence i is [i, i]) split into 2 minibatches:
+    the sample ids each minibatch of `rank` holds."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moe_rl.loop import Samples, my_share
+
+    n = 16
+    samples = Samples(prompts=list(range(n)), sequences=[torch.tensor([i, i]) for i in range(n)],
+                      prompt_lens=torch.ones(n, dtype=torch.long), engine_logp=[torch.zeros(1)] * n, routes=None,
+                      completions=[""] * n, rewards=torch.arange(n, dtype=torch.float32))
+    cfg = SimpleNamespace(algo=SimpleNamespace(shuffle_minibatches=shuffle, num_minibatches=2),
+                          data=SimpleNamespace(shuffle_seed=0))
+    run = SimpleNamespace(cfg=cfg, policy=SimpleNamespace(dp_size=dp, dp_rank=rank, packs_sequences=False))
+    share = my_share(run, samples, step)
+    assert share.samples.rewards.tolist() == [float(p) for p in share.samples.prompts]  # rows stay together
+    return [[int(share.samples.sequences[i][0]) for i in mb] for mb in share.minibatches]
+
+
+def test_my_share_shuffles_the_samples_into_minibatches_per_step():
+    plain = [_share(False, 1, rank=r) for r in range(2)]
+    assert plain[0] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # prompt order: rank 0 holds prompts 0 and 1
+    shuffled = [_share(True, 1, rank=r) for r in range(2)]
+    assert shuffled == [_share(True, 1, rank=r) for r in range(2)]  # seeded: every rank computes the same
+    assert sorted(i for share in shuffled for mb in share for i in mb) == list(range(16))  # each sample once
+    assert shuffled != plain
+    first = sorted(i for share in shuffled for i in share[0])  # the first update's samples, over both ranks
+    assert len({i // 4 for i in first}) > 2, "the first update sees samples of more than two prompts"
+    assert _share(True, 2) != shuffled[0]  # a new order every step
+
+
 def test_share_indices_refuses_uneven_split():
     from moe_rl.loop import share_indices
 
