@@ -118,13 +118,12 @@ def microbatch_targets(routes: torch.Tensor, mb: Microbatch, column: int, top_k:
     b, s = mb.model_tokens.shape
     target = filler_targets(s * b, top_k, num_experts or top_k).view(s, b, top_k)
     rows, starts = mb.placement()
-    for j in range(mb.tokens.shape[0]):
-        row = int(mb.index[j])
+    # Plain ints, read once (as in Recording._place): indexing a tensor per sequence costs more than the copies.
+    for row, length, a, r in zip(mb.index.tolist(), mb.lengths.tolist(), starts.tolist(), rows.tolist()):
         if row < 0:
             continue
-        n = min(int(mb.lengths[j]) - 1, routes.shape[1])
-        a = int(starts[j])
-        target[a: a + n, int(rows[j])] = routes[row, :n, column].long()
+        n = min(length - 1, routes.shape[1])
+        target[a: a + n, r] = routes[row, :n, column].long()
     return target[positions].reshape(-1, top_k)
 
 
@@ -319,9 +318,9 @@ class Recording:
             self.confidence = _max_over_model_parallel(self.conf_buf)[:, :-1].clone()
         lengths = torch.full((self.buf.shape[0],), -1, dtype=torch.long)
         for mb in self.microbatches:
-            for j in range(mb.tokens.shape[0]):
-                if int(mb.index[j]) >= 0:
-                    lengths[int(mb.index[j])] = int(mb.lengths[j])
+            for seq, length in zip(mb.index.tolist(), mb.lengths.tolist()):
+                if seq >= 0:
+                    lengths[seq] = length
         routes = self.buf[:, :-1].clone()
         # Positions past each sequence's routed tokens (its last token, padding) hold filler ids.
         t = torch.arange(routes.shape[1]).view(1, -1)
