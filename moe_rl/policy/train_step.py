@@ -36,9 +36,7 @@ already holds everything and is used as is.
 """
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -244,15 +242,7 @@ def _fast_adam_on_cpu(optimizer: Any) -> None:
         if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             for group in inner.param_groups:
                 group["foreach"] = True
-            inner.step = _natively(inner.step)
-
-
-def _natively(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with compat.native():
-            return fn(*args, **kwargs)
-    return run
+            inner.step = compat.native()(inner.step)  # a contextmanager decorates, fresh per call
 
 
 def _sub_optimizers(optimizer: Any) -> list[Any]:

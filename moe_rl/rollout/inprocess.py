@@ -45,4 +45,4 @@ def inprocess_engine(cfg: Any, hf_dir: str | Path) -> LocalEngine:
     import torch
 
     return InProcessEngine(hf_dir, device="cuda" if torch.cuda.is_available() else "cpu",
-                       max_batch=cfg.data.prompts_per_step * cfg.rollout.n_samples)
+                           max_batch=cfg.data.prompts_per_step * cfg.rollout.n_samples)

@@ -122,7 +122,7 @@ def run_moe_rl(variant: str, model_dir: str, out: str, target: float, max_steps:
     from moe_rl.testing.dist import run_ranks
 
     cfg = load_config(str(DEMO), common(seed) + VARIANTS[variant][1] + [f"model.hf_path={model_dir}",
-                                                                  f"log.run_dir={out}"])
+                                                                        f"log.run_dir={out}"])
     rows = run_ranks(moe_rl_rank, cfg.train.world_size, cfg.to_dict(), out, target, max_steps, timeout=1800)[0]
     return summarise([r["success"] for r in rows], [sum(r["step_s"] for r in rows[: i + 1]) for i in range(len(rows))],
                      target)
@@ -263,13 +263,14 @@ def format_table(results: dict[str, list[dict[str, Any]]], variants: list[str], 
         rows.append((name, f"{reached}/{len(runs)}", fmt(_median([r["seconds"] for r in runs]), ".1f"),
                      fmt(_median([r["samples"] for r in runs]), ",.0f"),
                      fmt(_median([r["generations"] if r["reached"] else None for r in runs]), ".0f"),
+                     f"{statistics.median(r['best'] for r in runs):.2f}",
                      f"{statistics.median(r['s_per_generation'] for r in runs):.2f}",
                      f"{statistics.mean(r.get('load', math.nan) for r in runs):.1f}"))
     lines = [f"Task toy:{TASK}, {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, {UPDATES} "
              f"updates per generation, GSPO eps ({EPS_LOW}, {EPS_HIGH}), lr {LR}; target success {target}; "
              f"seeds {', '.join(map(str, seeds))} (medians over the seeds).", "",
              md_table(["side", f"reached {target}", f"s to {target}", f"samples to {target}", "generations",
-                       "s / generation (after the 1st)", "load at start"], rows), ""]
+                       "best success", "s / generation (after the 1st)", "load at start"], rows), ""]
     lines += [f"- moe_rl ({v}): {VARIANTS[v][0]}." for v in variants]
     trl = results.get(TRL)
     if trl is None:
