@@ -112,6 +112,23 @@ LOG_LEVELS = ("debug", "info", "warning")
 MODES = ("rl", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo")
 DATA_SUFFIXES = (".jsonl", ".parquet")
+# SGLang 0.5.23's names of its parallel sizes (sglang/srt/arg_groups/fields/parallel.py; argparse
+# also takes an unambiguous prefix such as --tp).
+SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
+SGLANG_DP_FLAGS = ("--dp-size", "--data-parallel-size", "--dp")
+SGLANG_PP_FLAGS = ("--pp-size", "--pipeline-parallel-size", "--pp")
+
+
+def sglang_flag(args: Sequence[Any], flags: Sequence[str]) -> str | None:
+    """The value the last of `flags` gets in `args` (`--flag N` or `--flag=N`), as SGLang's parser
+    reads it; None when none of them is there."""
+    args = [str(a) for a in args]
+    found = None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return found
 
 
 # --------------------------------------------------------------------------
@@ -248,9 +265,11 @@ class RolloutConfig:
     """Port of the first launched server; server i uses base_port + i. None = consecutive ports
     found free at launch (two runs on one machine never collide); SLURM jobs use 30000."""
     sglang_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments passed to `sglang.launch_server` as given."""
+    """Extra command-line arguments passed to `sglang.launch_server` as given. A --tp-size here
+    wins over `tp_size` (it comes last on SGLang's command line), and the weight sync and GPU
+    placement follow it."""
     tp_size: int = ranged(1, ge=1)
-    """--tp-size of each SGLang server."""
+    """--tp-size of each SGLang server (unless sglang_args gives one)."""
     ep_size: int = ranged(1, ge=1)
     """--ep-size of each SGLang server; must divide tp_size."""
     mem_fraction: float = ranged(0.8, gt=0.0, le=1.0)
@@ -274,6 +293,12 @@ class RolloutConfig:
     max_restarts: int = ranged(3, ge=0)
     """Launched servers: how often each one that dies is restarted (same port, same argv; not with
     weight_sync=nccl, where a new server cannot join the update group and would serve stale weights)."""
+
+    @property
+    def server_tp_size(self) -> int:
+        """Each SGLang server's tensor-parallel size: the last --tp-size of `sglang_args`, else `tp_size`."""
+        value = sglang_flag(self.sglang_args, SGLANG_TP_FLAGS)
+        return self.tp_size if value is None else int(value)
 
 
 @dataclass
@@ -872,8 +897,25 @@ def _check_rollout(cfg: RunConfig) -> Iterator[str]:
     if r.router and r.urls:
         yield ("rollout.router: true starts a router in front of launched servers; rollout.urls is set (servers "
                "already run): put the router's URL in rollout.urls and its workers in rollout.admin_urls")
-    if r.tp_size % r.ep_size:
-        yield f"rollout.ep_size: {r.ep_size} must divide rollout.tp_size={r.tp_size}"
+    sizes = {}
+    for what, flags in (("tp", SGLANG_TP_FLAGS), ("dp", SGLANG_DP_FLAGS), ("pp", SGLANG_PP_FLAGS)):
+        value = sglang_flag(r.sglang_args, flags)
+        if value is not None and not (value.isdigit() and int(value) >= 1):
+            yield f"rollout.sglang_args: {flags[0]} needs an integer >= 1, got {value!r}"
+            return
+        sizes[what] = 1 if value is None else int(value)
+    tp = r.server_tp_size
+    if tp % r.ep_size:
+        yield f"rollout.ep_size: {r.ep_size} must divide the servers' tensor-parallel size {tp} (rollout.tp_size " \
+              "or a --tp-size in rollout.sglang_args)"
+    if r.weight_sync == "nccl" and sizes["dp"] > 1:
+        yield (f"rollout.sglang_args: --dp-size {sizes['dp']} is not allowed with rollout.weight_sync=nccl: SGLang "
+               "refuses distributed weight updates to data-parallel replicas (it asserts dp_size == 1); run "
+               "that many servers instead (rollout.num_servers), or use rollout.weight_sync=disk")
+    if r.weight_sync == "nccl" and sizes["pp"] > 1:
+        yield (f"rollout.sglang_args: --pp-size {sizes['pp']} is not allowed with rollout.weight_sync=nccl: each "
+               "server rank joins the update group as rank_offset + tp_rank, so pipeline stages would take the "
+               "same ranks; use tensor parallelism (rollout.tp_size), or rollout.weight_sync=disk")
     if r.weight_sync == "tensor" and r.engine != "inprocess":
         yield ("rollout.weight_sync: 'tensor' copies into an engine in the trainer's own process, but a run's "
                "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl, or "

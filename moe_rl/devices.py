@@ -15,6 +15,10 @@ No megatron imports here: policy/, drift/, the trainer and weight sync all use i
 """
 from __future__ import annotations
 
+import os
+import re
+from typing import Mapping
+
 import torch
 
 _CPU = torch.device("cpu")
@@ -44,3 +48,20 @@ def simulate_accelerator(on: bool) -> None:
         raise RuntimeError("a simulated accelerator makes no sense where CUDA is available: "
                            "the real GPU already checks where collective tensors live")
     _simulated = bool(on)
+
+
+def local_trainer_ranks(default: int, environ: Mapping[str, str] | None = None) -> int:
+    """Trainer ranks on this machine, each on GPU `LOCAL_RANK`: torchrun's LOCAL_WORLD_SIZE, srun's
+    tasks on this node (SLURM_NTASKS_PER_NODE, or the first count of SLURM_TASKS_PER_NODE, e.g. "4(x2)"),
+    else `default` (the ranks `moe-rl train` spawns here: train.world_size)."""
+    env = os.environ if environ is None else environ
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        m = re.match(r"\d+", env.get(key, ""))
+        if m:
+            return int(m.group())
+    return int(default)
+
+
+def gpu_count() -> int:
+    """GPUs this process sees (0 on a CPU machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -17,7 +17,7 @@ from moe_rl.config import RunConfig
 
 def preflight(cfg: RunConfig, world_size: int) -> str | None:
     """The first problem that would stop this run, or None."""
-    for check in (_model, lambda c: _layout(c, world_size), _resume, _data, _keys):
+    for check in (_model, lambda c: _layout(c, world_size), _resume, _data, _keys, _devices):
         problem = check(cfg)
         if problem:
             return problem
@@ -103,4 +103,19 @@ def _keys(cfg: RunConfig) -> str | None:
         read_key_file(path)
     except ValueError as e:
         return f"rollout.api_key_file: {e}"
+    return None
+
+
+def _devices(cfg: RunConfig, device_count: int | None = None) -> str | None:
+    """Servers the trainer launches here must fit this machine's GPUs beside the trainer ranks'."""
+    from moe_rl.devices import gpu_count, local_trainer_ranks
+    from moe_rl.rollout.launcher import server_gpus
+
+    if cfg.train.mode == "dpo":
+        return None
+    try:
+        server_gpus(cfg.rollout, local_trainer_ranks(cfg.train.world_size),
+                    gpu_count() if device_count is None else device_count)
+    except ValueError as e:
+        return str(e)
     return None

@@ -85,8 +85,8 @@ def resolve_run_dir(cfg: RunConfig) -> Path:
 def _single(cfg: RunConfig, run_dir: str) -> int:
     from moe_rl.ports import free_port
 
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())})
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     return train_rank(cfg, run_dir)
 
 
@@ -137,7 +137,7 @@ def spawn(cfg: RunConfig, run_dir: str) -> int:
 
 def _spawned(rank: int, cfg_dict: dict[str, Any], run_dir: str, world: int, port: int) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     code = train_rank(RunConfig.from_dict(cfg_dict), run_dir, spawned=True)
     if code:
@@ -392,7 +392,7 @@ def update_group(cfg: RunConfig, servers: Any) -> dict[str, Any]:
         found = {"admin_urls": admin,
                  "master_address": os.environ.get("MASTER_ADDR", "127.0.0.1"),
                  "master_port": r.weight_sync_port or _free_port(avoid=int(os.environ.get("MASTER_PORT", "0"))),
-                 "server_tp_sizes": r.tp_size if r.engine == "sglang" else 1,
+                 "server_tp_sizes": r.server_tp_size if r.engine == "sglang" else 1,
                  "backend": "nccl" if torch.cuda.is_available() else "gloo"}
     from moe_rl.loop import broadcast
 
@@ -413,8 +413,9 @@ def _free_port(avoid: int) -> int:
 
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
     """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
+    from moe_rl.devices import gpu_count, local_trainer_ranks
     from moe_rl.rollout.auth import read_key_file
-    from moe_rl.rollout.launcher import RunIdentity, ServerGroup
+    from moe_rl.rollout.launcher import RunIdentity, ServerGroup, server_gpus
     from moe_rl.rollout.sglang_client import SGLangClient
 
     if cfg.rollout.engine == "inprocess":  # no server: the engine runs in this process
@@ -427,8 +428,11 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
     urls, admin = list(r.urls), list(r.admin_urls) or None
     keys, served_name = (read_key_file(r.api_key_file) if r.api_key_file else None), r.served_model_name
     if not urls:  # launched here: fresh run id (and keys off loopback), supervised, weights only from ours
-        identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights"])
-        servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity).start()
+        # weights only from ours: the versions synced and the checkpoint they started from (reloaded
+        # after a colocated release, which loses them)
+        identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights", hf_dir])
+        gpus = server_gpus(r, local_trainer_ranks(cfg.train.world_size), gpu_count())  # after the trainer's GPUs
+        servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity, gpus=gpus).start()
         if r.weight_sync == "nccl":  # a restarted server could not rejoin the update group: it would serve stale weights
             servers.max_restarts = 0
         servers.wait_healthy(timeout=r.timeout_s)
@@ -438,7 +442,8 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
                           keys=keys, served_name=served_name, no_server_timeout=r.timeout_s,
                           request_timeout=cfg.rollout.timeout_s, max_attempts=cfg.rollout.retries + 1,
                           num_layers=arch.num_layers, topk=arch.moe_router_topk,
-                          num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers))
+                          num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers),
+                          initial_weights=hf_dir)
     return client, servers
 
 

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Sequence
 
-# Flags of `sglang.launch_server` that set its tensor-parallel size.
+from moe_rl.config import SGLANG_TP_FLAGS, sglang_flag
+
 DEFAULT_BASE_PORT = 30000  # servers of a SLURM job listen from here (SGLang's usual range)
-TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
+TP_FLAGS = SGLANG_TP_FLAGS  # flags of `sglang.launch_server` that set its tensor-parallel size
 
 
 class LaunchError(ValueError):
@@ -143,18 +144,15 @@ class ServerLayout:
 
 def server_tp(rollout: Any) -> int:
     """Tensor-parallel size of one SGLang server: the last `--tp-size` in `sglang_args` wins (as on
-    SGLang's own command line, where those arguments come last), else `rollout.tp_size`."""
-    args: Sequence[str] = [str(a) for a in rollout.sglang_args]
-    tp = int(rollout.tp_size)
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in TP_FLAGS:
-            raw = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-            try:
-                tp = int(raw)
-            except ValueError:
-                raise LaunchError(f"rollout.sglang_args: {name} needs an integer, got {raw!r}") from None
-    return tp
+    SGLang's own command line, where those arguments come last), else `rollout.tp_size`
+    (`RolloutConfig.server_tp_size`, which every path reads)."""
+    raw = sglang_flag(rollout.sglang_args, TP_FLAGS)
+    if raw is None:
+        return int(rollout.tp_size)
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"rollout.sglang_args: --tp-size needs an integer, got {raw!r}") from None
 
 
 def plan_servers(rollout: Any, shape: NodeShape, servers_per_node: int | None = None,

@@ -231,8 +231,9 @@ def _server_argv(cfg: Any, servers: ServerLayout, index: int, host: str, colocat
 
     port = servers.ports[index]
     own = list(SERVER_IDENTITY)
-    if servers.engine == "local":
-        return local_server_command("@@MODEL@@", host=host, port=port, python="@@PYTHON@@", extra_args=own)
+    if servers.engine == "local":  # colocated: the trainer releases their memory between phases
+        return local_server_command("@@MODEL@@", host=host, port=port, python="@@PYTHON@@",
+                                    extra_args=own + (["--enable-memory-saver"] if colocated else []))
     extra = _without_tp_flags([str(a) for a in cfg.rollout.sglang_args])  # folded into servers.tp
     if colocated and "--enable-memory-saver" not in extra:
         extra.append("--enable-memory-saver")  # lets the trainer release SGLang's memory between phases

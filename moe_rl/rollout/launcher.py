@@ -143,17 +143,66 @@ def wants_router(cfg: Any) -> bool:
     return choice
 
 
+def plan_devices(engine: str, num_servers: int, tp: int, *, trainer_gpus: int, device_count: int,
+                 colocated: bool = False, weight_sync: str = "disk") -> list[int | None]:
+    """The first GPU of each server the trainer launches on its own machine (None: the CPU).
+
+    Trainer rank r uses GPU r (`cuda:LOCAL_RANK`), so `trainer_gpus` (this machine's trainer
+    ranks) GPUs from 0 are taken. SGLang servers each need `tp` GPUs of their own: after the
+    trainer's (GPU `trainer_gpus + i * tp`), or, colocated, the trainer's own from GPU 0 (they
+    release their memory while the trainer trains). `moe-rl serve` (one device each) goes on
+    the GPUs after the trainer's and wraps around to share when there are fewer; with no GPU
+    at all it runs on the CPU. Raises ValueError naming the fields when the machine's
+    `device_count` GPUs do not fit the plan, or when a `moe-rl serve` would share trainer
+    rank 0's GPU with the nccl weight sync (NCCL refuses two ranks of one communicator on one GPU).
+    """
+    if engine == "local":
+        if device_count == 0:
+            return [None] * num_servers
+        first = 0 if colocated else trainer_gpus
+        gpus: list[int | None] = [(first + i) % device_count for i in range(num_servers)]
+        if weight_sync == "nccl" and 0 in gpus:
+            raise ValueError(f"rollout.weight_sync=nccl: {num_servers} `moe-rl serve` server(s) on a machine with "
+                             f"{device_count} GPU(s) and train.world_size={trainer_gpus} trainer rank(s) put a server "
+                             "on trainer rank 0's GPU 0, and NCCL refuses two ranks of the update group on one GPU; "
+                             "use rollout.weight_sync=disk, fewer trainer ranks or servers, or a machine with more GPUs")
+        return gpus
+    need = num_servers * tp + (0 if colocated else trainer_gpus)
+    if need > device_count:
+        where = ("on the trainer's GPUs (rollout.colocated=true)" if colocated
+                 else f"after the {trainer_gpus} GPU(s) of the trainer ranks on this machine (train.world_size)")
+        raise ValueError(f"rollout.num_servers={num_servers} SGLang server(s) x rollout.tp_size={tp} GPU(s) {where} "
+                         f"need {need} GPU(s), but this machine has {device_count}; lower rollout.num_servers or "
+                         "rollout.tp_size" + ("" if colocated else ", set rollout.colocated=true") +
+                         ", or start the servers elsewhere and give their rollout.urls")
+    first = 0 if colocated else trainer_gpus
+    return [first + i * tp for i in range(num_servers)]
+
+
+def server_gpus(cfg: Any, trainer_ranks: int, device_count: int) -> list[int | None] | None:
+    """`plan_devices` for the servers a `RolloutConfig` has the trainer launch (None: it launches none)."""
+    if getattr(cfg, "urls", None) or cfg.engine not in ("local", "sglang"):
+        return None
+    tp = int(getattr(cfg, "server_tp_size", getattr(cfg, "tp_size", 1)))
+    return plan_devices(cfg.engine, int(cfg.num_servers), tp, trainer_gpus=trainer_ranks, device_count=device_count,
+                        colocated=bool(getattr(cfg, "colocated", False)), weight_sync=str(cfg.weight_sync))
+
+
 def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None, ep_size: int | None = None,
-                 python: str | None = None, identity: "RunIdentity | None" = None
-                 ) -> tuple[list[ServerSpec], ServerSpec | None]:
+                 python: str | None = None, identity: "RunIdentity | None" = None,
+                 gpus: Sequence[int | None] | None = None) -> tuple[list[ServerSpec], ServerSpec | None]:
     """The servers (and the router, or None) a `RolloutConfig` asks for.
 
     Server i listens on `cfg.base_port + i`; the router, when there is one (see
     `wants_router`), on `cfg.base_port + cfg.num_servers` and its metrics exporter on the
     port after. Without a base_port, consecutive ports free now are used (below the
-    kernel's ephemeral range, so that no connection takes them before the servers bind). Each SGLang
-    server gets its own `tp_size` GPUs (`--base-gpu-id i * tp_size`). tp_size /
-    ep_size default to the config's `tp_size` / `ep_size` fields when it has them, else 1.
+    kernel's ephemeral range, so that no connection takes them before the servers bind).
+    `gpus[i]` is server i's first GPU (`plan_devices`: SGLang's `--base-gpu-id`, `moe-rl
+    serve`'s `--device cuda:N`; None = the CPU); left None, SGLang server i starts at GPU
+    `i * tp_size` and `moe-rl serve` picks its own device. Colocated servers
+    (`cfg.colocated`) start with `--enable-memory-saver`, without which their memory cannot
+    be released. tp_size / ep_size default to the config's `tp_size` / `ep_size` fields when
+    it has them, else 1.
     `identity` adds what makes the servers this run's: `--served-model-name` (the run id),
     `--config` with the keys file, and for `moe-rl serve` its `--trusted-dir`s; with keys the
     router gets the api key (it checks its callers' keys and passes the key on to the workers) and binds
@@ -165,7 +214,7 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
     n = int(cfg.num_servers)
     if n < 1:
         raise ValueError(f"rollout.num_servers must be >= 1, got {n}")
-    tp = int(tp_size if tp_size is not None else getattr(cfg, "tp_size", 1) or 1)
+    tp = int(tp_size if tp_size is not None else getattr(cfg, "server_tp_size", getattr(cfg, "tp_size", 1)) or 1)
     ep = int(ep_size if ep_size is not None else getattr(cfg, "ep_size", 1) or 1)
     host = str(cfg.host)
     base = int(cfg.base_port) if cfg.base_port else free_ports(n + 2)
@@ -173,16 +222,23 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
         raise ValueError(f"rollout.base_port={base} leaves no room for {n} servers and a router below 65536")
     servers: list[ServerSpec] = []
     own = identity.server_args() if identity is not None else []
+    saver = ["--enable-memory-saver"] if getattr(cfg, "colocated", False) else []
+    if gpus is not None and len(gpus) != n:
+        raise ValueError(f"{n} servers but {len(gpus)} GPU assignments")
     for i in range(n):
-        port = base + i
+        port, gpu = base + i, (None if gpus is None else gpus[i])
         if cfg.engine == "local":
-            extra = own + [a for d in (identity.trusted_dirs if identity else ()) for a in ("--trusted-dir", str(d))]
+            extra = own + saver + [a for d in (identity.trusted_dirs if identity else ())
+                                   for a in ("--trusted-dir", str(d))]
+            extra += [] if gpu is None else ["--device", f"cuda:{gpu}"]
             argv = local_server_command(model_path, host=host, port=port, python=python, extra_args=extra)
             servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port, _local_env()))
         elif cfg.engine == "sglang":
+            extra = [a for a in saver if a not in cfg.sglang_args] + list(cfg.sglang_args)
             argv = sglang_server_command(model_path, host=host, port=port, tp_size=tp, ep_size=ep,
-                                         mem_fraction=float(cfg.mem_fraction), base_gpu_id=i * tp,
-                                         python=python, extra_args=own + list(cfg.sglang_args))
+                                         mem_fraction=float(cfg.mem_fraction),
+                                         base_gpu_id=i * tp if gpu is None else gpu,
+                                         python=python, extra_args=own + extra)
             servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port))
         else:
             raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.engine!r}")
@@ -352,9 +408,10 @@ class ServerGroup:
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | Path, log_dir: str | Path, *, tp_size: int | None = None,
                     ep_size: int | None = None, env: Mapping[str, str] | None = None,
-                    identity: RunIdentity | None = None) -> "ServerGroup":
+                    identity: RunIdentity | None = None, gpus: Sequence[int | None] | None = None) -> "ServerGroup":
         """The group a `RolloutConfig` describes (see `plan_servers`)."""
-        servers, router = plan_servers(cfg, model_path, tp_size=tp_size, ep_size=ep_size, identity=identity)
+        servers, router = plan_servers(cfg, model_path, tp_size=tp_size, ep_size=ep_size, identity=identity,
+                                       gpus=gpus)
         return cls(servers, log_dir, router=router, env=env, identity=identity,
                    max_restarts=int(getattr(cfg, "max_restarts", 3)))
 

@@ -134,7 +134,7 @@ class LocalEngine:
 
     def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: str = "float32",
                  device: str = "cpu", max_batch: int = 64, logprob_mode: str = "scaled",
-                 weight_version: str = "default"):
+                 weight_version: str = "default", memory_saver: bool = False, weights_cpu_backup: bool = False):
         if logprob_mode not in ("raw", "scaled"):
             raise ValueError(f"logprob_mode must be 'raw' or 'scaled', got {logprob_mode!r}")
         if dtype not in _DTYPES:
@@ -152,6 +152,8 @@ class LocalEngine:
         self._seed_gen = torch.Generator(device="cpu").manual_seed(int(seed))
         self._closed = False
         self._released: set[str] = set()       # memory tags given up by release_memory_occupation
+        self.memory_saver = bool(memory_saver)  # SGLang's --enable-memory-saver: release frees memory
+        self.weights_cpu_backup = bool(weights_cpu_backup)  # --enable-weights-cpu-backup: weights survive it
         self.last_forward_time = 0.0            # time.monotonic() after the latest forward step
         model = _load_model(model_dir, self.dtype, device)
         self._install(model, Path(model_dir))
@@ -537,9 +539,13 @@ class LocalEngine:
 
     # -------------------------------------------------- memory release / resume
     # SGLang frees GPU memory (weights, KV cache, CUDA graphs) between rollouts of a
-    # colocated run. This engine has nothing to give back on CPU, but it keeps the same
-    # state so that a caller which generates or loads weights while released fails
-    # here, loudly, as it would on a GPU.
+    # colocated run. This engine has nothing to give back on CPU, but it loses what SGLang
+    # 0.5.23 loses: with --enable-memory-saver a released weights region is paused and, on
+    # resume, mapped again without its content (kept only with --enable-weights-cpu-backup;
+    # managers/scheduler_components/weight_updater.py, model_runner_components/
+    # load_model_utils.py), so here the parameters become noise at release. A caller that
+    # samples after a release with no weight load in between gets garbage, as on a GPU.
+    # Generating or loading weights while released fails loudly, as it would on a GPU.
     @property
     def memory_released(self) -> list[str]:
         """The memory tags currently released, in SGLang's order ([] when resident)."""
@@ -548,18 +554,34 @@ class LocalEngine:
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Release `tags` (None or []: all of MEMORY_TAGS). Releasing a released tag again is a no-op.
 
-        Refused (ValueError) for an unknown tag, and while a generate call runs:
-        SGLang asserts the server is idle for this request.
+        Refused (ValueError) for an unknown tag, while a generate call runs (SGLang asserts
+        the server is idle for this request), and without `memory_saver`: SGLang then frees
+        nothing, which a colocated trainer finds out as an out-of-memory error. Releasing
+        "weights" without `weights_cpu_backup` loses the weights (see above).
         """
         wanted = self._memory_tags(tags, "release_memory_occupation")
+        if not self.memory_saver:
+            raise ValueError("release_memory_occupation: the server was started without --enable-memory-saver, "
+                             "so SGLang would free no memory (a colocated trainer would run out of it); start "
+                             "it with --enable-memory-saver")
         if not self._gen_lock.acquire(blocking=False):
             raise ValueError("release_memory_occupation needs an idle engine, but a generation is running: "
                              "wait for it (or /pause_generation with mode 'abort') and release again")
         try:
             with self._lock:
+                if "weights" in wanted and "weights" not in self._released and not self.weights_cpu_backup:
+                    self._lose_weights()
                 self._released.update(wanted)
         finally:
             self._gen_lock.release()
+
+    def _lose_weights(self) -> None:
+        """What a paused weights region holds after resume: not the weights (here: noise)."""
+        self._losses = getattr(self, "_losses", 0) + 1  # its own generator: sampling seeds stay as they were
+        noise = torch.Generator(device="cpu").manual_seed(self._losses)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(torch.randn(p.shape, generator=noise, dtype=torch.float32).to(p.dtype))
 
     def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Take back `tags` (None or []: all of MEMORY_TAGS).

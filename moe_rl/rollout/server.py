@@ -60,10 +60,13 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
   POST /update_weight_version    {new_version, abort_all_requests} -> {"success", "message", "new_version"}
   GET|POST /release_memory_occupation, /resume_memory_occupation   {tags?: subset of
                                  ["kv_cache", "weights", "cuda_graph"]}: 200 with a null body, as
-                                 SGLang. Nothing is freed on CPU, but the state is kept: while
-                                 released, /generate and /health_generate fail and weight loads are
-                                 refused, as they would fail on a GPU. Releasing twice is a no-op;
-                                 resuming what is not released is a 400 (SGLang raises there too).
+                                 SGLang. Needs --enable-memory-saver (400 without: SGLang would
+                                 free nothing). Nothing is freed on CPU, but what SGLang loses is
+                                 lost: released weights become noise (kept with
+                                 --enable-weights-cpu-backup), and while released /generate and
+                                 /health_generate fail and weight loads are refused, as they would
+                                 on a GPU. Releasing twice is a no-op; resuming what is not
+                                 released is a 400 (SGLang raises there too).
 
 Differences from SGLang, on purpose: `sampling_seed` is always honoured (SGLang needs
 --enable-deterministic-inference), and with n > 1 sample j uses seed s + j (SGLang
@@ -573,6 +576,8 @@ def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
         "load_format": "auto",
         "disaggregation_mode": "null",
         "enable_return_routed_experts": bool(engine.moe_layer_ids),
+        "enable_memory_saver": bool(getattr(engine, "memory_saver", False)),
+        "enable_weights_cpu_backup": bool(getattr(engine, "weights_cpu_backup", False)),
         "weight_version": engine.weight_version,
         **{k: v for k, v in server_args.items() if k not in ("max_running_requests", "served_model_name")},
         # SGLang's internal_states hold scheduler state per dp rank; here, this engine's
@@ -1000,6 +1005,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trusted-dir", action="append", default=None,
                         help="a directory /update_weights_from_disk may load from (repeatable); default: the "
                              "directory that holds --model. Other paths are refused with 403")
+    parser.add_argument("--enable-memory-saver", action="store_true",
+                        help="let /release_memory_occupation release memory (SGLang's flag, for colocated runs); "
+                             "without it a release is refused. A released weights region loses its content, as "
+                             "SGLang's: load weights after resuming, or pass --enable-weights-cpu-backup")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true",
+                        help="keep the weights across a release (SGLang copies them to host memory)")
     parser.add_argument("--served-model-name", default=None,
                         help="name /server_info reports (SGLang's flag; the launcher sets the run id, so a "
                              "trainer recognises its own servers)")
@@ -1018,7 +1029,8 @@ def run(args: argparse.Namespace) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     engine = LocalEngine(args.model, seed=args.seed, dtype=args.dtype, device=device,
                          max_batch=args.max_batch, logprob_mode=args.logprob_mode,
-                         weight_version=args.weight_version)
+                         weight_version=args.weight_version, memory_saver=args.enable_memory_saver,
+                         weights_cpu_backup=args.enable_weights_cpu_backup)
 
     async def serve() -> None:
         stop = asyncio.Event()

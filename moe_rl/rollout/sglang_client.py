@@ -42,7 +42,12 @@ Model info: GET /model_info (its name since sglang 0.5.23), falling back to the 
 Colocated memory: `release_memory_occupation()` marks the servers released and
 `generate()` resumes them first, so a rollout after an eval or a skipped step never
 reaches a server that gave its memory away; `resume_memory_occupation()` sends nothing
-when they are not released.
+when they are not released. A release frees SGLang's weights region, and resuming it maps
+fresh memory without the weights (SGLang 0.5.23 keeps them only with
+--enable-weights-cpu-backup): after a resume the weights count as lost until the next
+weight update, and a `generate()` that comes first (after an eval, a skipped step, a critic
+warm-up step) loads the last weights again (`_target_weights`, or `initial_weights` before
+any update) before it samples.
 
 Seeds: a request with `seed` s and n > 1 is sent as n requests with
 `sampling_seed` s, s+1, ..., so the samples differ and rerun identically
@@ -138,6 +143,8 @@ class SGLangClient:
     keys: the run's api / admin keys (moe_rl/rollout/auth.py), sent as Bearer tokens.
     served_name: the `served_model_name` the servers were launched with (the run id): a
         server whose /server_info reports another name is not ours and is never used.
+    initial_weights: the HF checkpoint the servers started from: what a colocated server
+        loads again when it resumed from a release before any weight update (see above).
     """
 
     def __init__(self, urls: Sequence[str] | str, *, admin_urls: Sequence[str] | None = None,
@@ -146,7 +153,8 @@ class SGLangClient:
                  probe_interval: float = 5.0, probe_timeout: float = 20.0, no_server_timeout: float = 60.0,
                  num_layers: int | None = None, topk: int | None = None, num_experts: int | None = None,
                  moe_layer_ids: Sequence[int] | None = None, retry_aborted: bool = False,
-                 keys: RunKeys | None = None, served_name: str | None = None):
+                 keys: RunKeys | None = None, served_name: str | None = None,
+                 initial_weights: str | Path | None = None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
@@ -176,6 +184,8 @@ class SGLangClient:
         self._sem: asyncio.Semaphore | None = None
         self._health_changed: asyncio.Event | None = None
         self._released = False  # the servers gave their memory away (release_memory_occupation)
+        self._weights_lost = False  # resumed from a release with no weight load since
+        self._initial_weights = None if initial_weights is None else str(initial_weights)
         self._resume_lock: asyncio.Lock | None = None
 
     # ------------------------------------------------------------------ plumbing
@@ -464,6 +474,8 @@ class SGLangClient:
         if self._released:
             log.debug("servers were released (release_memory_occupation): resuming them before generating")
             await self._aresume()
+        if self._weights_lost:
+            await self._areload_weights()
         geo = await self._resolve_geometry() if any(r.return_routed_experts for r in requests) else None
         jobs: list[tuple[int, GenerateRequest]] = []
         for i, r in enumerate(requests):
@@ -661,6 +673,7 @@ class SGLangClient:
         # them serves again before a probe has applied them, and the next call waits for one
         # (`_pick`, up to no_server_timeout), so nothing generates from stale weights.
         self._target_weights = (path, version)
+        self._weights_lost = False
         for s, r in failed:  # stale now: kept out of rotation until a probe re-applies the update
             self._mark_unhealthy(s, f"missed weight update {version}: {r}")
         if not ok:
@@ -725,7 +738,22 @@ class SGLangClient:
         async with self._resume_lock:  # concurrent generate calls resume once
             if self._released:
                 await self._broadcast("POST", "/resume_memory_occupation", {})
-                self._released = False
+                self._released, self._weights_lost = False, True  # the region is back, its content is not
+
+    async def _areload_weights(self) -> None:
+        """After a resume with no weight update since the release: load the current weights again
+        (SGLang's resumed weights region holds no weights), once for concurrent callers."""
+        assert self._resume_lock is not None
+        async with self._resume_lock:
+            if not self._weights_lost:
+                return
+            path, version = self._target_weights or (self._initial_weights, None)
+            if path is None:
+                raise RolloutError("the servers resumed from a memory release, which lost their weights, and no "
+                                   "weights are known to load again: pass SGLangClient(initial_weights=...) or "
+                                   "update the weights before generating")
+            log.info("servers resumed from a memory release with no weight update since: loading %s again", path)
+            await self._aupdate_weights_from_disk(path, version)
 
     def resume_memory_occupation(self) -> None:
         """Colocated runs: SGLang takes its memory back before the next weight update and rollout.

@@ -63,6 +63,15 @@ def test_colocated_rehearsal_resumes_before_every_rollout(tmp_path):
     assert skipped and trained and refilled, \
         f"skipped {skipped}, trained {trained}, refilled {refilled}: the config no longer covers all three"
     assert all("eval/success_rate" in r for r in rows)
+    # Every rollout sampled from the trainer's weights: a release loses the servers' weights (as
+    # SGLang's does without --enable-weights-cpu-backup) and the client loads them again when no
+    # weight update follows the resume (after an eval, a skipped step). Under R3 the engine's
+    # log-probs then equal the trainer's old pass on the same tokens and routes.
+    for r in rows:
+        if "drift/logp_abs_diff" in r:
+            assert r["drift/logp_abs_diff"] <= 1e-4, f"step {r['step']}: engine vs trainer |Δ log p| " \
+                                                     f"{r['drift/logp_abs_diff']}: sampled from lost weights"
+    assert sum("drift/logp_abs_diff" in r for r in rows) == len(trained)
 
 
 def test_rehearsal_weights_reach_the_servers_exactly(tmp_path):

@@ -211,7 +211,8 @@ def test_colocated_refuses_nccl_and_overlap():
 def test_rollout_engine_rules():
     assert "rollout.weight_sync: 'tensor' copies into an engine in the trainer's own process" in error_of(
         ["rollout.weight_sync=tensor"])
-    assert "rollout.ep_size: 4 must divide rollout.tp_size=2" in error_of(["rollout.tp_size=2", "rollout.ep_size=4"])
+    assert "rollout.ep_size: 4 must divide the servers' tensor-parallel size 2" in error_of(
+        ["rollout.tp_size=2", "rollout.ep_size=4"])
     assert "rollout.router: true starts a router" in error_of(
         ["rollout.router=true", "rollout.urls=[http://h:1]"])
 
@@ -350,3 +351,24 @@ def test_inprocess_engine_rules():
         ["rollout.engine=inprocess", "rollout.urls=[http://h:1]"])
     assert "rollout.weight_sync: 'nccl' broadcasts to server processes" in error_of(
         ["rollout.engine=inprocess", "rollout.weight_sync=nccl"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--dp-size", "2"], "--dp-size 2 is not allowed with rollout.weight_sync=nccl"),
+    (["--data-parallel-size=2"], "SGLang refuses distributed weight updates to data-parallel replicas"),
+    (["--pp-size", "2"], "--pp-size 2 is not allowed with rollout.weight_sync=nccl"),
+    (["--tp-size", "two"], "--tp-size needs an integer >= 1, got 'two'"),
+])
+def test_sglang_parallel_sizes_that_break_the_update_group_are_refused(args, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.engine=sglang", "rollout.weight_sync=nccl", f"rollout.sglang_args={args}"])
+    assert needle in str(e.value)
+
+
+def test_sglang_data_parallel_is_fine_with_disk_weights():
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_args=[--dp-size,2,--tp-size,2]",
+                             "rollout.ep_size=2"])
+    assert cfg.rollout.server_tp_size == 2
+    with pytest.raises(ConfigError, match="must divide the servers' tensor-parallel size 2"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang_args=[--tp-size,2]", "rollout.ep_size=4",
+                           "rollout.tp_size=4"])

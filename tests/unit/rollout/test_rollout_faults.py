@@ -315,12 +315,14 @@ def test_wedged_server_answering_health_stays_out_of_rotation(fake):
         assert c.server_states()[b.url]["healthy"]
 
 
-def test_released_servers_are_resumed_before_the_next_generate(fake):
+def test_released_servers_are_resumed_and_given_their_weights_before_the_next_generate(fake):
     servers = [fake("ok"), fake("ok")]
     with _client([s.url for s in servers]) as c:
         assert not c.released
         c.resume_memory_occupation()             # nothing released: no call at all
         assert all(s.admin_calls == [] for s in servers)
+        c.update_weights_from_disk("/ckpt/step1", version="v1")
+        c.generate(REQ)
         c.release_memory_occupation()
         assert c.released
         c.generate(REQ * 4)                      # e.g. an eval right after the training phase
@@ -329,6 +331,32 @@ def test_released_servers_are_resumed_before_the_next_generate(fake):
         c.resume_memory_occupation()             # already resumed by generate: no second call
     for s in servers:
         assert s.admin_calls == ["/release_memory_occupation", "/resume_memory_occupation"]
-    generating = [s for s in servers if "/generate" in s.paths]
-    assert generating and all(s.paths.index("/resume_memory_occupation") < s.paths.index("/generate")
-                              for s in generating)
+        # the resumed weights region holds no weights (SGLang 0.5.23): the last ones, loaded again
+        assert [u["model_path"] for u in s.updates] == ["/ckpt/step1"] * 2
+        later = s.paths[s.paths.index("/resume_memory_occupation"):]
+        assert "/update_weights_from_disk" in later and "/generate" in later
+        assert later.index("/update_weights_from_disk") < later.index("/generate")
+
+
+def test_a_weight_update_after_the_resume_needs_no_reload(fake):
+    """The training step's order: release, train, resume, push the new weights, generate."""
+    server = fake("ok")
+    with _client([server.url]) as c:
+        c.release_memory_occupation()
+        c.resume_memory_occupation()
+        c.update_weights_from_disk("/ckpt/step2", version="v2")
+        c.generate(REQ)
+    assert [u["model_path"] for u in server.updates] == ["/ckpt/step2"]
+
+
+def test_before_any_update_the_initial_weights_are_loaded_again(fake):
+    server = fake("ok")
+    with _client([server.url], initial_weights="/ckpt/initial") as c:
+        c.generate(REQ)
+        c.release_memory_occupation()            # e.g. the first step was skipped by dynamic sampling
+        c.generate(REQ)
+    assert [u["model_path"] for u in server.updates] == ["/ckpt/initial"]
+    with _client([server.url]) as c:             # nothing known to load: refused, never garbage
+        c.release_memory_occupation()
+        with pytest.raises(RolloutError, match="lost their weights"):
+            c.generate(REQ)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang_router") is Non
 
 @pytest.fixture(scope="module")
 def group(tiny_hf_dir, tmp_path_factory):
-    cfg = RolloutConfig(engine="local", num_servers=2, router=True)
+    cfg = RolloutConfig(engine="local", num_servers=2, router=True, colocated=True)  # + --enable-memory-saver
     cfg.base_port = free_ports(4)  # 2 workers, the router, its metrics exporter
     g = ServerGroup.from_config(cfg, tiny_hf_dir, tmp_path_factory.mktemp("router-logs"),
                                 env={"OMP_NUM_THREADS": "1"})
@@ -76,16 +76,23 @@ def test_requests_without_routes_go_through_the_router(group):
     assert {s.server for s in samples} == set(group.urls)
 
 
-def test_generate_after_release_resumes_the_workers_first(group):
+def test_generate_after_release_resumes_the_workers_and_reloads_their_weights(group, tiny_hf_dir):
     """Colocated runs release the servers after each rollout; an eval or a skipped step
-    must not reach a released server (moe-rl serve refuses /generate then, as SGLang fails)."""
+    must not reach a released server (moe-rl serve refuses /generate then, as SGLang fails),
+    nor sample from the weights region a resume maps back without its content."""
     body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}}
-    with SGLangClient(group.urls, admin_urls=group.admin_urls, request_timeout=60) as client:
+    greedy = [GenerateRequest([3, 4, k], SamplingParams(max_new_tokens=3, temperature=0.0)) for k in range(4)]
+    with SGLangClient(group.urls, admin_urls=group.admin_urls, request_timeout=60,
+                      initial_weights=tiny_hf_dir) as client:
+        before = client.generate(greedy)
         client.release_memory_occupation()
         assert client.released
         with pytest.raises(urllib.error.HTTPError) as refused:  # what a rollout would hit untracked
             _post(group.admin_urls[0], "/generate", body)
         assert refused.value.code == 400
-        out = client.generate([GenerateRequest([3, 4], SamplingParams(max_new_tokens=2))])
-        assert not client.released and len(out[0][0].output_ids) == 2
+        after = client.generate(greedy)  # resumed, then the weights the servers started from, again
+        assert not client.released
+    for b, a in zip(before, after):
+        assert a[0].output_ids == b[0].output_ids
+        assert abs(a[0].output_logprobs - b[0].output_logprobs).max() < 1e-5
     assert _post(group.admin_urls[0], "/generate", body)["output_ids"]  # resumed for everybody

@@ -70,7 +70,7 @@ def _sync(url: str, group: str, **kw) -> NcclSync:
 
 
 def _start_server(model_dir: Path, timeout: float = 120.0) -> SimpleNamespace:
-    return start_serve_process(model_dir, "--health-check-timeout", "10", timeout=timeout)
+    return start_serve_process(model_dir, "--health-check-timeout", "10", "--enable-memory-saver", timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +260,7 @@ def test_a_sync_while_generating_fails_on_the_cache_flush_as_sglang(server, tiny
 # ----------------------------------------------------------------- in-process engine checks
 @pytest.fixture(scope="module")
 def local(tiny_hf_dir):
-    eng = LocalEngine(tiny_hf_dir, seed=0)
+    eng = LocalEngine(tiny_hf_dir, seed=0, memory_saver=True)
     yield eng
     eng.close()
 
@@ -291,6 +291,50 @@ def test_release_needs_an_idle_engine(local):
     with pytest.raises(MemoryReleasedError, match="memory \\['weights'\\] is released"):
         local.update_weights_from_tensors({"model.norm.weight": torch.ones(64)})
     local.resume_memory_occupation(["weights"])
+
+
+def _engine_greedy(eng: LocalEngine) -> tuple[list[int], np.ndarray]:
+    out = eng.generate([GenerateRequest(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=6,
+                                                               ignore_eos=True))])[0][0]
+    return out.output_ids, np.asarray(out.output_logprobs)
+
+
+@pytest.mark.parametrize("flags, tags, kept", [
+    ({}, None, False),                                # SGLang 0.5.23's default: the weights are gone
+    ({}, ["weights"], False),
+    ({}, ["kv_cache", "cuda_graph"], True),           # the weights region was never paused
+    ({"weights_cpu_backup": True}, None, True),       # --enable-weights-cpu-backup keeps them
+])
+def test_released_weights_are_lost_unless_backed_up(tiny_hf_dir, flags, tags, kept):
+    eng = LocalEngine(tiny_hf_dir, seed=0, memory_saver=True, **flags)
+    try:
+        ids, lps = _engine_greedy(eng)
+        np.testing.assert_allclose(lps, _hf_logprobs(tiny_hf_dir, ids), atol=1e-5)
+        eng.release_memory_occupation(tags)
+        eng.release_memory_occupation(tags)  # twice: a no-op, not a second loss
+        eng.resume_memory_occupation(tags)
+        after_ids, after_lps = _engine_greedy(eng)
+        if kept:
+            assert after_ids == ids
+            np.testing.assert_allclose(after_lps, lps, atol=1e-6)
+        else:  # sampling from what the region holds after resume: not the checkpoint's model
+            assert np.abs(after_lps - _hf_logprobs(tiny_hf_dir, after_ids)).max() > 0.1
+            eng.update_weights_from_disk(tiny_hf_dir)  # a load brings them back
+            assert _engine_greedy(eng)[0] == ids
+    finally:
+        eng.close()
+
+
+def test_release_without_the_memory_saver_is_refused(tiny_hf_dir):
+    eng = LocalEngine(tiny_hf_dir, seed=0)
+    try:
+        with ServerThread(eng) as srv:
+            status, d = _http(srv.url, "/release_memory_occupation", {})
+            assert status == 400 and "--enable-memory-saver" in d["error"]["message"]
+            assert _http(srv.url, "/server_info")[1]["enable_memory_saver"] is False
+            assert _greedy(srv.url)[2] == "default"  # nothing was released
+    finally:
+        eng.close()
 
 
 def test_health_generate_fails_on_a_wedged_engine(local):
