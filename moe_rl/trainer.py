@@ -301,7 +301,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
     engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=getattr(engine, "keys", None),
-                            **(update_group(cfg, servers) if cfg.rollout.weight_sync == "nccl" else {}))
+                            **(update_group(cfg, servers, out) if cfg.rollout.weight_sync == "nccl" else {}))
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
               critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None)
@@ -375,7 +375,7 @@ def initial_model(cfg: RunConfig, out: Path, rank: int, dataset: Any) -> Path:
     return path
 
 
-def update_group(cfg: RunConfig, servers: Any) -> dict[str, Any]:
+def update_group(cfg: RunConfig, servers: Any, out: Path | None = None) -> dict[str, Any]:
     """Where the nccl weight sync meets the servers (collective; every rank gets rank 0's answer).
 
     The servers join a process group whose rank 0 is trainer rank 0: they reach it at
@@ -393,6 +393,8 @@ def update_group(cfg: RunConfig, servers: Any) -> dict[str, Any]:
                  "master_address": os.environ.get("MASTER_ADDR", "127.0.0.1"),
                  "master_port": r.weight_sync_port or _free_port(avoid=int(os.environ.get("MASTER_PORT", "0"))),
                  "server_tp_sizes": r.server_tp_size if r.engine == "sglang" else 1,
+                 # the group joined last, left by a trainer that died without leaving it
+                 "state_file": None if out is None else str(out / "servers" / "update_group.json"),
                  "backend": "nccl" if torch.cuda.is_available() else "gloo"}
     from moe_rl.loop import broadcast
 

@@ -45,10 +45,13 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
+import threading
+import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -632,6 +635,21 @@ def new_custom_group(backend: str, init_method: str, world_size: int, rank: int,
     return pg
 
 
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    """`fn(*args)` in a daemon thread: a call left waiting on a server (an update group that never
+    forms, an HTTP call of `http_timeout`) must not hold up the process's exit, as an executor's would."""
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            done.set_exception(e)
+
+    threading.Thread(target=run, name=f"weight-sync-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return done
+
+
 class NcclSync:
     """Broadcast the trainer's weights from rank 0 to SGLang servers (`rollout.weight_sync=nccl`).
 
@@ -639,6 +657,15 @@ class NcclSync:
     server's --tp-size (one int for all). master_address / master_port: where rank 0
     listens for the update group; the servers must reach it. backend "nccl" (GPU);
     "gloo" works for CPU tests. dtype: cast before sending (e.g. the servers' bf16).
+
+    Rejoining long-lived servers: each connect forms a group of a new name
+    (`group_name` + a random suffix), since torch refuses a second group of a name that
+    exists (`_new_process_group_helper`), and a trainer that died without `close()`
+    (NCCL abort, OOM kill, kill -9) leaves its group registered in every server. Before
+    joining, rank 0 closes what such a trainer may have left open on the servers, best
+    effort: an update session (`/end_weight_update`; `/begin_weight_update` is refused
+    while one is open) and the group it joined last, whose name `state_file` keeps
+    (`/destroy_weights_update_group`).
     """
 
     def __init__(self, admin_urls: Sequence[str], *, master_address: str, master_port: int,
@@ -646,7 +673,7 @@ class NcclSync:
                  backend: str = "nccl", bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None,
                  load_format: str | None = "flattened_bucket", flush_cache: bool = True,
                  http_timeout: float = 600.0, group_timeout: timedelta = timedelta(minutes=10), group: Any = None,
-                 keys: Any = None):
+                 keys: Any = None, state_file: str | Path | None = None):
         self.urls = [u.rstrip("/") for u in admin_urls]
         self.keys = keys  # the servers' RunKeys (moe_rl/rollout/auth.py), or None
         if not self.urls:
@@ -656,12 +683,13 @@ class NcclSync:
             raise ValueError(f"{len(self.urls)} servers but {len(tps)} tp sizes")
         self.offsets, self.world_size = group_rank_offsets(tps)
         self.master_address, self.master_port = master_address, int(master_port)
-        self.group_name, self.backend = group_name, backend
+        self.group_prefix, self.backend = group_name, backend
+        self.group_name = group_name  # made unique by each connect
+        self.state_file = None if state_file is None else Path(state_file)
         self.bucket_bytes, self.dtype, self.load_format = int(bucket_bytes), dtype, load_format
         self.flush_cache, self.http_timeout, self.group_timeout = flush_cache, float(http_timeout), group_timeout
         self.group = group
         self._pg: Any = None
-        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.urls)), thread_name_prefix="weight-sync-http")
         self._session: bool | None = None  # None: not probed; False: the servers have no session endpoints
 
     # ------------------------------------------------------------------ group
@@ -675,22 +703,37 @@ class NcclSync:
             raise WeightSyncError(error)
 
     def _connect(self) -> str | None:
+        self._leave_stale_group()
+        self.group_name = f"{self.group_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._remember_group(self.group_name)
         path = "/init_weights_update_group"
-        futures = [self._pool.submit(_post_json, url, path,
+        futures = [_in_daemon_thread(_post_json, url, path,
                                      init_group_payload(self.master_address, self.master_port, off,
                                                         self.world_size, self.group_name, self.backend),
                                      self.http_timeout, self.keys) for url, off in zip(self.urls, self.offsets)]
-        try:  # the servers' HTTP calls return only once everybody joined: join while they wait
-            self._pg = new_custom_group(self.backend, f"tcp://{self.master_address}:{self.master_port}",
-                                        self.world_size, 0, self.group_name, self.group_timeout)
+        # The servers' HTTP calls return only once everybody joined: join while they wait. A server
+        # that refuses answers at once, and then nobody else joins: stop waiting for the group then
+        # (the join thread gives up at group_timeout) rather than for the whole timeout.
+        joined = _in_daemon_thread(new_custom_group, self.backend, f"tcp://{self.master_address}:{self.master_port}",
+                                   self.world_size, 0, self.group_name, self.group_timeout)
+        while not joined.done():
+            refused = [f for f in futures if f.done() and (f.exception() is not None
+                                                           or _reply_error("", path, *f.result()) is not None)]
+            if refused:
+                return self._first_error(path, futures, only_done=True)
+            time.sleep(0.05)
+        try:
+            self._pg = joined.result()
         except Exception as e:  # noqa: BLE001
             return f"joining weight update group {self.group_name} at {self.master_address}:{self.master_port} " \
                    f"failed: {_describe(e)}"
         return self._first_error(path, futures)
 
-    def _first_error(self, path: str, futures: list) -> str | None:
+    def _first_error(self, path: str, futures: list, only_done: bool = False) -> str | None:
         errors = []
         for url, fut in zip(self.urls, futures):
+            if only_done and not fut.done():
+                continue
             try:
                 err = _reply_error(url, path, *fut.result())
             except WeightSyncError as e:
@@ -698,6 +741,36 @@ class NcclSync:
             if err:
                 errors.append(err)
         return "; ".join(errors) or None
+
+    def _leave_stale_group(self) -> None:
+        """Rank 0, before joining: end an update session and leave the group that a trainer which
+        died mid-run left on the servers (best effort: a server without either says so, and is fine)."""
+        stale = None
+        try:
+            stale = json.loads(self.state_file.read_text()).get("group_name") if self.state_file else None
+        except (OSError, ValueError, AttributeError):
+            pass
+        for url in self.urls:
+            calls = [("/end_weight_update", {})] + ([("/destroy_weights_update_group", {"group_name": stale})]
+                                                   if stale else [])
+            for path, body in calls:
+                try:
+                    status, reply = _post_json(url, path, body, 30.0, self.keys)
+                except WeightSyncError as e:
+                    log.warning("before joining the update group: %s", e)
+                    continue
+                if status == 200 and (not isinstance(reply, dict) or reply.get("success", True)):
+                    log.info("server %s: %s, left by an earlier trainer", url,
+                             "closed an open update session" if path == "/end_weight_update"
+                             else f"destroyed update group {stale}")
+
+    def _remember_group(self, name: str) -> None:
+        if self.state_file is None:
+            return
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"group_name": name, "servers": self.urls}))
+        os.replace(tmp, self.state_file)
 
     def close(self) -> None:
         """Rank 0: leave the update group on both sides."""
@@ -743,7 +816,7 @@ class NcclSync:
         payload = update_payload(bucket.metas, self.group_name, flush_cache=self.flush_cache and bucket.last,
                                  weight_version=str(version) if bucket.last else None, load_format=self.load_format)
         path = "/update_weights_from_distributed"
-        futures = [self._pool.submit(_post_json, url, path, payload, self.http_timeout, self.keys)
+        futures = [_in_daemon_thread(_post_json, url, path, payload, self.http_timeout, self.keys)
                    for url in self.urls]
         device = compute_device()
         if self.load_format == "flattened_bucket":
@@ -757,7 +830,7 @@ class NcclSync:
         """POST to every server; a 404 on the session endpoints means an SGLang without them."""
         if self._session is False:
             return None
-        futures = [self._pool.submit(_post_json, url, path, payload, self.http_timeout, self.keys)
+        futures = [_in_daemon_thread(_post_json, url, path, payload, self.http_timeout, self.keys)
                    for url in self.urls]
         errors, missing = [], 0
         for url, fut in zip(self.urls, futures):
@@ -787,7 +860,8 @@ WeightSync = Union[DiskSync, TensorSync, NcclSync]
 def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Sequence[str] = (),
                      master_address: str | None = None, master_port: int | None = None,
                      server_tp_sizes: int | Sequence[int] = 1, bucket_bytes: int | None = None,
-                     keep_last: int = 2, backend: str = "nccl", group: Any = None, keys: Any = None) -> WeightSync:
+                     keep_last: int = 2, backend: str = "nccl", group: Any = None, keys: Any = None,
+                     state_file: str | Path | None = None) -> WeightSync:
     """The sync `rollout.weight_sync` names (`cfg` is a RunConfig or its RolloutConfig).
 
     disk needs `root` (a directory the trainer and the servers share); nccl needs
@@ -810,5 +884,6 @@ def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Se
             raise ValueError("rollout.weight_sync=nccl needs the servers' admin_urls, master_address and master_port")
         return NcclSync(admin_urls, master_address=master_address, master_port=master_port,
                         server_tp_sizes=server_tp_sizes, bucket_bytes=bucket_bytes or (1 << 30), backend=backend,
-                        http_timeout=max(600.0, float(getattr(rollout, "timeout_s", 0.0))), group=group, keys=keys)
+                        http_timeout=max(600.0, float(getattr(rollout, "timeout_s", 0.0))), group=group, keys=keys,
+                        state_file=state_file)
     raise ValueError(f"rollout.weight_sync must be disk, tensor or nccl, got {kind!r}")

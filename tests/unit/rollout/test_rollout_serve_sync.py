@@ -214,14 +214,14 @@ def test_session_and_group_lifecycle(server, tiny_hf_dir):
     # a second init of a live group is refused at once (the trainer is not left waiting)
     status, d = _http(url, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                           "rank_offset": 1, "world_size": 2,
-                                                          "group_name": "sync_cycle", "backend": "gloo"})
+                                                          "group_name": first.group_name, "backend": "gloo"})
     assert status == 400 and "already exists" in d["message"]
     # a trainer that skips begin/end (an SGLang before 0.5.23) is refused after the broadcast
     first._session = False
     with pytest.raises(WeightSyncError, match="must run between begin_weight_update"):
         first.sync(11, weights.items())
     first.close()                                             # destroy on both sides ...
-    again = _sync(url, "sync_cycle")                          # ... and the same group forms again
+    again = _sync(url, "sync_cycle")                          # ... and a group forms again
     try:
         again.sync(12, weights.items())
         assert _greedy(url)[2] == "12"

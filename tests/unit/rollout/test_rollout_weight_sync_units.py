@@ -290,13 +290,22 @@ def _fake_sglang(port: int, ready) -> None:
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            if self.path == "/refuse_next_init":  # the test's switch
+                state["refuse"] = True
+                return self._reply({"success": True})
+            if self.path == "/init_weights_update_group" and state.pop("refuse", False):  # as for a name in use
+                return self._reply({"success": False, "message": "Failed to initialize custom process group: "
+                                    "The specified group name has already been created"}, 400)
             if self.path == "/init_weights_update_group":
                 state["pg"] = new_custom_group(body["backend"], f"tcp://{body['master_address']}:"
                                                f"{body['master_port']}", body["world_size"], body["rank_offset"],
                                                body["group_name"])
                 return self._reply({"success": True, "message": "ok"})
-            if self.path in ("/begin_weight_update", "/end_weight_update"):
-                state["session"] += 1 if self.path.startswith("/begin") else -1
+            if self.path in ("/begin_weight_update", "/end_weight_update"):  # SGLang refuses a 2nd begin, a lone end
+                opening = self.path.startswith("/begin")
+                if state["session"] == (1 if opening else 0):
+                    return self._reply({"success": False, "message": "session state"}, 400)
+                state["session"] = 1 if opening else 0
                 return self._reply({"success": True, "message": "Success"})
             if self.path == "/update_weights_from_distributed":
                 if state["session"] != 1:
@@ -356,8 +365,18 @@ def test_nccl_sync_protocol_against_a_fake_sglang_over_gloo():
             assert torch.equal(torch.tensor(values).to(t.dtype).reshape(t.shape), t)
         sync.urls = sync.urls + ["http://127.0.0.1:9"]  # a dead server: a clear error, no hang
         t0 = time.monotonic()
-        with pytest.raises(WeightSyncError, match=r"weight version 3 over test_group: server http://127.0.0.1:9"):
+        with pytest.raises(WeightSyncError, match=r"weight version 3 over test_group-\d+-[0-9a-f]+: server "
+                                                  r"http://127.0.0.1:9"):
             sync.sync(3, weights.items())
+        assert time.monotonic() - t0 < 10
+        # a server that refuses to join answers at once: the trainer stops waiting for the group then,
+        # not after the group timeout (10 minutes)
+        urllib.request.urlopen(urllib.request.Request(url + "/refuse_next_init", data=b"{}", method="POST"),
+                               timeout=10).read()
+        fresh = NcclSync([url], master_address="127.0.0.1", master_port=free_port(), backend="gloo")
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="has already been created"):
+            fresh.sync(4, weights.items())
         assert time.monotonic() - t0 < 10
     finally:
         proc.kill()
