@@ -473,6 +473,15 @@ class TrainConfig:
     """None = fresh start; "auto" = latest checkpoint in the run dir if any; or a checkpoint path."""
     world_size: int = ranged(1, ge=1)
     """Trainer processes to start on this machine (single-machine runs; SLURM sets its own)."""
+    collective_timeout_s: float = ranged(1800.0, gt=0.0)
+    """Timeout of the default and megatron's process groups: a collective that waits longer fails (on
+    GPUs NCCL's watchdog aborts the job). 1800 s as megatron's default; the waits for rank 0's rollouts
+    have a timeout of their own (handoff_timeout_s)."""
+    handoff_timeout_s: float | None = ranged(None, gt=0.0)
+    """How long the other ranks wait for rank 0 in a hand-off (its rollout, starting servers, loading
+    weights into them) before failing, on a gloo group of their own (moe_rl/collectives.py). None = the
+    rollout budget plus 10 minutes (`handoff_budget_s`): a lost server then ends in rank 0's checkpoint
+    and exit 3, never in a timeout of the waiting ranks. Set it only above that budget."""
     device_guard: bool = False
     """CPU only, for CI and debugging: fail when one of moe_rl's collectives gets a host tensor,
     which NCCL would refuse on a GPU (moe_rl.testing.device_guard). The CPU rehearsal runs with it."""
@@ -990,8 +999,38 @@ def _check_reward(cfg: RunConfig) -> Iterator[str]:
         yield f"reward.name: {name!r} must be a registry name or module:function"
 
 
+HANDOFF_MARGIN_S = 600.0  # HTTP backoffs, identity probes, a weight load's own overhead
+
+
+def handoff_budget_s(cfg: RunConfig) -> float:
+    """The longest rank 0 may spend before a hand-off the other ranks wait in (their wait's floor).
+
+    One rollout call gives each of its `rollout.retries + 1` attempts up to `rollout.timeout_s` to
+    find a healthy server and as much for the answer, and may first load weights into the
+    servers (a colocated resume: up to `rollout.timeout_s`). With `algo.off_policy_overlap` a
+    hand-off can wait for the prefetched rollout first and then for a refill round: twice that.
+    """
+    r = cfg.rollout
+    one = (r.retries + 1) * 2 * r.timeout_s + r.timeout_s
+    return one * (2 if cfg.algo.off_policy_overlap else 1)
+
+
+def handoff_timeout_s(cfg: RunConfig) -> float:
+    """The control group's timeout: `train.handoff_timeout_s`, or the budget plus a margin."""
+    t = cfg.train.handoff_timeout_s
+    return t if t is not None else handoff_budget_s(cfg) + HANDOFF_MARGIN_S
+
+
 def _check_train(cfg: RunConfig) -> Iterator[str]:
     t = cfg.train
+    budget = handoff_budget_s(cfg)
+    if t.handoff_timeout_s is not None and t.handoff_timeout_s < budget and t.mode == "rl":
+        r = cfg.rollout
+        yield (f"train.handoff_timeout_s: {t.handoff_timeout_s:g} s is shorter than rank 0's rollout budget of "
+               f"{budget:g} s ((rollout.retries={r.retries} + 1) x 2 x rollout.timeout_s={r.timeout_s:g} + "
+               f"rollout.timeout_s{', x 2 with algo.off_policy_overlap' if cfg.algo.off_policy_overlap else ''}): "
+               "the other ranks would time out before rank 0 gives up on its servers; raise it, leave it "
+               "null (derived), or lower rollout.timeout_s / rollout.retries")
     if t.min_lr > t.lr:
         yield f"train.min_lr: {t.min_lr} must be <= train.lr={t.lr}"
     if t.warmup_steps > t.steps:

@@ -23,6 +23,7 @@ from moe_rl.algo.advantages import compute_advantages
 from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
 from moe_rl.algo.losses import compute_loss, ntp_loss
+from moe_rl.collectives import broadcast_object
 from moe_rl.config import RunConfig, replay_mode
 from moe_rl.critic_step import critic_step
 from moe_rl.data.balance import balanced_shards
@@ -235,12 +236,9 @@ def _samples(run: Run, prompts: list[Prompt], payload: list) -> Samples:
 
 
 def broadcast(obj: Any) -> Any:
-    """Rank 0's Python object on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    """Rank 0's Python object on every rank (on the control group: the others wait while rank 0
+    generates, up to its whole rollout budget; moe_rl/collectives.py)."""
+    return broadcast_object(obj)
 
 
 # ---------------------------------------------------------------- rewards and advantages

@@ -278,6 +278,8 @@ def _agree(flag: bool) -> bool:
 
 def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     """Model checkpoint, policy, data, rewards, rollout engine and weight sync for this rank."""
+    from moe_rl.collectives import init_control_group
+    from moe_rl.config import handoff_timeout_s
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
     from moe_rl.loop import Run
@@ -294,6 +296,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
                           "with tokenizer files, or use a reward with a completion_ids parameter")
     hf_dir = initial_model(cfg, out, rank, dataset)
     policy = make_policy(cfg, hf_dir, cfg.algo.num_minibatches, temperature=cfg.rollout.temperature)
+    init_control_group(handoff_timeout_s(cfg))  # from here on, waits for rank 0 cannot time out first
     eos = getattr(dataset.tokenizer, "eos_token_id", None)
     if eos is None:
         eos = policy.hf_config.get("eos_token_id")
@@ -325,7 +328,8 @@ def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature
                         total_steps=t.steps * updates_per_step, lr_schedule=t.lr_schedule,
                         distributed_optimizer=t.distributed_optimizer)
     return Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
-                             p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch, temperature=temperature))
+                             p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch, temperature=temperature,
+                             collective_timeout_s=t.collective_timeout_s))
 def build_critic(cfg: RunConfig, policy_spec: Any) -> Any:
     """The value model of `algo.advantage=gae`: the policy's layout and batching, its own checkpoint
     (`critic.hf_path`, default the policy's) and a constant learning rate `critic.lr`."""
@@ -396,9 +400,9 @@ def update_group(cfg: RunConfig, servers: Any, out: Path | None = None) -> dict[
                  # the group joined last, left by a trainer that died without leaving it
                  "state_file": None if out is None else str(out / "servers" / "update_group.json"),
                  "backend": "nccl" if torch.cuda.is_available() else "gloo"}
-    from moe_rl.loop import broadcast
+    from moe_rl.collectives import broadcast_object
 
-    return broadcast(found)
+    return broadcast_object(found)  # the others wait while rank 0 starts the servers
 
 
 def _free_port(avoid: int) -> int:
@@ -565,12 +569,10 @@ def _barrier() -> None:
 
 
 def _all_gather(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order."""
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    """Every rank's `obj`, in rank order (on the control group: rank 0 may come from starting servers)."""
+    from moe_rl.collectives import all_gather_objects
+
+    return all_gather_objects(obj)
 
 
 def _world() -> int:

@@ -89,7 +89,7 @@ class Critic(Policy):
         arch = read_hf_config(spec.hf_dir)
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(arch)
-        init_distributed(spec.layout, seed=spec.seed)
+        init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
         # Untied: the value head replaces the output layer, which must not share the embedding.
         self.arch = dataclasses.replace(arch, tie_word_embeddings=False)
         chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute)

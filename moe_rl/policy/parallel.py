@@ -7,6 +7,7 @@ CPU, nccl on GPU) and megatron's model-parallel groups.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -168,7 +169,7 @@ def read_dist_env(environ: dict[str, str] | None = None, default_port: int = 295
                    master_port=int(env.get("MASTER_PORT", default_port)))
 
 
-def init_distributed(layout: ParallelLayout, timeout_minutes: int = 30, seed: int = 1234) -> DistEnv:
+def init_distributed(layout: ParallelLayout, timeout_s: float = 1800.0, seed: int = 1234) -> DistEnv:
     """Create the default group and megatron's parallel groups for `layout`.
 
     The layout's world size must equal the job's. gloo on CPU (with the compat layer
@@ -193,7 +194,7 @@ def init_distributed(layout: ParallelLayout, timeout_minutes: int = 30, seed: in
         dist.init_process_group(backend="nccl" if cuda else "gloo",
                                 init_method=f"tcp://{env.master_addr}:{env.master_port}",
                                 rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(minutes=timeout_minutes))
+                                timeout=timedelta(seconds=timeout_s))
     if parallel_state.model_parallel_is_initialized():
         _check_same_layout(layout)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -204,7 +205,7 @@ def init_distributed(layout: ParallelLayout, timeout_minutes: int = 30, seed: in
         virtual_pipeline_model_parallel_size=layout.vpp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        distributed_timeout_minutes=timeout_minutes,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return env

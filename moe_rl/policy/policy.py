@@ -40,6 +40,7 @@ class PolicySpec:
     seed: int = 1234
     max_tokens_per_microbatch: int | None = None  # set: pack sequences into rows of this many tokens
     temperature: float = 1.0  # log-probs of softmax(logits / T), the rollout's sampling distribution
+    collective_timeout_s: float = 1800.0  # of the default and megatron's process groups
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Policy:
         self.arch: MoEArch = read_hf_config(spec.hf_dir)
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(self.arch)
-        init_distributed(spec.layout, seed=spec.seed)
+        init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
         chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute)
         load_hf_weights(chunks, spec.hf_dir, self.arch)
         self.opt = PolicyOptimizer(chunks, spec.optim)

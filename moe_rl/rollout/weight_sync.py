@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequenc
 import torch
 import torch.distributed as dist
 
+from moe_rl.collectives import all_errors, all_gather_objects, broadcast_object
 from moe_rl.devices import compute_device
 
 log = logging.getLogger(__name__)
@@ -103,21 +104,14 @@ def _global_rank(group: Any, group_rank: int) -> int:
 
 
 def _all_errors(error: str | None, group: Any = None) -> list[str]:
-    """Every rank's error (None = fine), in rank order; doubles as a barrier."""
-    if _world(group) == 1:
-        return [error] if error else []
-    gathered: list[Any] = [None] * _world(group)
-    dist.all_gather_object(gathered, error, group=group)
-    return [e for e in gathered if e]
+    """Every rank's error (None = fine), in rank order; doubles as a barrier (on the control group
+    unless `group` is given: rank 0 may arrive from a long HTTP call)."""
+    return all_errors(error, group)
 
 
 def _from_rank0(obj: Any, group: Any = None) -> Any:
-    """`obj` as rank 0 of `group` has it, on every rank."""
-    if _world(group) == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
-    return box[0]
+    """`obj` as rank 0 of `group` (default: the control group) has it, on every rank."""
+    return broadcast_object(obj, group)
 
 
 def _engine_name(engine: Any) -> str:
@@ -436,10 +430,7 @@ def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any 
     """
     me = _rank(group)
     local: list[tuple[str, torch.Tensor]] = [(n, t.detach()) for n, t in named_tensors]
-    metas_per_rank: list[Any] = [[TensorMeta.of(n, t, me) for n, t in local]]
-    if _world(group) > 1:
-        metas_per_rank = [None] * _world(group)
-        dist.all_gather_object(metas_per_rank, [TensorMeta.of(n, t, me) for n, t in local], group=group)
+    metas_per_rank = all_gather_objects([TensorMeta.of(n, t, me) for n, t in local], group)
     metas = [m for per_rank in metas_per_rank for m in per_rank]
     _check_unique(metas)
     mine = iter(t for _, t in local)

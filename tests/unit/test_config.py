@@ -372,3 +372,18 @@ def test_sglang_data_parallel_is_fine_with_disk_weights():
     with pytest.raises(ConfigError, match="must divide the servers' tensor-parallel size 2"):
         load_config(None, ["rollout.engine=sglang", "rollout.sglang_args=[--tp-size,2]", "rollout.ep_size=4",
                            "rollout.tp_size=4"])
+
+
+def test_the_handoff_timeout_covers_rank0s_whole_rollout_budget():
+    from moe_rl.config import HANDOFF_MARGIN_S, handoff_budget_s, handoff_timeout_s
+
+    cfg = load_config(None, ["rollout.timeout_s=1800", "rollout.retries=3"])  # the flagship's rollout settings
+    # 4 attempts, each up to 1800 s to find a healthy server and 1800 s for the answer, and a weight load
+    assert handoff_budget_s(cfg) == 4 * 2 * 1800 + 1800
+    assert handoff_timeout_s(cfg) == handoff_budget_s(cfg) + HANDOFF_MARGIN_S > cfg.train.collective_timeout_s
+    overlap = load_config(None, ["rollout.timeout_s=1800", "rollout.retries=3", "algo.off_policy_overlap=true"])
+    assert handoff_budget_s(overlap) == 2 * handoff_budget_s(cfg)  # the prefetch, then a refill round
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.timeout_s=1800", "rollout.retries=3", "train.handoff_timeout_s=3600"])
+    assert "train.handoff_timeout_s: 3600 s is shorter than rank 0's rollout budget of 16200 s" in str(e.value)
+    assert handoff_timeout_s(load_config(None, ["train.handoff_timeout_s=20000", "rollout.timeout_s=1800"])) == 20000

@@ -1,11 +1,14 @@
-"""A trainer that dies without leaving the weight update group rejoins long-lived servers.
+"""Faults with servers started by hand (`rollout.urls`), `rollout.weight_sync=nccl` (gloo on CPU:
+the same calls).
 
-Servers started by hand (`rollout.urls`), `rollout.weight_sync=nccl` (gloo on CPU: the same
-calls). A trainer killed with -9 never calls `/destroy_weights_update_group`, so each server
-still holds its group, and one killed in the middle of a sync leaves an update session open.
-torch refuses a second group of an existing name, and a server refuses `/begin_weight_update`
-while a session is open: the restarted trainer must join under a new name and close what the
-dead one left, then finish the run.
+- A trainer that dies without leaving the weight update group rejoins the servers. A trainer
+  killed with -9 never calls `/destroy_weights_update_group`, so each server still holds its
+  group, and one killed in the middle of a sync leaves an update session open. torch refuses a
+  second group of an existing name, and a server refuses `/begin_weight_update` while a session
+  is open: the restarted trainer must join under a new name and close what the dead one left.
+- A server that stalls longer than the process groups' timeout: the other ranks wait for rank 0's
+  rollout on the control group, whose timeout follows the rollout budget, so they do not time out
+  before rank 0 does (on GPUs NCCL's watchdog would have aborted the job).
 """
 from __future__ import annotations
 
@@ -101,6 +104,25 @@ def test_trainer_killed_mid_run_rejoins_servers_it_did_not_start(server, toy_mod
     assert "closed an open update session" in log and f"destroyed update group {left}" in log
     info = json.loads(urllib.request.urlopen(server.url + "/model_info", timeout=30).read())
     assert info["weight_version"] == str(STEPS)  # the resumed trainer's weights reached the server
+
+
+def test_a_stalled_server_outlasts_the_collective_timeout_not_the_rollout_budget(server, toy_model, tmp_path):
+    proc = _train(tmp_path, toy_model, server.url, "train.collective_timeout_s=5", "train.save_every=0",
+                  "train.steps=40")
+    deadline = time.monotonic() + 300
+    while 1 not in _steps(tmp_path):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    os.kill(server.proc.pid, signal.SIGSTOP)  # it answers nothing, and nothing fails, for 12 s
+    try:
+        time.sleep(12)
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert _steps(tmp_path)[-1] == 40
+    slowest = max(json.loads(x)["perf/rollout_s"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert slowest > 5, f"no rollout outlasted the 5 s collective timeout ({slowest:.1f} s): the test proves nothing"
 
 
 def test_a_new_sync_of_the_same_run_destroys_the_group_the_last_one_left(server, tmp_path):
