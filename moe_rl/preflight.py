@@ -109,7 +109,7 @@ def _keys(cfg: RunConfig) -> str | None:
 def _devices(cfg: RunConfig, device_count: int | None = None) -> str | None:
     """Servers the trainer launches here must fit this machine's GPUs beside the trainer ranks'."""
     from moe_rl.devices import gpu_count, local_trainer_ranks
-    from moe_rl.rollout.launcher import server_gpus
+    from moe_rl.rollout.placement import server_gpus
 
     if cfg.train.mode == "dpo":
         return None

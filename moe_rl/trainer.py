@@ -421,7 +421,8 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
     """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
     from moe_rl.devices import gpu_count, local_trainer_ranks
     from moe_rl.rollout.auth import read_key_file
-    from moe_rl.rollout.launcher import RunIdentity, ServerGroup, server_gpus
+    from moe_rl.rollout.launcher import RunIdentity, ServerGroup
+    from moe_rl.rollout.placement import server_gpus
     from moe_rl.rollout.sglang_client import SGLangClient
 
     if cfg.rollout.engine == "inprocess":  # no server: the engine runs in this process
