@@ -89,8 +89,7 @@ class Rendered:
 # known only when the job runs; `bash_word` turns them into variable expansions.
 _VARS = {"@@PYTHON@@": "PYTHON", "@@MODEL@@": "MODEL_PATH", "@@NODE@@": "node",
          "@@ROUTER_NODE@@": "ROUTER_NODE", "@@ROUTER_ADDR@@": "ROUTER_ADDR", "@@RUN_DIR@@": "RUN_DIR",
-         "@@CONFIG@@": "CONFIG", "@@KEY_FILE@@": "KEY_FILE", "@@SERVED_NAME@@": "SERVED_NAME",
-         "@@API_KEY@@": "API_KEY"}
+         "@@CONFIG@@": "CONFIG", "@@KEY_FILE@@": "KEY_FILE", "@@SERVED_NAME@@": "SERVED_NAME"}
 _ARRAYS = {"@@WORKERS@@": '"${WORKER_URLS[@]}"'}
 _SENTINEL = re.compile("|".join(re.escape(s) for s in _VARS))
 
@@ -296,14 +295,14 @@ def _router_setup(cfg: Any, servers: ServerLayout, bind_node: bool) -> str:
     port = servers.router_port
     host = "@@ROUTER_ADDR@@" if bind_node else str(cfg.rollout.host)
     # Its metrics exporter gets the next port (the default 0.0.0.0:29000 is shared by every router on a node).
-    # The router calls the workers with the api key (its --api-key; read at run time, not written here).
+    # The router checks its callers' api key and calls the workers with it: read from the key file by
+    # moe_rl.rollout.router_main, never on a command line (`ps` shows every user of the node an argv).
     argv = router_command(["@@WORKERS@@"], host=host, port=port, prometheus_port=port + 1, python="@@PYTHON@@",
-                          extra_args=["--api-key", "@@API_KEY@@"])
+                          api_key_file="@@KEY_FILE@@")
     srun = _srun_line('"$ROUTER_NODE"', '"${LOG_DIR}/router-${ROUTER_NODE}.log"', argv).removeprefix("  ")
     return ("# sglang-router in front of every server: generation requests go to it, weight\n"
             "# updates go to each server (rollout.admin_urls), which the router does not relay.\n"
             'ROUTER_NODE="${ROLLOUT_NODES[0]}"\n'
-            "API_KEY=$(sed -n 's/^api-key: //p' \"$KEY_FILE\")\n"
             f'ROUTER_URL="http://${{ROUTER_NODE}}:{port}"\n'
             f"{_router_addr() if bind_node else ''}"
             f"{srun}\n"

@@ -114,16 +114,24 @@ def sglang_server_command(model_path: str | Path, *, host: str, port: int, tp_si
 
 
 def router_command(worker_urls: Sequence[str], *, host: str, port: int, prometheus_port: int | None = None,
-                   python: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
+                   python: str | None = None, extra_args: Sequence[str] = (),
+                   api_key_file: str | Path | None = None) -> list[str]:
     """argv of `sglang_router.launch_router` in front of `worker_urls`.
 
     `prometheus_port`: where the router's metrics exporter listens, on `host`. Left
     None the router takes its default, 0.0.0.0:29000, and a second router on the same
-    machine then dies at startup ("Address already in use").
+    machine then dies at startup ("Address already in use"). `api_key_file`: the run's key
+    file; the router then checks its callers' key and passes it on to the workers, started
+    through `moe_rl.rollout.router_main`, which reads the key from the file (sglang-router
+    takes it only as `--api-key KEY`: on a command line, which every user of the node can read).
     """
     if not worker_urls:
         raise ValueError("the router needs at least one worker URL")
-    argv = [python or sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
+    if any(str(a) == "--api-key" or str(a).startswith("--api-key=") for a in extra_args):
+        raise ValueError("--api-key would put the router's key on its command line: pass api_key_file")
+    entry = ["moe_rl.rollout.router_main", "--api-key-file", str(api_key_file)] if api_key_file is not None \
+        else ["sglang_router.launch_router"]
+    argv = [python or sys.executable, "-m", *entry, "--host", host, "--port", str(port)]
     if prometheus_port is not None:
         argv += ["--prometheus-host", host, "--prometheus-port", str(prometheus_port)]
     return argv + ["--worker-urls", *worker_urls, *map(str, extra_args)]
@@ -202,10 +210,11 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
         keyed = identity is not None and identity.keys is not None
         rhost = "127.0.0.1" if keyed else host
         argv = router_command([s.url for s in servers], host=rhost, port=base + n, prometheus_port=base + n + 1,
-                              python=python, extra_args=["--api-key", identity.keys.api_key] if keyed else ())
+                              python=python, api_key_file=identity.key_file if keyed else None)
         # /readiness, not /health: the router answers /health at once, but refuses
         # /generate (503) until it has registered a healthy worker.
-        router = ServerSpec("router", tuple(argv), rhost, base + n, health_path="/readiness")
+        router = ServerSpec("router", tuple(argv), rhost, base + n, _local_env() if keyed else {},
+                            health_path="/readiness")
     return servers, router
 
 

@@ -346,14 +346,20 @@ def test_slurm_script_server_and_router_lines_parse(oracle, tmp_path, nodes, rol
         assert fields["model_path"] == "${MODEL_PATH}"
         if rollout_nodes == 0:  # colocated: the trainer releases SGLang's memory between phases
             assert fields["enable_memory_saver"]
-    for argv in _script_commands(text, "sglang_router.launch_router"):
+    for argv in _script_commands(text, "moe_rl.rollout.router_main"):
         args = _router_args(argv)
         assert args.worker_urls == ["${WORKER_URLS[@]}"]
 
 
 def _router_args(argv: list[str]) -> Any:
+    """The router's own arguments, parsed by sglang-router 0.3.2; through `moe_rl.rollout.router_main`
+    (which reads the api key from --api-key-file), what it passes on to the router."""
     from sglang_router.launch_router import parse_router_args
 
+    if "moe_rl.rollout.router_main" in argv:
+        i = argv.index("moe_rl.rollout.router_main")
+        assert argv[i + 1] == "--api-key-file", argv
+        return parse_router_args(argv[i + 3:])
     i = argv.index("sglang_router.launch_router")
     return parse_router_args(argv[i + 1:])
 

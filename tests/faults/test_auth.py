@@ -128,12 +128,13 @@ def test_unreadable_or_malformed_key_file_is_refused_before_any_work(tmp_path):
         assert problem.startswith("rollout.api_key_file: ") and needle in problem, problem
 
 
-def test_router_refuses_callers_without_the_run_key():
-    """sglang-router 0.3.2 given `--api-key` (as the launcher and the SLURM script start it) checks
-    callers' Bearer keys itself, and passes the key on to the workers."""
+def test_router_refuses_callers_without_the_run_key(tmp_path):
+    """sglang-router 0.3.2 given the run's api key (read from the key file by moe_rl.rollout.router_main,
+    as the launcher and the SLURM script start it) checks callers' Bearer keys itself, and passes the
+    key on to the workers."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from moe_rl.rollout.auth import RunKeys
+    from moe_rl.rollout.auth import RunKeys, write_key_file
     from moe_rl.rollout.launcher import router_command
     from moe_rl.testing import free_ports
 
@@ -160,10 +161,13 @@ def test_router_refuses_callers_without_the_run_key():
     worker = ThreadingHTTPServer(("127.0.0.1", 0), Worker)
     threading.Thread(target=worker.serve_forever, daemon=True).start()
     keys = RunKeys.new()
+    key_file = write_key_file(tmp_path / "auth.yaml", keys)
     port = free_ports(2)
     argv = router_command([f"http://127.0.0.1:{worker.server_address[1]}"], host="127.0.0.1", port=port,
-                          prometheus_port=port + 1, extra_args=["--api-key", keys.api_key])
+                          prometheus_port=port + 1, api_key_file=key_file)
+    assert keys.api_key not in " ".join(argv)
     router = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert keys.api_key not in open(f"/proc/{router.pid}/cmdline", "rb").read().decode()  # from its start
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -179,10 +183,33 @@ def test_router_refuses_callers_without_the_run_key():
         assert _call(url, "/generate", None, gen) == 401
         assert _call(url, "/generate", "wrong", gen) == 401
         assert _call(url, "/generate", keys.api_key, gen) == 200
-        assert keys.api_key not in open(f"/proc/{router.pid}/cmdline", "rb").read().decode()  # it renames itself
     finally:
         router.terminate()
         router.wait(30)
         worker.shutdown()
     assert seen == [f"Bearer {keys.api_key}"]
 
+
+
+def test_no_launched_process_has_a_key_on_its_command_line(tiny_hf_dir, tmp_path):
+    """`ps` shows every user of the node each process's argv: the keys travel in mode-600 files only
+    (the servers' --config, the router's --api-key-file)."""
+    from moe_rl.rollout.launcher import _group_members
+    from moe_rl.testing import free_ports
+
+    pytest.importorskip("sglang_router")
+    ident = RunIdentity.for_run(tmp_path / "run", "0.0.0.0")
+    cfg = RolloutConfig(engine="local", host="0.0.0.0", router=True, base_port=free_ports(3))
+    group = ServerGroup.from_config(cfg, tiny_hf_dir, tmp_path / "logs", env={"OMP_NUM_THREADS": "1"},
+                                    identity=ident)
+    assert group.router is not None
+    with group:
+        group.wait_healthy(timeout=120)
+        assert _call(group.urls[0], "/generate", None, {"input_ids": [1], "sampling_params": {}}) == 401
+        procs = [p for pgid in group.pids.values() for p in _group_members(pgid)]
+        cmdlines = {p: open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode() for p in procs}
+    assert len(procs) >= 2
+    for secret in (ident.keys.api_key, ident.keys.admin_api_key):
+        for pid, cmdline in cmdlines.items():
+            assert secret not in cmdline, f"process {pid} has a key on its command line: {cmdline[:200]}"
+        assert not any(secret in " ".join(s.argv) for s in group.specs)

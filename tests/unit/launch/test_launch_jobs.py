@@ -52,6 +52,9 @@ if os.environ.get("FAKE_ONLY_IN_CONTAINER") and not os.environ.get("MOE_RL_STAND
     sys.exit(127)
 
 
+ROUTERS = ("sglang_router.launch_router", "moe_rl.rollout.router_main")
+
+
 def serve():
     port = int(opt("--port"))
     if str(port) == os.environ.get("FAKE_BROKEN_PORT"):
@@ -60,7 +63,7 @@ def serve():
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):
-            ready = "/readiness" if mod == "sglang_router.launch_router" else "/health"
+            ready = "/readiness" if mod in ROUTERS else "/health"
             self.send_response(200 if self.path == ready else 404)  # a router: /health is not enough
             self.end_headers()
 
@@ -97,7 +100,7 @@ def train():
     print(f"rank {{rank}} done", flush=True)
 
 
-if mod in ("sglang.launch_server", "sglang_router.launch_router") or (mod == "moe_rl.cli" and sub == "serve"):
+if mod in ("sglang.launch_server", *ROUTERS) or (mod == "moe_rl.cli" and sub == "serve"):
     serve()
 elif mod == "moe_rl.cli" and sub == "train":
     train()

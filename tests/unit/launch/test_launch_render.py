@@ -140,8 +140,10 @@ def test_launch_router_when_the_trainer_can_reach_the_servers_behind_it(tmp_path
     r = _render(QWEN, 4, 2, 8, ["parallel.ep=4"], tmp_path)
     assert r.servers.router_port == 30004
     flat = re.sub(r" \\\n\s*", " ", r.text)  # command lines without their wrapping
-    assert ('-m sglang_router.launch_router --host 0.0.0.0 --port 30004 --prometheus-host 0.0.0.0 '
-            '--prometheus-port 30005 --worker-urls "${WORKER_URLS[@]}" --api-key "${API_KEY}" &') in flat
+    assert ('-m moe_rl.rollout.router_main --api-key-file "${KEY_FILE}" --host 0.0.0.0 --port 30004 '
+            '--prometheus-host 0.0.0.0 --prometheus-port 30005 --worker-urls "${WORKER_URLS[@]}" &') in flat
+    # the key itself is read by the router's launcher, on no command line (`ps` shows every argv)
+    assert "--api-key " not in flat and "API_KEY" not in r.text
     assert '"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"' in r.text
     assert 'GENERATE_URLS=("$ROUTER_URL")' in r.text
 
@@ -158,7 +160,7 @@ def test_launch_servers_read_per_job_keys_from_a_private_file(tmp_path):
 
 def test_launch_puts_a_router_in_front_and_updates_its_workers(tmp_path):
     r = _render(QWEN, 4, 2, 8, ["parallel.ep=4"], tmp_path)
-    assert r.servers.use_router and "sglang_router" in r.text
+    assert r.servers.use_router and "moe_rl.rollout.router_main" in r.text
     assert '"rollout.admin_urls=[$(join_by_comma "${WORKER_URLS[@]}")]"' in r.text
     assert not any("no sglang-router" in n for n in r.notes)
     assert any("rollout.num_servers=16 is ignored" in n for n in r.notes)
@@ -440,7 +442,7 @@ def test_launch_rehearsal_cpu_router_and_what_the_trainer_is_told(tmp_path):
 def test_launch_router_follows_rollout_router(tmp_path, choice, router):
     """The single-machine launcher's rule (wants_router): true = always, false = never, null = SGLang only."""
     r = _render_cpu(REHEARSAL, 2, 1, None, None, [f"rollout.router={choice}"], tmp_path)
-    assert r.servers.use_router == router and ("sglang_router" in r.text) == router
+    assert r.servers.use_router == router and ("moe_rl.rollout.router_main" in r.text) == router
     assert ("rollout.admin_urls" in r.text) == router
 
 
