@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CPU mode: trainer ranks per trainer node (default: the config's train.world_size "
                         "divided by the trainer nodes, so a CPU config keeps its parallel layout)")
     p.add_argument("--cpus-per-task", type=int,
-                   help="CPU mode: CPUs (and torch threads) of each trainer rank and server (default 1)")
+                   help="CPUs of each trainer rank and server. CPU mode: also their torch threads (default 1); "
+                        "with GPUs the default is each node's CPUs shared by the tasks that run on it")
     p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     p.add_argument("--run-dir", help="run directory (default: log.run_dir, else runs/<name>-<time>)")
     p.add_argument("--out", help="where to write the script (default RUN_DIR/launch/job.sbatch)")

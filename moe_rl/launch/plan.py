@@ -89,12 +89,10 @@ class NodeShape:
         if not 0 <= self.rollout_nodes < self.nodes:
             raise LaunchError(f"--rollout-nodes must be in [0, {self.nodes - 1}] for --nodes {self.nodes} "
                               f"(0 = colocated; the trainer needs at least one node), got {self.rollout_nodes}")
-        if not self.cpu:
+        if not self.cpu and self.tasks_per_node is not None:
             # One rank per GPU: a second way to say how many would only disagree with the first.
-            for flag, value in (("--tasks-per-node", self.tasks_per_node), ("--cpus-per-task", self.cpus_per_task)):
-                if value is not None:
-                    raise LaunchError(f"{flag} is for CPU mode (--gpus-per-node 0); with GPUs the trainer runs "
-                                      f"one rank per GPU ({self.gpus_per_node} per node): drop {flag}")
+            raise LaunchError(f"--tasks-per-node is for CPU mode (--gpus-per-node 0); with GPUs the trainer runs "
+                              f"one rank per GPU ({self.gpus_per_node} per node): drop --tasks-per-node")
         for flag, value in (("--tasks-per-node", self.tasks_per_node), ("--cpus-per-task", self.cpus_per_task)):
             if value is not None and value < 1:
                 raise LaunchError(f"{flag} must be >= 1, got {value}")

@@ -267,10 +267,34 @@ def _without_tp_flags(args: list[str]) -> list[str]:
     return out
 
 
+def _cpu_setup(shape: NodeShape, servers: ServerLayout) -> str:
+    """Bash that sets TRAIN_CPUS and SERVER_CPUS, the --cpus-per-task of each trainer rank and each
+    server (the router: as a server). srun 22.05 no longer reads the job's SLURM_CPUS_PER_TASK, and on
+    clusters that bind tasks to cores a step without --cpus-per-task gets one CPU per task: a TP-2
+    SGLang server or a trainer rank would run on one core. GPU mode: `--cpus-per-task` when given,
+    else the node's CPUs shared by its tasks (the job is --exclusive: SLURM_CPUS_ON_NODE is the
+    node's); CPU mode: `--cpus-per-task` (default 1)."""
+    if shape.cpu:
+        return (f"TRAIN_CPUS={shape.cpus_per_task}   # CPU mode: --cpus-per-task\n"
+                f"SERVER_CPUS={shape.cpus_per_task}")
+    if shape.cpus_per_task:
+        return (f"TRAIN_CPUS={shape.cpus_per_task}   # --cpus-per-task\n"
+                f"SERVER_CPUS={shape.cpus_per_task}")
+    train_tasks = shape.ranks_per_node + (servers.per_node if shape.colocated else 0)
+    serve_tasks = servers.per_node + (shape.ranks_per_node if shape.colocated else 0)
+    return ("# the node's CPUs, shared by the tasks that run on it (--cpus-per-task N sets them instead)\n"
+            'NODE_CPUS="${SLURM_CPUS_ON_NODE:-$(nproc)}"\n'
+            f"TRAIN_CPUS=$(( NODE_CPUS / {train_tasks} > 0 ? NODE_CPUS / {train_tasks} : 1 ))"
+            f"   # {shape.ranks_per_node} trainer rank(s){' + the servers' if shape.colocated else ''} per node\n"
+            f"SERVER_CPUS=$(( NODE_CPUS / {serve_tasks} > 0 ? NODE_CPUS / {serve_tasks} : 1 ))"
+            f"   # {servers.per_node} server(s){' + the trainer ranks' if shape.colocated else ''} per node\n"
+            'echo "CPUs per task: ${TRAIN_CPUS} per trainer rank, ${SERVER_CPUS} per server (${NODE_CPUS} per node)"')
+
+
 def _srun_line(nodelist: str, log: str, argv: Sequence[str]) -> str:
     """A one-task step on one node (a server or the router), every count stated (see the module doc)."""
-    head = (f'  srun "${{SRUN_OPTS[@]}}" --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist={nodelist} \\\n'
-            f'    --output={log} \\\n    ')
+    head = (f'  srun "${{SRUN_OPTS[@]}}" --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task="$SERVER_CPUS" \\\n'
+            f'    --nodelist={nodelist} --output={log} \\\n    ')
     return head + bash_command(argv, indent="    ") + " &"
 
 
@@ -413,7 +437,10 @@ def render_script(config_path: str | Path, overrides: Sequence[str], shape: Node
     layout = check_trainer_layout(cfg.parallel, shape.world_size,
                                   "--tasks-per-node" if shape.cpu else "--gpus-per-node")
     _check_overrides(config_path, overrides, out, cfg.rollout, servers, shape, fields)
-    notes = _notes(cfg, shape, servers, fields)
+    notes = _notes(cfg, shape, servers, fields) + _node_local_notes(
+        {"the run directory (--run-dir / log.run_dir)": out, "the job's working directory (--chdir)": chdir or os.getcwd(),
+         "the interpreter (--python)": default_python(opts) if not opts.container_image else None,
+         "the config file": config_path})
     bind_node = str(cfg.rollout.host) not in WILDCARD_HOSTS
     name = opts.job_name or f"moe_rl-{cfg.log.name}"
     values = {
@@ -425,7 +452,7 @@ def render_script(config_path: str | Path, overrides: Sequence[str], shape: Node
         "ranks_per_node": str(shape.ranks_per_node),
         "health_timeout": f"{opts.health_timeout:g}", "stop_timeout": f"{opts.stop_timeout:g}",
         "train_steps": str(cfg.train.steps), "srun_opts": " ".join(_srun_opts(opts, out, shape)),
-        "nodes": str(shape.nodes), "node_split": _node_split(shape),
+        "nodes": str(shape.nodes), "node_split": _node_split(shape), "cpu_setup": _cpu_setup(shape, servers),
         "master_port": str(opts.master_port) if opts.master_port else
         f"$(( {MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_SPAN} ))",
         "env_exports": _env_exports(opts, shape), "model_setup": _model_setup(cfg, base[:-1]),
@@ -439,11 +466,8 @@ def render_script(config_path: str | Path, overrides: Sequence[str], shape: Node
 
 
 def _srun_opts(opts: SlurmOptions, run_dir: Path, shape: NodeShape) -> list[str]:
-    """Options of every step. CPU mode states each task's CPUs: srun 22.05 no longer reads
-    the job's SLURM_CPUS_PER_TASK, so a step without --cpus-per-task would get one CPU."""
+    """Options of every step (each step states its own --cpus-per-task, see `_cpu_setup`)."""
     words = ["--overlap"]
-    if shape.cpu:
-        words.append(f"--cpus-per-task={shape.cpus_per_task}")
     if opts.container_image:
         mounts = opts.container_mounts or f"{run_dir}:{run_dir}"
         words += [bash_word(f"--container-image={opts.container_image}"), bash_word(f"--container-mounts={mounts}")]
@@ -483,6 +507,29 @@ def _notes(cfg: Any, shape: NodeShape, servers: ServerLayout, fields: set[str]) 
         per_node = "--tasks-per-node" if shape.cpu else "--gpus-per-node"
         notes.append(f"train.world_size={cfg.train.world_size} is ignored: the job runs {shape.world_size} trainer "
                      f"rank(s) ({shape.ranks_per_node} on each of {shape.train_nodes} node(s), {per_node})")
+    return notes
+
+
+# Directories each machine has for itself (a temporary directory of the submitting host among them).
+NODE_LOCAL_ROOTS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/scratch/local", "/local")
+
+
+def _node_local_notes(paths: Mapping[str, str | Path | None]) -> list[str]:
+    """Warnings for paths every node must see that look node-local (the job's nodes would not find
+    them, or each would write its own)."""
+    import tempfile
+
+    roots = {*NODE_LOCAL_ROOTS, tempfile.gettempdir(), os.environ.get("TMPDIR") or "/tmp"}
+    notes = []
+    for what, path in paths.items():
+        if path is None or not os.path.isabs(str(path)):
+            continue
+        p = os.path.realpath(str(path))
+        root = next((r for r in sorted(roots, key=len, reverse=True)
+                     if p == r.rstrip("/") or p.startswith(r.rstrip("/") + "/")), None)
+        if root is not None:
+            notes.append(f"{what} is {path}, under {root}, which is usually local to each machine: every node of "
+                         "the job must see it (shared storage), or the job fails there")
     return notes
 
 

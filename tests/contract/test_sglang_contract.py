@@ -65,7 +65,7 @@ CALLERS = ["moe_rl/rollout/sglang_client.py", "moe_rl/rollout/weight_sync.py", "
            *sorted(str(p.relative_to(REPO)) for p in (REPO / "moe_rl/launch").glob("*.py"))]
 # The router's own endpoint (launcher waits for it; the router test exercises it): not an SGLang server's.
 ROUTER_CALLS = {("GET", "/readiness")}
-NOT_ENDPOINTS = {"/proc", "/stat"}  # path literals in those files that name files, not URLs
+NOT_ENDPOINTS = {"/proc", "/stat", "/tmp", "/run", "/local"}  # path literals in those files that name files, not URLs
 
 
 # ----------------------------------------------------------------------------- the oracle

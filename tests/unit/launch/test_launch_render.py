@@ -365,6 +365,8 @@ def _srun_counts(flat: str, ranks_per_node: int, train_nodes: int) -> list[tuple
             for var, value in values.items():
                 expr = expr.replace(var, value)
             got[key] = int(eval(expr.strip('"').removeprefix("$((").removesuffix("))")))  # noqa: S307 (digits and *)
+        if "--nodelist=\"$SLURMD_NODENAME\"" not in line:  # every step but the one-task helpers states its CPUs
+            assert re.search(r' --cpus-per-task="\$(TRAIN|SERVER)_CPUS"', line), f"srun line without CPUs: {line}"
         out.append((got["nodes"], got["ntasks"], got["ntasks-per-node"]))
     return out
 
@@ -384,8 +386,9 @@ def test_launch_cpu_mode_requests_no_gpu_and_states_every_count(tmp_path, config
     assert _directive(text, "cpus-per-task") == str(cpus_per_task)
     assert _directive(text, "ntasks-per-node") == str(max(ranks, r.servers.per_node))
     assert _directive(text, "gpus-per-node") is None
-    assert re.search(r"^SRUN_OPTS=\((.*)\)$", flat, re.M).group(1).split() == [
-        "--overlap", f"--cpus-per-task={cpus_per_task}"]
+    assert re.search(r"^SRUN_OPTS=\((.*)\)$", flat, re.M).group(1).split() == ["--overlap"]
+    # each step states its CPUs: srun 22.05 no longer reads the job's SLURM_CPUS_PER_TASK
+    assert f"TRAIN_CPUS={cpus_per_task} " in text and f"SERVER_CPUS={cpus_per_task}\n" in text
     assert f"export OMP_NUM_THREADS={cpus_per_task} " in text and 'export CUDA_VISIBLE_DEVICES=""' in text
     assert f"RANKS_PER_NODE={ranks}\n" in text
     assert f"trainer:  {train_nodes * ranks} rank(s) ({ranks} per node, CPU mode" in text
@@ -460,7 +463,6 @@ def test_launch_cpu_mode_colocated_servers_share_the_trainer_nodes(tmp_path):
     ((4, 1, 0), [], TINY, "train.world_size=2 ranks do not split evenly over 3 trainer node(s); pass --tasks-per-node"),
     ((4, 1, 0, 1), [], TINY, "trainer nodes x --tasks-per-node"),  # 3 ranks cannot hold ep=2
     ((2, 1, 8, 2), [], TINY, "--tasks-per-node is for CPU mode (--gpus-per-node 0)"),
-    ((2, 1, 8, None, 4), [], TINY, "--cpus-per-task is for CPU mode (--gpus-per-node 0)"),
     ((2, 1, 0, 0), [], TINY, "--tasks-per-node must be >= 1"),
     ((2, 1, 0, None, 0), [], TINY, "--cpus-per-task must be >= 1"),
     ((2, 1, 0), ["rollout.router=true"], TINY, None),  # renders: a router in front of one worker
@@ -481,5 +483,46 @@ def test_launch_cli_cpu_mode_flags(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "#SBATCH --ntasks-per-node=4\n#SBATCH --cpus-per-task=2\n" in out and "--gpus-per-node" not in out
-    assert "RANKS_PER_NODE=4\n" in out and "SRUN_OPTS=(--overlap --cpus-per-task=2)" in out
+    assert "RANKS_PER_NODE=4\n" in out and "SRUN_OPTS=(--overlap)" in out and "TRAIN_CPUS=2 " in out
     assert "note: train.world_size=2 is ignored: the job runs 4 trainer rank(s)" in err
+
+
+def _bash_cpus(text: str, node_cpus: int) -> tuple[int, int]:
+    """TRAIN_CPUS and SERVER_CPUS as the script computes them on a node of `node_cpus` CPUs."""
+    import subprocess
+
+    start = text.index("\n", text.index('echo "rollout nodes:')) + 1
+    setup = text[start:text.index("join_by_comma()") if "join_by_comma()" in text[start:] else None]
+    setup = setup[:setup.index("\n# ---")]
+    out = subprocess.run(["bash", "-c", setup + '\necho "$TRAIN_CPUS $SERVER_CPUS"'], capture_output=True, text=True,
+                         env={"SLURM_CPUS_ON_NODE": str(node_cpus), "PATH": "/usr/bin:/bin"}, check=True)
+    train, server = out.stdout.split()[-2:]
+    return int(train), int(server)
+
+
+@pytest.mark.parametrize("rollout_nodes, cpus, expected", [
+    (2, None, (12, 24)),     # a trainer node's 96 CPUs over its 8 ranks; a rollout node's over its 4 servers
+    (0, None, (8, 8)),       # colocated: 8 ranks and 4 servers share each node
+    (2, 6, (6, 6)),          # --cpus-per-task sets both
+])
+def test_launch_gpu_mode_gives_every_task_its_share_of_the_cpus(tmp_path, rollout_nodes, cpus, expected):
+    """On clusters that bind tasks to cores, a step without --cpus-per-task runs each task on one core."""
+    overrides = ["parallel.ep=4"] + (["rollout.weight_sync=disk"] if rollout_nodes == 0 else [])
+    shape = NodeShape(4, rollout_nodes, 8, None, cpus)
+    r = render_script(QWEN, overrides, shape, _opts(), run_dir=tmp_path)
+    assert _bash_cpus(r.text, 96) == expected
+    flat = _flat(r.text)
+    assert '--ntasks-per-node="$RANKS_PER_NODE" --cpus-per-task="$TRAIN_CPUS"' in flat
+    assert flat.count('--cpus-per-task="$SERVER_CPUS"') == r.servers.per_node + (1 if r.servers.use_router else 0)
+
+
+def test_launch_warns_of_node_local_paths(tmp_path, capsys):
+    out = launch_main(["slurm", "--config", TINY, "--nodes", "3", "--rollout-nodes", "2", "--gpus-per-node", "0",
+                       "--run-dir", "/tmp/moe-rl-run", "--python", "/var/tmp/venv/bin/python", "--dry-run"])
+    err = capsys.readouterr().err
+    assert out == 0
+    assert "note: the run directory (--run-dir / log.run_dir) is /tmp/moe-rl-run, under /tmp" in err
+    assert "the interpreter (--python) is /var/tmp/venv/bin/python, under /var/tmp" in err
+    launch_main(["slurm", "--config", TINY, "--nodes", "3", "--rollout-nodes", "2", "--gpus-per-node", "0",
+                 "--run-dir", "/shared/runs/x", "--python", "/opt/venv/bin/python", "--dry-run"])
+    assert "run directory" not in capsys.readouterr().err
