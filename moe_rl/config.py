@@ -181,7 +181,20 @@ class ModelConfig:
     recompute: bool = False
     """Activation recomputation: trades ~30% more compute for memory; needed for long sequences."""
     moe_router_fusion: bool = False
-    """Fused router kernel. Off because megatron silently skips routing replay when it is on."""
+    """Fused router kernel (transformer-engine >= 2.7). Off because megatron silently skips routing
+    replay when it is on: allowed only with algo.replay=off."""
+    moe_permute_fusion: bool | None = None
+    """Fused MoE token permutation (transformer-engine >= 2.1). None = on with a GPU and TE, off on CPU
+    (moe_rl/policy/perf.py says what each fusion needs)."""
+    apply_rope_fusion: bool | None = None
+    """Fused rotary embedding (transformer-engine >= 1.4). None = on with a GPU and TE, off on CPU."""
+    bias_activation_fusion: bool | None = None
+    """megatron's fused SwiGLU. None = on with a GPU, off on CPU."""
+    bias_dropout_fusion: bool | None = None
+    """megatron's fused bias-dropout-add. None = on with a GPU, off on CPU."""
+    gradient_accumulation_fusion: bool | None = None
+    """Weight-gradient GEMMs accumulate straight into the fp32 gradient buffers (NVIDIA apex's
+    fused_weight_gradient_mlp_cuda, which the docker image builds). None = on with a GPU and apex."""
     seed: int = 1234
     """Seed for model init and megatron's RNG tracker (data order has its own seed)."""
 
@@ -204,6 +217,12 @@ class ParallelConfig:
     """Sequence parallel; None = auto (on when tp > 1, which megatron MoE requires)."""
     micro_batch_size: int = ranged(4, ge=1)
     """Sequences per forward/backward micro-batch; tiny models fit 4, long-context runs use 1."""
+    overlap_grad_reduce: bool | None = None
+    """Reduce gradients bucket by bucket during the backward pass (megatron DDP). None = on with a
+    GPU, off on CPU."""
+    overlap_param_gather: bool | None = None
+    """With train.distributed_optimizer: gather the updated parameters during the next forward instead
+    of at the end of the optimizer step. None = on with a GPU and the distributed optimizer."""
     max_tokens_per_microbatch: int | None = ranged(None, ge=2)
     """Token budget per micro-batch. Set: sequences are packed several to a row (no padding
     compute) and spread over data-parallel ranks by tokens rather than by count; null = padded
@@ -855,10 +874,18 @@ def _check_model(cfg: RunConfig) -> Iterator[str]:
     if cfg.model.moe_router_fusion and cfg.algo.replay != "off":
         yield (f"model.moe_router_fusion: true is not allowed with algo.replay={cfg.algo.replay}: "
                "the fused router skips routing replay (set algo.replay=off or fusion false)")
+    elif cfg.model.moe_router_fusion and cfg.drift.enabled:
+        yield ("model.moe_router_fusion: true is not allowed with drift.enabled=true: the fused router skips "
+               "RouterReplay, which records the routes drift compares (set drift.enabled=false or fusion false)")
 
 
 def _check_parallel(cfg: RunConfig) -> Iterator[str]:
     p = cfg.parallel
+    if p.overlap_param_gather and not cfg.train.distributed_optimizer:
+        yield ("parallel.overlap_param_gather: true needs train.distributed_optimizer=true (the distributed "
+               "optimizer gathers the parameters it updates)")
+    if p.overlap_param_gather and p.overlap_grad_reduce is False:
+        yield "parallel.overlap_param_gather: true needs parallel.overlap_grad_reduce (true or null)"
     if p.vpp is not None and p.pp < 2:
         yield f"parallel.vpp: {p.vpp} needs parallel.pp > 1 (pp={p.pp}); use null without pipelining"
     if p.tp > 1 and p.sp is False:

@@ -329,7 +329,17 @@ def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature
                         distributed_optimizer=t.distributed_optimizer)
     return Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
                              p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch, temperature=temperature,
-                             collective_timeout_s=t.collective_timeout_s))
+                             collective_timeout_s=t.collective_timeout_s, perf=perf_request(cfg)))
+
+
+def perf_request(cfg: RunConfig) -> Any:
+    """The fused kernels and DDP overlap the config asks for (`model.*_fusion`, `parallel.overlap_*`)."""
+    from dataclasses import fields
+
+    from moe_rl.policy.perf import PerfRequest
+
+    return PerfRequest(**{f.name: getattr(cfg.model, f.name, None) if hasattr(cfg.model, f.name)
+                          else getattr(cfg.parallel, f.name) for f in fields(PerfRequest)})
 def build_critic(cfg: RunConfig, policy_spec: Any) -> Any:
     """The value model of `algo.advantage=gae`: the policy's layout and batching, its own checkpoint
     (`critic.hf_path`, default the policy's) and a constant learning rate `critic.lr`."""

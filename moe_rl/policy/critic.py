@@ -39,6 +39,7 @@ from moe_rl.policy.forward import Microbatch
 from moe_rl.policy.model import build_model, read_hf_config
 from moe_rl.policy.packing import unpack
 from moe_rl.policy.parallel import data_parallel_rank_and_size, init_distributed
+from moe_rl.policy.perf import resolve
 from moe_rl.policy.policy import Policy, PolicySpec
 from moe_rl.policy.replay import RouteReplay
 from moe_rl.policy.train_step import PolicyOptimizer
@@ -92,14 +93,18 @@ class Critic(Policy):
         init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
         # Untied: the value head replaces the output layer, which must not share the embedding.
         self.arch = dataclasses.replace(arch, tie_word_embeddings=False)
-        chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute)
+        self.perf = resolve(spec.perf, distributed_optimizer=spec.optim.distributed_optimizer,
+                            moe=self.arch.num_moe_experts is not None)
+        chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute, self.perf)
         last = [c for c in chunks if c.post_process]
         for c in last:
             c.output_layer = torch.nn.Identity()  # drop the vocabulary projection before loading
         load_hf_weights(chunks, spec.hf_dir, self.arch)
         for c in last:
             c.output_layer = ValueHead(c.config, head_init_std, spec.seed).to(next(c.parameters()).device)
-        self.opt = PolicyOptimizer(chunks, spec.optim)
+        self.opt = PolicyOptimizer(chunks, dataclasses.replace(
+            spec.optim, overlap_grad_reduce=self.perf.overlap_grad_reduce,
+            overlap_param_gather=self.perf.overlap_param_gather))
         self.replay = RouteReplay(self.opt.chunks, self.arch) if self.arch.num_moe_experts else None
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
 

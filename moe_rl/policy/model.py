@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from moe_rl.devices import compute_device
 from moe_rl.policy.packing import use_position_ids_for_rope
 from moe_rl.policy.parallel import ParallelLayout
+from moe_rl.policy.perf import PerfSettings
 
 
 class UnsupportedModel(ValueError):
@@ -168,13 +169,13 @@ def use_transformer_engine() -> bool:
 
 
 def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32",
-                       recompute: bool = False, router_fusion: bool = False) -> Any:
-    """megatron `TransformerConfig` for `arch` under `layout`."""
+                       recompute: bool = False, perf: PerfSettings | None = None) -> Any:
+    """megatron `TransformerConfig` for `arch` under `layout`; `perf`: the resolved fused kernels
+    (moe_rl/policy/perf.py; default: none)."""
     from megatron.core.transformer import TransformerConfig
 
-    if router_fusion:
-        raise ValueError("model.moe_router_fusion=true skips megatron's RouterReplay, so recorded routes "
-                         "would be silently ignored; set model.moe_router_fusion=false")
+    perf = PerfSettings() if perf is None else perf
+    fused = perf.transformer_kwargs()
     gpu = torch.cuda.is_available()
     te = use_transformer_engine()
     params_dtype = _DTYPES[dtype]
@@ -195,13 +196,13 @@ def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32
         activation_func=F.silu,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # Fusions need apex / TE kernels; the plain paths are exact on any device.
-        bias_activation_fusion=False,
+        # Fused kernels as resolved in perf.py (off on CPU, where the plain paths are exact).
+        bias_activation_fusion=fused["bias_activation_fusion"],
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
+        apply_rope_fusion=fused["apply_rope_fusion"],
+        gradient_accumulation_fusion=fused["gradient_accumulation_fusion"],
+        bias_dropout_fusion=fused["bias_dropout_fusion"],
         # Losses are summed over microbatches and DP ranks with global normalisers
         # (see algo/losses.py): no averaging in the schedule or in DDP.
         calculate_per_token_loss=True,
@@ -240,8 +241,8 @@ def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32
             moe_grouped_gemm=te,
             moe_layer_freq=[1 if i in arch.moe_layers else 0 for i in range(arch.num_layers)],
             moe_enable_routing_replay=True,
-            moe_router_fusion=False,
-            moe_permute_fusion=False,
+            moe_router_fusion=fused["moe_router_fusion"],  # the config allows it only without replay
+            moe_permute_fusion=fused["moe_permute_fusion"],
         )
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -277,7 +278,7 @@ def layer_spec(config: Any, vp_stage: int | None = None) -> Any:
 
 
 def build_model(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32", recompute: bool = False,
-                router_fusion: bool = False) -> list[Any]:
+                perf: PerfSettings | None = None) -> list[Any]:
     """Build this rank's model chunks (one per virtual pipeline stage).
 
     Parallel groups must already exist (`parallel.init_distributed`). Returns the
@@ -287,7 +288,7 @@ def build_model(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32", reco
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    config = transformer_config(arch, layout, dtype, recompute, router_fusion)
+    config = transformer_config(arch, layout, dtype, recompute, perf)
     # RouterReplay keeps a class-level list of every router ever built; a second
     # model in the same process would otherwise mix its routers into ours.
     RouterReplay.clear_global_router_replay_instances()

@@ -8,7 +8,7 @@ and state for checkpoints. Inputs and outputs are plain tensors, so code outside
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -20,8 +20,9 @@ from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
 from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
+from moe_rl.policy.perf import PerfRequest, resolve
 from moe_rl.policy.replay import RouteReplay
-from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer
+from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, sync_params
 
 # (logp [b, s-1] of the microbatch under the current weights, microbatch) -> (loss, metrics)
 PolicyLoss = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, float]]]
@@ -41,6 +42,7 @@ class PolicySpec:
     max_tokens_per_microbatch: int | None = None  # set: pack sequences into rows of this many tokens
     temperature: float = 1.0  # log-probs of softmax(logits / T), the rollout's sampling distribution
     collective_timeout_s: float = 1800.0  # of the default and megatron's process groups
+    perf: PerfRequest = PerfRequest()  # fused kernels and DDP overlap (moe_rl/policy/perf.py; auto: on GPU)
 
 
 @dataclass
@@ -66,9 +68,12 @@ class Policy:
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(self.arch)
         init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
-        chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute)
+        self.perf = resolve(spec.perf, distributed_optimizer=spec.optim.distributed_optimizer,
+                            moe=self.arch.num_moe_experts is not None)
+        chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute, self.perf)
         load_hf_weights(chunks, spec.hf_dir, self.arch)
-        self.opt = PolicyOptimizer(chunks, spec.optim)
+        self.opt = PolicyOptimizer(chunks, replace(spec.optim, overlap_grad_reduce=self.perf.overlap_grad_reduce,
+                                                   overlap_param_gather=self.perf.overlap_param_gather))
         self.replay = RouteReplay(self.opt.chunks, self.arch) if self.arch.num_moe_experts else None
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
 
@@ -155,10 +160,12 @@ class Policy:
 
     def export_hf(self, out_dir: str | Path) -> None:
         """Write the current weights as a HF checkpoint (collective)."""
+        sync_params(self.opt.chunks)  # overlap_param_gather left the gather to the next forward
         export_hf(self.chunks, out_dir, self.arch, self.hf_config)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for the tensors this rank owns (collective)."""
+        sync_params(self.opt.chunks)
         return iter_hf_tensors(self.chunks, self.arch)
 
     # The two methods a weight sync takes (moe_rl.rollout.weight_sync.PolicyWeights).
@@ -176,6 +183,7 @@ class Policy:
         With the distributed optimizer this includes this rank's shard of the Adam moments
         and main parameters; it works before the first optimizer step too.
         """
+        sync_params(self.opt.chunks)
         return {"model": [c.state_dict() for c in self.opt.chunks],
                 "optimizer": self.opt.optimizer_state_dict(),
                 "scheduler": self.opt.scheduler.state_dict()}

@@ -64,6 +64,8 @@ class OptimConfig:
     total_steps: int = 1
     lr_schedule: str = "constant"
     distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
 
 class NonFiniteLoss(RuntimeError):
@@ -83,21 +85,46 @@ def router_token_count(microbatches: list[Microbatch], sequence_parallel: bool) 
     return sum(mb.model_tokens.numel() for mb in microbatches) // split
 
 
-def wrap_ddp(chunks: list[Any], distributed_optimizer: bool = False) -> list[Any]:
-    """Wrap bare GPTModel chunks in megatron DDP (fp32 gradient buffers)."""
+def wrap_ddp(chunks: list[Any], distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
+             overlap_param_gather: bool = False) -> list[Any]:
+    """Wrap bare GPTModel chunks in megatron DDP (fp32 gradient buffers).
+
+    With `overlap_grad_reduce` each bucket's reduction starts in the backward pass once its
+    gradients are complete, which needs the schedule to hold it back in all but the last
+    micro-batch (`config.no_sync_func`) and to start it for the earlier virtual stages
+    (`config.grad_sync_func`), as megatron's own training loop sets them. With
+    `overlap_param_gather` (distributed optimizer) the gather of updated parameters moves into the
+    next forward's pre-hooks: anything that reads the parameters outside a forward must
+    `sync_params` first.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
         use_distributed_optimizer=distributed_optimizer,
     )
     wrapped = []
     for i, chunk in enumerate(chunks):
-        # Bucketing only pays off with overlap; one bucket per chunk keeps CPU runs simple.
-        ddp = DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
+        # Bucketing pays off with overlap only; without it one bucket per chunk keeps CPU runs simple.
+        ddp = DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0 and not overlap_grad_reduce)
         wrapped.append(ddp)
+    config = chunks[0].config  # shared by every chunk; set as megatron's training loop sets it
+    if overlap_grad_reduce:
+        one = len(wrapped) == 1
+        config.no_sync_func = wrapped[0].no_sync if one else [c.no_sync for c in wrapped]
+        config.grad_sync_func = wrapped[0].start_grad_sync if one else [c.start_grad_sync for c in wrapped]
+    # overlap_param_gather: the forward pre-hooks dispatch each bucket's gather (align_param_gather off)
     return wrapped
+
+
+def sync_params(chunks: list[Any]) -> None:
+    """Finish the parameter gather the last optimizer step left to the next forward (overlap_param_gather):
+    weight export, drift and checkpoints read the parameters outside a forward."""
+    for c in chunks:
+        if getattr(c, "ddp_config", None) is not None and c.ddp_config.overlap_param_gather:
+            c.start_param_sync(force_sync=True)
 
 
 class PolicyOptimizer:
@@ -108,7 +135,7 @@ class PolicyOptimizer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.cfg = cfg
-        self.chunks = wrap_ddp(chunks, cfg.distributed_optimizer)
+        self.chunks = wrap_ddp(chunks, cfg.distributed_optimizer, cfg.overlap_grad_reduce, cfg.overlap_param_gather)
         model_cfg = chunks[0].config
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,

@@ -219,7 +219,7 @@ def test_rollout_engine_rules():
 
 def test_router_fusion_refused_with_replay():
     assert "model.moe_router_fusion" in error_of(["model.moe_router_fusion=true"])
-    load_config(None, ["model.moe_router_fusion=true", "algo.replay=off"])
+    load_config(None, ["model.moe_router_fusion=true", "algo.replay=off", "drift.enabled=false"])
 
 
 def test_bare_off_in_yaml_means_the_string(tmp_path):

@@ -78,13 +78,6 @@ def test_unsupported_architecture_lists_supported():
         arch_from_hf_dict({"architectures": ["LlamaForCausalLM"]})
 
 
-def test_router_fusion_with_replay_is_refused(arch):
-    from moe_rl.policy.model import transformer_config
-
-    with pytest.raises(ValueError, match="moe_router_fusion=true skips megatron's RouterReplay"):
-        transformer_config(arch, ParallelLayout(), router_fusion=True)
-
-
 def test_torchrun_env_wins():
     env = read_dist_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h0",
                          "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
