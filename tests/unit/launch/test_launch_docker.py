@@ -66,6 +66,28 @@ def test_gpu_extra_pins_transformer_engine_inside_megatron_cores_range():
         assert all(spec.contains(v, prereleases=True) for spec in theirs), f"{ours[0]} allows {v}, megatron {theirs}"
 
 
+def test_launch_gpu_image_torch_is_the_one_sglang_pins_and_te_builds_against_it():
+    """sglang's own metadata (the installed 0.5.23) fixes torch; transformer-engine's PyTorch extension is
+    compiled against that torch (never a prebuilt one), and the reasoning sits next to the pins."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    text = GPU.read_text()
+    args = _args(text)
+    assert version("sglang") == args["SGLANG_VERSION"]
+    torch_pins = [Requirement(r).specifier for r in requires("sglang") or [] if Requirement(r).name == "torch"
+                  and not Requirement(r).marker]
+    assert torch_pins and all(spec.contains(args["TORCH_VERSION"]) for spec in torch_pins), torch_pins
+    assert re.search(r"NVTE_FRAMEWORK=pytorch NVTE_PYTORCH_FORCE_BUILD=TRUE pip install --no-build-isolation", text)
+    # sglang requires torchvision unpinned: the image pins the release built for its torch
+    assert re.search(r'"torchvision==\$\{TORCHVISION_VERSION\}"', text) and args["TORCHVISION_VERSION"] == "0.29.1"
+    assert '"torchvision=${TORCHVISION_VERSION}"' in text  # checked after every resolver run
+    for reason in ("Requires-Dist torch==2.14.1", "torch.version.cuda", "transformer_engine_cu13",
+                   "Bump torch only together with sglang"):
+        assert reason in text, f"the Dockerfile no longer says why: {reason!r}"
+
+
 def test_launch_gpu_image_builds_nvidia_apex_from_source():
     text = GPU.read_text()
     assert 'git clone --depth 1 --branch "${APEX_REF}" https://github.com/NVIDIA/apex' in text
