@@ -20,13 +20,17 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 _control: Any = None  # the control group once made
+_timeout = timedelta(minutes=30)  # its timeout, for the groups share_out makes beside it
+_layout: dict[tuple[int, ...], Any] = {}  # share_out's gloo group of each model-parallel group, once made
+_heads: list[tuple[int, int]] = []        # (key, first rank) of every model-parallel group
 
 
 def init_control_group(timeout_s: float) -> Any:
     """Make the control group (collective: every rank calls it, once, after the default group)."""
-    global _control
+    global _control, _timeout
     if dist.is_initialized() and dist.get_world_size() > 1 and _control is None:
-        _control = dist.new_group(backend="gloo", timeout=timedelta(seconds=float(timeout_s)))
+        _timeout = timedelta(seconds=float(timeout_s))
+        _control = dist.new_group(backend="gloo", timeout=_timeout)
     return _control
 
 
@@ -35,6 +39,8 @@ def destroy_control_group() -> None:
     if _control is not None and dist.is_initialized():
         dist.destroy_process_group(_control)
     _control = None
+    _layout.clear()
+    _heads.clear()
 
 
 def control_group() -> Any:
@@ -81,3 +87,44 @@ def scatter_objects(per_rank: Sequence[Any] | None, group: Any = None) -> Any:
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.scatter_object_list(out, list(per_rank) if dist.get_rank() == src else None, src=src, group=group)
     return out[0]
+
+
+def share_out(per_key: dict[int, Any] | None, key: int, peers: Sequence[int]) -> Any:
+    """Rank 0's `per_key[key]` on every rank whose key is `key` (collective over all ranks).
+
+    `peers`: the world ranks that get the same payload as this one (its model-parallel group:
+    TP x PP ranks train on the same samples), this rank among them. Each payload travels once
+    from rank 0 to the first rank of a group, which broadcasts it to the others on a gloo group
+    of their own: every rank receives only its own payload, and rank 0 pickles each one once
+    (a scatter to every rank would pickle it once per receiver). Rank 0 keeps its own payload
+    as it is (not a copy). The groups are made on the first call, by every rank together.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert per_key is not None
+        return per_key[key]
+    me, peers = dist.get_rank(), tuple(sorted(int(r) for r in peers))
+    if not _heads:  # first call: learn every group, make a gloo group for each (same order everywhere)
+        seen = all_gather_objects((key, peers))
+        for k, ranks in sorted(set(seen), key=lambda kr: kr[1]):
+            _heads.append((k, ranks[0]))
+            group = dist.new_group(list(ranks), backend="gloo", timeout=_timeout) if len(ranks) > 1 else None
+            _layout[ranks] = group
+    control = _control
+    if me == 0:
+        assert per_key is not None
+        for k, head in _heads:
+            if head != 0:
+                dist.send_object_list([per_key[k]], dst=head, group=control)
+        mine = per_key[key]
+    elif me == peers[0]:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=0, group=control)
+        mine = box[0]
+    else:
+        mine = None
+    group = _layout[peers]
+    if group is not None:
+        box = [mine]
+        dist.broadcast_object_list(box, src=peers[0], group=group)
+        mine = box[0] if me != 0 else mine
+    return mine

@@ -27,7 +27,9 @@ from moe_rl.algo.losses import dpo_loss
 from moe_rl.config import RunConfig
 from moe_rl.data.preference import PreferenceDataset, PreferencePair, load_preference_dataset
 from moe_rl.data.sampler import PromptSampler
-from moe_rl.loop import Stopwatch, _all_keys, broadcast, probe_volatility, share_indices
+from moe_rl.collectives import broadcast_object as broadcast
+from moe_rl.loop import Stopwatch, _all_keys, probe_volatility
+from moe_rl.rollout_batch import share_indices
 from moe_rl.policy.policy import Policy
 
 log = logging.getLogger(__name__)

@@ -5,12 +5,12 @@
       -> minibatch updates under routing replay -> weight sync -> drift -> metrics
 
 `rl_step` is the algorithm; the helpers under it each do one stage. Every function
-runs on every trainer rank: rank 0 talks to the rollout engine and broadcasts
-what it got, each data-parallel rank trains on its share of the samples.
+runs on every trainer rank: rank 0 talks to the rollout engine, scores and plans the
+step, and each data-parallel rank receives and trains on its share of the samples
+(moe_rl/rollout_batch.py).
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,21 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_rl.algo.advantages import compute_advantages
 from moe_rl.algo.correction import DEFAULT_BOUNDS
-from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
 from moe_rl.algo.losses import compute_loss, ntp_loss
-from moe_rl.collectives import broadcast_object
 from moe_rl.config import RunConfig, replay_mode
 from moe_rl.critic_step import critic_step
-from moe_rl.data.balance import balanced_shards
-from moe_rl.data.dataset import Prompt, PromptDataset
-from moe_rl.data.sampler import PromptSampler, seeded_shuffle
+from moe_rl.data.dataset import PromptDataset
+from moe_rl.data.sampler import PromptSampler
 from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, logprob_mismatch, route_stats)
 from moe_rl.policy.policy import Policy
 from moe_rl.reward.runner import RewardRunner
-from moe_rl.rollout.engine import GenerateRequest, SamplingParams
-from moe_rl.rollout.outage import attempt, unwrap
+from moe_rl.rollout_batch import Samples, Share, rollout_batch, wait_for_prefetch
 
 
 @dataclass
@@ -56,65 +51,14 @@ class Run:
     critic: Any = None  # moe_rl.policy.critic.Critic when algo.advantage=gae
 
 
-@dataclass
-class Samples:
-    """The step's samples in prompt-major order (G consecutive samples per prompt).
-
-    sequences: prompt + completion ids, each `[T_i]`; prompt_lens: `[N]`;
-    engine_logp: per completion token, each `[T_i - P_i]`; routes: engine routes,
-    each `[T_i - 1, L, K]` in the engine's compact id dtype (None when the engine does
-    not return them); completions: the text before EOS; rewards: the task's `[N]`.
-    """
-
-    prompts: list[Prompt]
-    sequences: list[torch.Tensor]
-    prompt_lens: torch.Tensor
-    engine_logp: list[torch.Tensor]
-    routes: list[torch.Tensor] | None
-    completions: list[str]
-    rewards: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-
-    def select(self, idx: list[int]) -> "Samples":
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-        return Samples([self.prompts[i] for i in idx], pick(self.sequences), self.prompt_lens[idx],
-                       pick(self.engine_logp), pick(self.routes), pick(self.completions),
-                       None if self.rewards is None else self.rewards[idx],
-                       None if self.advantages is None else self.advantages[idx])
-
-    def lengths(self) -> list[int]:
-        """Each sequence's length T_i (`shape[0]`: `len()` of a tensor costs several times more)."""
-        return [s.shape[0] for s in self.sequences]
-
-    def completion_ids(self) -> list[list[int]]:
-        """Each sample's generated ids, as the engine returned them (a stop token included)."""
-        return [s[p:].tolist() for s, p in zip(self.sequences, self.prompt_lens.tolist())]
-
-    def __add__(self, other: "Samples") -> "Samples":
-        both = lambda a, b: None if a is None or b is None else a + b  # noqa: E731
-        cat = lambda a, b: None if a is None or b is None else torch.cat([a, b])  # noqa: E731
-        return Samples(self.prompts + other.prompts, self.sequences + other.sequences,
-                       torch.cat([self.prompt_lens, other.prompt_lens]), self.engine_logp + other.engine_logp,
-                       both(self.routes, other.routes), self.completions + other.completions,
-                       cat(self.rewards, other.rewards), cat(self.advantages, other.advantages))
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-
 def rl_step(run: Run, step: int) -> dict[str, float]:
     """One RL step; returns the step's metrics (identical on every rank)."""
     clock = Stopwatch()
-    samples, staleness = rollout(run, step)                       # data/ -> rollout engine (rank 0) -> all ranks
-    metrics = score(run, samples) | {"rollout/staleness": float(staleness)}  # reward/
-    samples, more = dynamic_sampling_rounds(run, samples, step)  # DAPO: refill with informative groups
+    batch = rollout_batch(run, step)          # rank 0: rollouts, rewards, DAPO refills, advantages; this rank: its DP share
     clock.lap("rollout")
-    metrics |= more
-    samples, more = advantages_and_filters(run, samples)          # algo/advantages.py, algo/filters.py
-    metrics |= more
-    if samples is None:
+    metrics, share = batch.metrics, batch.share
+    if share is None:                                             # DAPO: no informative group, step skipped
         return metrics | clock.metrics()
-    share = my_share(run, samples, step)                          # this data-parallel rank's sequences
     old = old_logprobs(run, share.samples, step)                  # routes recorded (R2) or the engine's (R3)
     clock.lap("old_logprobs")
     if run.critic is not None:                                    # algo.advantage=gae (moe_rl/critic_step.py):
@@ -129,8 +73,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     clock.lap("weight_sync")
     metrics |= measure_drift(run, share.samples, old, step)       # drift/
     clock.lap("drift")
-    tokens = sum(samples.lengths())
-    return metrics | clock.metrics() | {"perf/tokens_per_s": tokens / clock.total(),
+    return metrics | clock.metrics() | {"perf/tokens_per_s": batch.tokens / clock.total(),
                                         "perf/weight_version": float(run.weight_version)}
 
 
@@ -151,209 +94,6 @@ class Stopwatch:
 
     def metrics(self) -> dict[str, float]:
         return self.laps | {"perf/step_s": self.total()}
-
-
-# ---------------------------------------------------------------- data and rollout
-
-def next_prompts(run: Run) -> list[Prompt]:
-    """The step's prompts; every rank draws the same ones (the sampler is seeded)."""
-    return [run.dataset[i] for i in run.sampler.next_batch()]
-
-
-def sampling_params(run: Run, seed: int | None, greedy: bool = False) -> SamplingParams:
-    r = run.cfg.rollout
-    return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens, stop_token_ids=(run.eos_id,),
-                          n=1 if greedy else r.n_samples, seed=seed)
-
-
-def rollout(run: Run, step: int) -> tuple[Samples, int]:
-    """The step's samples and their staleness (weight versions behind the trainer).
-
-    With `algo.off_policy_overlap` the engine generates the next step's samples while
-    this step trains (on rank 0, in a background thread), so each step trains on
-    samples from the weights one update old; the trainer's recomputed old log-probs
-    and the truncated IS correction (`algo.tis_cap`) account for the difference.
-    """
-    if not run.cfg.algo.off_policy_overlap:
-        return generate(run, next_prompts(run), step), 0
-    if run.pending is None:  # first step (or after a resume): nothing was prefetched
-        run.pending = _prefetch(run, next_prompts(run), step)
-        run.pending_version = run.weight_version
-    prompts, future = run.pending
-    samples = _samples(run, prompts, unwrap(broadcast(attempt(future.result) if future is not None else None)))
-    staleness = run.weight_version - run.pending_version
-    run.pending = _prefetch(run, next_prompts(run), step + 1)
-    run.pending_version = run.weight_version
-    return samples, staleness
-
-
-def _prefetch(run: Run, prompts: list[Prompt], step: int) -> tuple[list[Prompt], Any]:
-    from concurrent.futures import ThreadPoolExecutor
-
-    if run.rank != 0:
-        return prompts, None
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
-    future = pool.submit(_request, run, prompts, step, False)
-    pool.shutdown(wait=False)
-    return prompts, future
-
-
-def generate(run: Run, prompts: list[Prompt], step: int, greedy: bool = False) -> Samples:
-    """Rank 0 asks the engine for G samples per prompt; the result reaches every rank."""
-    payload = attempt(lambda: _request(run, prompts, step, greedy)) if run.rank == 0 else None
-    return _samples(run, prompts, unwrap(broadcast(payload)))  # a lost engine: RolloutLost on every rank
-
-
-def _request(run: Run, prompts: list[Prompt], step: int, greedy: bool) -> list:
-    """Rank 0: the engine's outputs as plain Python data (picklable for the broadcast)."""
-    base = run.cfg.model.seed * 1_000_003 + step * 10_007
-    requests = [GenerateRequest(prompt_ids=list(p.prompt_ids),
-                                sampling=sampling_params(run, base + i * 101, greedy),
-                                return_routed_experts=run.cfg.rollout.return_routed_experts)
-                for i, p in enumerate(prompts)]
-    results = run.engine.generate(requests)  # resumes colocated servers released by the last call
-    if run.cfg.rollout.colocated:
-        run.engine.release_memory_occupation()  # training gets the GPU memory back
-    return [[(r.output_ids, r.output_logprobs, r.routed_experts) for r in per_prompt] for per_prompt in results]
-
-
-def _samples(run: Run, prompts: list[Prompt], payload: list) -> Samples:
-    seqs, plens, logps, routes, texts, owners = [], [], [], [], [], []
-    decode = getattr(run.dataset.tokenizer, "decode", None)
-    for prompt, per_prompt in zip(prompts, payload):
-        for out_ids, out_logp, rts in per_prompt:
-            ids = list(out_ids)
-            seqs.append(torch.tensor(list(prompt.prompt_ids) + ids, dtype=torch.long))
-            plens.append(len(prompt.prompt_ids))
-            logps.append(torch.as_tensor(out_logp, dtype=torch.float32))
-            routes.append(None if rts is None else torch.as_tensor(rts))
-            body = ids[: ids.index(run.eos_id)] if run.eos_id in ids else ids
-            texts.append(decode(body) if decode else " ".join(map(str, body)))
-            owners.append(prompt)
-    has_routes = all(r is not None for r in routes)
-    return Samples(owners, seqs, torch.tensor(plens), logps, routes if has_routes else None, texts)
-
-
-def broadcast(obj: Any) -> Any:
-    """Rank 0's Python object on every rank (on the control group: the others wait while rank 0
-    generates, up to its whole rollout budget; moe_rl/collectives.py)."""
-    return broadcast_object(obj)
-
-
-# ---------------------------------------------------------------- rewards and advantages
-
-def score(run: Run, samples: Samples) -> dict[str, float]:
-    """Task rewards of every sample (every rank computes the same, so no broadcast is needed)."""
-    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()),
-                           dtype=torch.float32)
-    samples.rewards = rewards
-    lengths = torch.tensor(samples.lengths()) - samples.prompt_lens
-    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "reward/success_rate": float((rewards >= 1.0).float().mean()),
-            "reward/failures": float(run.rewards.failures),
-            "rollout/response_len": float(lengths.float().mean())}
-
-
-def dynamic_sampling_rounds(run: Run, samples: Samples, step: int) -> tuple[Samples | None, dict[str, float]]:
-    """DAPO's dynamic sampling: keep the groups whose task rewards differ, generating further
-    rounds of prompts until `data.prompts_per_step` groups are kept or
-    `algo.dynamic_sampling_max_rounds` rounds were generated. Returns the kept samples (the
-    most whole groups that split evenly over DP ranks x minibatches; None when there are none).
-
-    Refill rounds are generated with the current weights (under off-policy overlap, after the
-    prefetched rollout has finished).
-    """
-    a, g, want = run.cfg.algo, run.cfg.rollout.n_samples, run.cfg.data.prompts_per_step
-    if not a.dynamic_sampling:
-        return samples, {}
-    informative = lambda s: s.select(dynamic_sampling(s.rewards, group_size=g).keep.tolist())  # noqa: E731
-    kept, generated, rounds = informative(samples), len(samples) // g, 1
-    while len(kept) < want * g and rounds < a.dynamic_sampling_max_rounds:
-        wait_for_prefetch(run)
-        more = generate(run, next_prompts(run), step)
-        score(run, more)
-        kept, generated, rounds = kept + informative(more), generated + len(more) // g, rounds + 1
-    use = usable_groups(min(len(kept) // g, want), g, run.policy.dp_size * a.num_minibatches)
-    metrics = {"filter/rounds": float(rounds), "filter/generated_groups": float(generated),
-               "filter/kept_groups": float(use), "filter/dropped_groups": float(generated - use)}
-    if use == 0:
-        return None, metrics | {"filter/skipped_step": 1.0}
-    return kept.select(list(range(use * g))), metrics
-
-
-def advantages_and_filters(run: Run, samples: Samples | None) -> tuple[Samples | None, dict[str, float]]:
-    """Overlong shaping of the task rewards (DAPO), then group advantages (None: step skipped)."""
-    a, g = run.cfg.algo, run.cfg.rollout.n_samples
-    if samples is None:
-        return None, {}
-    rewards = samples.rewards
-    if a.overlong_max_len:
-        lengths = torch.tensor(samples.lengths()) - samples.prompt_lens
-        rewards = shape_overlong_rewards(rewards, lengths, max_len=a.overlong_max_len,
-                                         cache_len=a.overlong_cache_len)
-    samples.rewards = rewards
-    if a.advantage == "gae":  # per-token advantages come from the critic, after the old pass
-        return samples, {}
-    samples.advantages = compute_advantages(a.advantage, rewards, group_size=g, eps=a.adv_eps) \
-        if a.advantage == "grpo" else compute_advantages(a.advantage, rewards, group_size=g)
-    return samples, {"adv/abs_mean": float(samples.advantages.abs().mean())}
-
-
-def usable_groups(kept_groups: int, group_size: int, unit: int) -> int:
-    """Most whole groups (<= kept_groups) whose samples split evenly into `unit` shares
-    (DP ranks x minibatches); 0 when none do."""
-    for k in range(kept_groups, 0, -1):
-        if (k * group_size) % unit == 0:
-            return k
-    return 0
-
-
-@dataclass
-class Share:
-    """This DP rank's samples, and its rows of them for each of the step's minibatches."""
-
-    samples: Samples
-    minibatches: list[list[int]]
-
-
-def my_share(run: Run, samples: Samples, step: int) -> Share:
-    """This DP rank's share of the samples, minibatch by minibatch (`algo.shuffle_minibatches`:
-    taken from the samples in the step's seeded random order)."""
-    if run.cfg.algo.shuffle_minibatches:
-        key = f"moe_rl.minibatches:{run.cfg.data.shuffle_seed}:{step}"
-        samples = samples.select(seeded_shuffle(range(len(samples)), key))
-    lengths = samples.lengths()
-    mine = share_indices(lengths, run.policy.dp_size, run.policy.dp_rank, run.cfg.algo.num_minibatches,
-                         by_tokens=run.policy.packs_sequences)
-    bounds = list(itertools.accumulate((len(m) for m in mine), initial=0))
-    return Share(samples.select([i for m in mine for i in m]),
-                 [list(range(a, b)) for a, b in zip(bounds, bounds[1:])])
-
-
-def share_indices(lengths: list[int], dp: int, rank: int, num_minibatches: int,
-                  by_tokens: bool) -> list[list[int]]:
-    """Sample indices of `rank`'s part of each minibatch.
-
-    Minibatch k is the same set of samples either way (so the update is the same): the
-    k-th slice of every rank's contiguous block. Padded micro-batches need equal counts
-    on every rank, so each rank takes its own block's slice; packed micro-batches take
-    any count, so the minibatch is spread over ranks by tokens.
-    """
-    n = len(lengths)
-    if n % (dp * num_minibatches):
-        raise ValueError(f"{n} samples cannot be split evenly over {dp} data-parallel ranks x "
-                         f"{num_minibatches} minibatches; make data.prompts_per_step * rollout.n_samples a "
-                         f"multiple of {dp * num_minibatches}")
-    per, part = n // dp, n // (dp * num_minibatches)
-    out = []
-    for k in range(num_minibatches):
-        group = [r * per + k * part + j for r in range(dp) for j in range(part)]
-        if by_tokens:
-            out.append([group[i] for i in balanced_shards([lengths[i] for i in group], dp)[rank]])
-        else:
-            out.append(group[rank * part: (rank + 1) * part])
-    return out
 
 
 # ---------------------------------------------------------------- policy passes
@@ -534,12 +274,6 @@ def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {k: total[k] / weight[k] if weight[k] else 0.0 for k in total}
 
 
-def wait_for_prefetch(run: Run) -> None:
-    """Let a prefetched rollout (off-policy overlap) finish before the engine is used otherwise."""
-    if run.pending is not None and run.pending[1] is not None:
-        run.pending[1].result()
-
-
 def sync_weights(run: Run) -> None:
     """Push the updated weights to the rollout engine (collective)."""
     wait_for_prefetch(run)  # it finishes on the weights it started with
@@ -645,10 +379,3 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
         out |= load_change(run.drift_state["load"], load, layer_ids)
     run.drift_state["load"] = load
     return out
-
-
-def evaluate(run: Run, dataset: PromptDataset, step: int) -> dict[str, float]:
-    """Greedy success rate on a held-out prompt set (rank 0 generates, all ranks score)."""
-    samples = generate(run, list(dataset), step, greedy=True)
-    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()))
-    return {"eval/success_rate": float((rewards >= 1.0).float().mean()), "eval/reward_mean": float(rewards.mean())}

@@ -201,7 +201,8 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
     if dpo:  # preference pairs, no rollout servers, no weight sync (moe_rl/dpo.py)
         from moe_rl.dpo import build_dpo_run, dpo_step as step_fn, evaluate
     else:
-        from moe_rl.loop import evaluate, rl_step as step_fn
+        from moe_rl.loop import rl_step as step_fn
+        from moe_rl.rollout_batch import evaluate
     built = (build_dpo_run if dpo else build_run)(cfg, out, rank)
     run, eval_set, servers = built["run"], built["eval"], built["servers"]
     sinks = make_sinks(cfg.log, out, cfg.to_dict(), rank)

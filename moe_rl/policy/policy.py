@@ -97,6 +97,15 @@ class Policy:
         return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
 
     @property
+    def model_parallel_ranks(self) -> list[int]:
+        """World ranks of this rank's model-parallel group (TP x PP): they train on the same samples."""
+        if not dist.is_initialized():
+            return [0]
+        from megatron.core import parallel_state as ps
+
+        return dist.get_process_group_ranks(ps.get_model_parallel_group())
+
+    @property
     def dp_group(self) -> Any:
         """The data-parallel process group (None when not distributed)."""
         if not dist.is_initialized():

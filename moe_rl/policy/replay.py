@@ -279,8 +279,10 @@ class Recording:
         self.conf_calls: dict[int, list[torch.Tensor]] = {}
         num_sequences = max(int(mb.index.max()) for mb in microbatches) + 1
         s = max(mb.tokens.shape[1] for mb in microbatches)
-        self.buf = torch.full((num_sequences, s, arch.num_moe_layers, arch.moe_router_topk), -1,
-                              dtype=torch.int32)
+        # id + 1, 0 where this rank saw no route (the MAX over model-parallel ranks fills it in), in the
+        # smallest type that holds the expert count: the buffer is all-reduced over TP x PP every pass.
+        self.buf = torch.zeros((num_sequences, s, arch.num_moe_layers, arch.moe_router_topk),
+                               dtype=record_dtype(arch.num_moe_experts))
         # both columns are >= 0, so -1 marks what this rank did not see (MAX-reduced like the ids)
         self.conf_buf = torch.full((num_sequences, s, arch.num_moe_layers, 2), -1.0) if confidence else None
         self.routes: torch.Tensor | None = None
@@ -309,7 +311,7 @@ class Recording:
                 raise ReplayError(f"MoE layer {column}: recorded {len(calls)} router calls for "
                                   f"{len(self.microbatches)} microbatches")
             for mb, ids in zip(self.microbatches, calls):
-                self._place(mb, ids, column, self.buf)
+                self._place(mb, (ids + 1).to(self.buf.dtype), column, self.buf)
         for column, calls in self.conf_calls.items():
             for mb, conf in zip(self.microbatches, calls):
                 self._place(mb, conf, column, self.conf_buf)
@@ -321,7 +323,7 @@ class Recording:
             for seq, length in zip(mb.index.tolist(), mb.lengths.tolist()):
                 if seq >= 0:
                     lengths[seq] = length
-        routes = self.buf[:, :-1].clone()
+        routes = self.buf[:, :-1].to(torch.int32) - 1
         # Positions past each sequence's routed tokens (its last token, padding) hold filler ids.
         t = torch.arange(routes.shape[1]).view(1, -1)
         pad = t >= (lengths.view(-1, 1) - 1)
@@ -347,6 +349,13 @@ class Recording:
             lo, hi = max(pos.start, a), min(pos.stop, a + n)
             if lo < hi:
                 buf[seq, lo - a: hi - a, column] = local[lo - pos.start: hi - pos.start, row]
+
+
+def record_dtype(num_experts: int) -> torch.dtype:
+    """The smallest type NCCL and gloo reduce that holds expert id + 1 (0 = not seen here)."""
+    if num_experts < 256:
+        return torch.uint8
+    return torch.int16 if num_experts < 32767 else torch.int32
 
 
 def _max_over_model_parallel(buf: torch.Tensor) -> torch.Tensor:

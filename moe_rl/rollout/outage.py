@@ -1,9 +1,11 @@
 """When no rollout server recovers: every rank learns it at the same point and the run ends cleanly.
 
-Rank 0 alone talks to the servers; the other ranks wait for its samples in a broadcast. A
-`RolloutError` on rank 0 is therefore sent through that broadcast as a `RolloutLost` value
+Rank 0 alone talks to the servers; the other ranks wait for its samples in a hand-off. A
+`RolloutError` on rank 0 is therefore sent through that hand-off as a `RolloutLost` value
 (`attempt`), and every rank raises it (`unwrap`): the trainer then saves the checkpoint of the
-last finished step and exits non-zero, naming the servers (see trainer.train_rank).
+last finished step and exits non-zero, naming the servers (see trainer.train_rank). Any other
+failure of rank 0 there (a reward function that raised, a bug) goes the same way as a
+`RankZeroFailed` for the others, and rank 0 raises its own exception: nobody is left waiting.
 """
 from __future__ import annotations
 
@@ -18,16 +20,39 @@ class RolloutLost(RuntimeError):
     """No rollout server answered within `rollout.timeout_s`; raised on every rank."""
 
 
+class RankZeroFailed(RuntimeError):
+    """Rank 0 failed while the other ranks waited for it; raised on them (rank 0 raises its own)."""
+
+
+class _Failure:
+    """Rank 0's exception on its way through a hand-off: the others get its description (an
+    exception may not pickle), rank 0 keeps the exception itself."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error: BaseException | None = error
+        self.text = f"rank 0 failed: {type(error).__name__}: {error}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"error": None, "text": self.text}
+
+
 def attempt(fn: Callable[[], Any]) -> Any:
-    """Rank 0: `fn()`, or a `RolloutLost` value (not raised) when the engine gave up."""
+    """Rank 0: `fn()`, or what went wrong as a value (not raised): `RolloutLost` when the engine gave
+    up, a failure every rank raises in `unwrap` for anything else."""
     try:
         return fn()
     except RolloutError as e:
         return RolloutLost(str(e))
+    except Exception as e:  # noqa: BLE001 - re-raised by unwrap, on rank 0 as itself
+        return _Failure(e)
 
 
 def unwrap(payload: Any) -> Any:
-    """Every rank, after the broadcast: raise rank 0's `RolloutLost`, else pass the payload on."""
+    """Every rank, after the hand-off: raise rank 0's `RolloutLost` or failure, else pass the payload on."""
     if isinstance(payload, RolloutLost):
         raise payload
+    if isinstance(payload, _Failure):
+        if payload.error is not None:
+            raise payload.error
+        raise RankZeroFailed(payload.text)
     return payload

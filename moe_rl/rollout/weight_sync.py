@@ -424,9 +424,12 @@ def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any 
     Each rank first drains its own iterator (the policy's export iterator runs TP
     gathers inside, so ranks must not interleave other collectives with it), then
     all ranks agree on one bucket plan (rank-major order) and the owners send each
-    bucket's tensors to rank 0 point-to-point. Yields (metas, tensors) on rank 0;
-    yields nothing elsewhere, but every rank must exhaust the generator.
-    Memory: each rank holds its own share until the end; rank 0 one bucket more.
+    bucket's tensors to rank 0 point-to-point. The sends and receives of bucket i + 1
+    are posted before bucket i is yielded, so its transfer overlaps whatever rank 0 does
+    with bucket i (the nccl sync broadcasts it to the servers, the tensor sync copies it).
+    Yields (metas, tensors) on rank 0; yields nothing elsewhere, but every rank must
+    exhaust the generator. Memory: each rank holds its own share until the end; rank 0
+    two buckets more.
     """
     me = _rank(group)
     local: list[tuple[str, torch.Tensor]] = [(n, t.detach()) for n, t in named_tensors]
@@ -435,11 +438,15 @@ def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any 
     _check_unique(metas)
     mine = iter(t for _, t in local)
     device = compute_device()  # NCCL groups take no host tensors; gloo takes either
-    plan = plan_buckets(metas, bucket_bytes)
-    for index, (tag_base, bucket) in enumerate(_numbered(plan)):
-        tensors = _exchange(bucket, mine, me, device, tag_base, group)
+    plan = list(_numbered(plan_buckets(metas, bucket_bytes)))
+    pending = _start_exchange(plan[0][1], mine, me, device, plan[0][0], group) if plan else None
+    for index, (_, bucket) in enumerate(plan):
+        nxt = _start_exchange(plan[index + 1][1], mine, me, device, plan[index + 1][0], group) \
+            if index + 1 < len(plan) else None
+        tensors = _finish_exchange(bucket, pending, me)
         if me == 0:
             yield Bucket(index, len(plan), bucket, tensors)
+        pending = nxt
 
 
 def _check_unique(metas: Sequence[TensorMeta]) -> None:
@@ -459,9 +466,10 @@ def _numbered(buckets: list[list[TensorMeta]]) -> Iterator[tuple[int, list[Tenso
         start += len(b)
 
 
-def _exchange(bucket: list[TensorMeta], mine: Iterator[torch.Tensor], me: int, device: torch.device,
-              tag_base: int, group: Any) -> list[torch.Tensor]:
-    """One bucket: owners send their tensors to rank 0 as raw bytes; rank 0 returns them all."""
+def _start_exchange(bucket: list[TensorMeta], mine: Iterator[torch.Tensor], me: int, device: torch.device,
+                    tag_base: int, group: Any) -> tuple[list[Any], list[torch.Tensor]]:
+    """Post one bucket's transfers: owners send their tensors to rank 0 as raw bytes, rank 0 receives.
+    Returns the pending works and, on rank 0, the bucket's tensors (or their receive buffers)."""
     dst = _global_rank(group, 0)
     received: list[torch.Tensor] = []
     works = []
@@ -478,6 +486,13 @@ def _exchange(bucket: list[TensorMeta], mine: Iterator[torch.Tensor], me: int, d
             if m.numel:
                 works.append(dist.irecv(buf, src=_global_rank(group, m.owner), group=group, tag=tag))
             received.append(buf)
+    return works, received
+
+
+def _finish_exchange(bucket: list[TensorMeta], pending: tuple[list[Any], list[torch.Tensor]] | None,
+                     me: int) -> list[torch.Tensor]:
+    """Wait for a bucket's transfers; on rank 0 its tensors with their dtypes and shapes."""
+    works, received = pending if pending is not None else ([], [])
     for w in works:
         w.wait()
     if me != 0:

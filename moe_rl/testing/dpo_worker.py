@@ -25,7 +25,7 @@ def dpo_layout_worker(layout_name: str, hf_dir: str, pairs: list[PreferencePair]
     """
     from moe_rl.config import RunConfig
     from moe_rl.dpo import pair_batch, pair_logps, pair_loss
-    from moe_rl.loop import share_indices
+    from moe_rl.rollout_batch import share_indices
     from moe_rl.policy.forward import build_microbatches, microbatch_logprobs
     from moe_rl.policy.parallel import ParallelLayout
     from moe_rl.policy.parity import hf_gradients

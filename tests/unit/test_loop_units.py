@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_rl.loop import usable_groups
+from moe_rl.rollout_batch import usable_groups
 
 
 @pytest.mark.parametrize("kept,g,unit,expected", [
@@ -21,7 +21,7 @@ def test_usable_groups_keeps_the_most_whole_groups_that_split_evenly(kept, g, un
 def test_share_indices_same_minibatches_either_way_and_balanced_by_tokens(dp, m):
     import random
 
-    from moe_rl.loop import share_indices
+    from moe_rl.rollout_batch import share_indices
 
     rng = random.Random(dp * 10 + m)
     lengths = [rng.randint(16, 1024) for _ in range(32)]
@@ -44,7 +44,7 @@ def _share(shuffle: bool, step: int, dp: int = 2, rank: int = 0) -> list[list[in
 
     import torch
 
-    from moe_rl.loop import Samples, my_share
+    from moe_rl.rollout_batch import Samples, my_share
 
     n = 16
     samples = Samples(prompts=list(range(n)), sequences=[torch.tensor([i, i]) for i in range(n)],
@@ -71,7 +71,7 @@ def test_my_share_shuffles_the_samples_into_minibatches_per_step():
 
 
 def test_share_indices_refuses_uneven_split():
-    from moe_rl.loop import share_indices
+    from moe_rl.rollout_batch import share_indices
 
     with pytest.raises(ValueError, match="2 data-parallel ranks x 2 minibatches.*multiple of 4"):
         share_indices([5] * 6, 2, 0, 2, by_tokens=False)
@@ -81,7 +81,7 @@ def test_share_indices_by_tokens_lowers_the_busiest_rank():
     """Over many batches with lengths 16..1024 the busiest rank holds fewer tokens on average."""
     import random
 
-    from moe_rl.loop import share_indices
+    from moe_rl.rollout_batch import share_indices
 
     rng = random.Random(0)
     busiest = {False: 0, True: 0}
@@ -181,7 +181,7 @@ def _scripted_run(informative: list[int], *overrides: str):
 
 
 def test_dynamic_sampling_refills_until_the_step_has_its_groups():
-    from moe_rl.loop import advantages_and_filters, dynamic_sampling_rounds, generate, next_prompts, score
+    from moe_rl.rollout_batch import advantages_and_filters, dynamic_sampling_rounds, generate, next_prompts, score
 
     run = _scripted_run([1, 2, 4], "algo.overlong_max_len=2")
     first = generate(run, next_prompts(run), 1)
@@ -198,7 +198,7 @@ def test_dynamic_sampling_refills_until_the_step_has_its_groups():
 
 
 def test_dynamic_sampling_filters_on_task_reward_not_on_shaped_reward():
-    from moe_rl.loop import dynamic_sampling_rounds, generate, next_prompts, score
+    from moe_rl.rollout_batch import dynamic_sampling_rounds, generate, next_prompts, score
 
     run = _scripted_run([0], "algo.overlong_max_len=2", "algo.dynamic_sampling_max_rounds=1")
     samples = generate(run, next_prompts(run), 1)
@@ -209,7 +209,7 @@ def test_dynamic_sampling_filters_on_task_reward_not_on_shaped_reward():
 
 
 def test_dynamic_sampling_reports_what_is_trained_on():
-    from moe_rl.loop import dynamic_sampling_rounds, generate, next_prompts, score
+    from moe_rl.rollout_batch import dynamic_sampling_rounds, generate, next_prompts, score
 
     run = _scripted_run([3, 0], "algo.dynamic_sampling_max_rounds=2")
     samples = generate(run, next_prompts(run), 1)
@@ -220,7 +220,7 @@ def test_dynamic_sampling_reports_what_is_trained_on():
 
 
 def test_rewards_get_completion_ids():
-    from moe_rl.loop import generate, next_prompts, score
+    from moe_rl.rollout_batch import generate, next_prompts, score
 
     run = _scripted_run([4], "algo.dynamic_sampling=false")
     samples = generate(run, next_prompts(run), 1)

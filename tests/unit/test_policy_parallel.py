@@ -122,3 +122,16 @@ def test_check_parity_refuses_bad_arguments_in_one_line(tiny_hf_dir, capsys, arg
     assert run(p.parse_args(argv)) == 2
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     assert needle in out
+
+
+def test_route_recording_is_reduced_in_the_smallest_type_that_holds_the_experts():
+    """The old pass all-reduces `[B, T, L, K]` of expert id + 1 over TP x PP: uint8 up to 255 experts
+    (Qwen3-30B-A3B's 128: a quarter of int32's bytes), int16 for DeepSeek-V3's 256, never truncated."""
+    import torch
+
+    from moe_rl.policy.replay import record_dtype
+
+    for experts, dtype in ((4, torch.uint8), (128, torch.uint8), (255, torch.uint8), (256, torch.int16),
+                           (32766, torch.int16), (40000, torch.int32)):
+        assert record_dtype(experts) == dtype
+        assert torch.iinfo(dtype).max >= experts  # the largest id + 1 fits

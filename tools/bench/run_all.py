@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))
 
 import dpo_step
 import critic
+import handoff_bytes
 import losses
 import memory
 import overhead
@@ -77,6 +78,9 @@ def sections() -> list[Section]:
         ("weight_sync", "Weight sync time vs parameter count",
          lambda q: weight_sync.format_table(weight_sync.bench_rows(rounds=1, sizes=weight_sync.SIZES[:2]) if q
                                             else weight_sync.bench_rows())),
+        ("handoff", "Bytes per trainer rank per step: the step's samples and routes, before and now",
+         lambda q: handoff_bytes.format_table(handoff_bytes.bench_rows(16, 256, 128), 16, 256, 128) if q
+         else handoff_bytes.format_table(handoff_bytes.bench_rows())),
         ("routes", "Stored routes per token vs log-probs",
          lambda q: memory.format_table(memory.bench_rows(shapes=memory.SHAPES[:2]) if q else memory.bench_rows())),
         ("step_options", "RL step cost of per-update volatility and rollout-correction masks",

@@ -11,7 +11,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "tools" / "bench"
-MODULES = ("common", "overhead", "scaling", "weight_sync", "memory", "gpu_update", "step_options", "run_all")
+MODULES = ("common", "overhead", "scaling", "weight_sync", "memory", "gpu_update", "step_options", "run_all",
+           "handoff_bytes")
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m != "common"])

@@ -1,0 +1,159 @@
+"""Bytes each trainer rank receives per RL step, and rank 0's peak host memory, for the step's samples.
+
+Rank 0 alone generates; the other ranks need the samples they train on. Two ways, both run here on
+4 gloo processes with the real hand-off code and synthetic samples (token ids, engine log-probs,
+engine routes in the engine's uint8 ids), the layout shrunk to 2 data-parallel groups of a 2-rank
+model-parallel group (TP2 x DP2):
+
+- `broadcast` (before): the whole step's samples, pickled once, broadcast to every rank
+  (`moe_rl.collectives.broadcast_object`, what the trainer did);
+- `share_out` (now): rank 0 plans each data-parallel rank's share (`moe_rl.rollout_batch.my_share`)
+  and `moe_rl.collectives.share_out` sends each share once to its model-parallel group, which
+  broadcasts it among itself: every rank receives 1/DP of the step.
+
+Measured per rank: the pickled bytes it received. Rank 0: the growth of its peak RSS during the
+hand-off, over the samples it already holds. Each variant runs in fresh processes. The measured
+bytes are compared with the formula below, which then scales them to the flagship
+(launch/configs/qwen3_30b_a3b_gspo.yaml: 64 prompts x 8 samples of up to 1,024 + 8,192 tokens,
+48 MoE layers, top-8 of 128 experts, tp2 x pp4 on 32 GPUs, so DP = 4):
+
+    step bytes   = N * (8 T + 4 R + (T - 1) L K b)      N samples of T tokens, R generated,
+                                                        b = 1 byte per expert id (uint8)
+    per rank     = step bytes (broadcast)   |   step bytes / DP (share_out)
+
+The old-pass route recording (R2 and drift) all-reduces a `[B/DP, T, L, K]` buffer over TP x PP:
+int32 before, now `moe_rl.policy.replay.record_dtype` (uint8 up to 255 experts).
+
+    python tools/bench/handoff_bytes.py
+"""
+from __future__ import annotations
+
+import argparse
+import pickle
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import md_table  # noqa: E402
+
+FLAGSHIP = {"samples": 64 * 8, "tokens": 1024 + 8192, "generated": 8192, "layers": 48, "topk": 8, "experts": 128,
+            "world": 32, "dp": 4}
+MP = [[0, 1], [2, 3]]  # the shrunk layout: model-parallel groups of 2 ranks, 2 data-parallel groups
+
+
+def step_bytes(n: int, t: int, r: int, layers: int, k: int, id_bytes: int = 1) -> int:
+    """The formula of the module docstring."""
+    return n * (8 * t + 4 * r + (t - 1) * layers * k * id_bytes)
+
+
+def _samples(n: int, t: int, r: int, layers: int, k: int, experts: int) -> Any:
+    import torch
+
+    from moe_rl.data.dataset import Prompt
+    from moe_rl.rollout_batch import Samples
+
+    g = torch.Generator().manual_seed(0)
+    prompt = Prompt(uid="p", prompt_ids=list(range(t - r)), prompt_text="", answer="")
+    return Samples([prompt] * n, [torch.randint(0, 1000, (t,), generator=g) for _ in range(n)],
+                   torch.full((n,), t - r), [torch.randn(r, generator=g) for _ in range(n)],
+                   [torch.randint(0, experts, (t - 1, layers, k), generator=g, dtype=torch.uint8) for _ in range(n)],
+                   [""] * n, torch.rand(n, generator=g), torch.randn(n, generator=g))
+
+
+def _rank(variant: str, n: int, t: int, r: int, layers: int, k: int, experts: int) -> dict[str, float]:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from moe_rl import collectives
+    from moe_rl.config import load_config
+    from moe_rl.rollout_batch import StepBatch, my_share
+
+    me = dist.get_rank()
+    collectives.init_control_group(600.0)
+    peers = next(g for g in MP if me in g)
+    dp_rank = MP.index(peers)
+    samples = _samples(n, t, r, layers, k, experts) if me == 0 else None
+    collectives.all_errors(None)  # every rank ready: the hand-off starts together
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if variant == "broadcast":
+        got = collectives.broadcast_object(samples)
+    else:
+        cfg = load_config(None, ["algo.num_minibatches=2", "algo.shuffle_minibatches=false"])
+        run = SimpleNamespace(cfg=cfg, policy=SimpleNamespace(dp_size=len(MP), packs_sequences=False))
+        plans = {d: StepBatch({}, my_share(run, samples, 1, d), 0) for d in range(len(MP))} if me == 0 else None
+        got = collectives.share_out(plans, dp_rank, peers)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rank": me, "received": len(pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL)),
+            "rss_growth": (peak - before) * 1024.0}
+
+
+def bench_rows(samples: int = 64, tokens: int = 2048, generated: int = 1024) -> list[dict[str, Any]]:
+    from moe_rl.testing import run_ranks
+
+    f = FLAGSHIP
+    rows = []
+    for variant in ("broadcast", "share_out"):
+        per_rank = run_ranks(_rank, 4, variant, samples, tokens, generated, f["layers"], f["topk"], f["experts"],
+                             timeout=600)
+        rows.append({"variant": variant, "received": [p["received"] for p in per_rank],
+                     "rank0_rss": per_rank[0]["rss_growth"]})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], samples: int = 64, tokens: int = 2048, generated: int = 1024) -> str:
+    from moe_rl.policy.replay import record_dtype
+
+    f = FLAGSHIP
+    shrunk = step_bytes(samples, tokens, generated, f["layers"], f["topk"])
+    full = step_bytes(f["samples"], f["tokens"], f["generated"], f["layers"], f["topk"])
+    dp_shrunk = len(MP)
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    mb = lambda b: f"{b / 1e6:.1f} MB"  # noqa: E731
+    measured = []
+    for row in rows:
+        share = row["variant"] == "share_out"
+        formula = shrunk / dp_shrunk if share else shrunk
+        other = max(row["received"][1:])
+        measured.append((row["variant"], mb(other), mb(formula), f"{other / formula:.3f}", mb(row["rank0_rss"])))
+    lines = [f"Measured on 4 gloo ranks (TP2 x DP2), {samples} samples of {tokens} tokens ({generated} generated), "
+             f"{f['layers']} MoE layers, top-{f['topk']}: bytes one rank received (the largest of ranks 1-3), "
+             "the formula's, and the growth of rank 0's peak RSS during the hand-off.", "",
+             md_table(["hand-off", "received per rank", "formula", "measured / formula", "rank 0 peak RSS growth"],
+                      measured), ""]
+    scale = full / shrunk  # rank 0's peak grows with what it serialises: the whole step, or one share
+    rss = {row["variant"]: row["rank0_rss"] * scale for row in rows}
+    rec_before = f["samples"] / f["dp"] * f["tokens"] * f["layers"] * f["topk"] * 4
+    rec_after = rec_before / 4 * record_dtype(f["experts"]).itemsize
+    lines += [f"Flagship (formula): step bytes = N (8 T + 4 R + (T - 1) L K) = {f['samples']} x (8 x {f['tokens']} + "
+              f"4 x {f['generated']} + {f['tokens'] - 1} x {f['layers']} x {f['topk']}) = {gb(full)}.", "",
+              md_table(["per trainer rank, per step", "before (broadcast)", "now", "ratio"], [
+                  ("samples and engine routes received", gb(full), gb(full / f["dp"]), f"1/{f['dp']}"),
+                  ("route recording all-reduced over TP x PP (per old pass)", gb(rec_before), gb(rec_after),
+                   f"{rec_after / rec_before:.2f}"),
+                  ("rank 0: serialised at once", gb(full), gb(full / f["dp"]), f"1/{f['dp']}"),
+                  ("rank 0: peak host memory growth in the hand-off (measured x step bytes ratio "
+                   f"{scale:.0f})", gb(rss["broadcast"]), gb(rss["share_out"]),
+                   f"{rss['share_out'] / rss['broadcast']:.2f}"),
+              ]),
+              "", f"- {f['world']} ranks (tp2 x pp4 x dp4); each of the {f['world'] // f['dp']} ranks of a "
+              "model-parallel group trains on the same share. The weight sync still moves every parameter through "
+              "trainer rank 0 (SGLang 0.5.23 receives an update broadcast from group rank 0 only); its gather of "
+              "bucket i + 1 now overlaps the broadcast of bucket i."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--generated", type=int, default=1024)
+    a = p.parse_args(argv)
+    print(format_table(bench_rows(a.samples, a.tokens, a.generated), a.samples, a.tokens, a.generated))
+
+
+if __name__ == "__main__":
+    main()
