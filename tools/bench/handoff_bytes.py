@@ -124,8 +124,9 @@ def format_table(rows: list[dict[str, Any]], samples: int = 64, tokens: int = 20
              "the formula's, and the growth of rank 0's peak RSS during the hand-off.", "",
              md_table(["hand-off", "received per rank", "formula", "measured / formula", "rank 0 peak RSS growth"],
                       measured), ""]
-    scale = full / shrunk  # rank 0's peak grows with what it serialises: the whole step, or one share
-    rss = {row["variant"]: row["rank0_rss"] * scale for row in rows}
+    # rank 0's peak grows with what it serialises at once: the whole step, or one share (1/DP of it)
+    scale = {"broadcast": full / shrunk, "share_out": (full / f["dp"]) / (shrunk / dp_shrunk)}
+    rss = {row["variant"]: row["rank0_rss"] * scale[row["variant"]] for row in rows}
     rec_before = f["samples"] / f["dp"] * f["tokens"] * f["layers"] * f["topk"] * 4
     rec_after = rec_before / 4 * record_dtype(f["experts"]).itemsize
     lines += [f"Flagship (formula): step bytes = N (8 T + 4 R + (T - 1) L K) = {f['samples']} x (8 x {f['tokens']} + "
@@ -135,8 +136,8 @@ def format_table(rows: list[dict[str, Any]], samples: int = 64, tokens: int = 20
                   ("route recording all-reduced over TP x PP (per old pass)", gb(rec_before), gb(rec_after),
                    f"{rec_after / rec_before:.2f}"),
                   ("rank 0: serialised at once", gb(full), gb(full / f["dp"]), f"1/{f['dp']}"),
-                  ("rank 0: peak host memory growth in the hand-off (measured x step bytes ratio "
-                   f"{scale:.0f})", gb(rss["broadcast"]), gb(rss["share_out"]),
+                  ("rank 0: peak host memory growth in the hand-off (measured, x the ratio of what it "
+                   "serialises at once)", gb(rss["broadcast"]), gb(rss["share_out"]),
                    f"{rss['share_out'] / rss['broadcast']:.2f}"),
               ]),
               "", f"- {f['world']} ranks (tp2 x pp4 x dp4); each of the {f['world'] // f['dp']} ranks of a "
