@@ -439,10 +439,17 @@ def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any 
     mine = iter(t for _, t in local)
     device = compute_device()  # NCCL groups take no host tensors; gloo takes either
     plan = list(_numbered(plan_buckets(metas, bucket_bytes)))
-    pending = _start_exchange(plan[0][1], mine, me, device, plan[0][0], group) if plan else None
+
+    def start(k: int) -> Any:
+        # Owners post their sends only once rank 0 has posted its receives (it says so on the control
+        # group): a send never waits on the default group while rank 0 talks to the servers about
+        # the bucket before, however long that takes (NCCL's watchdog would abort the job).
+        _from_rank0(k, group)
+        return _start_exchange(plan[k][1], mine, me, device, plan[k][0], group)
+
+    pending = start(0) if plan else None
     for index, (_, bucket) in enumerate(plan):
-        nxt = _start_exchange(plan[index + 1][1], mine, me, device, plan[index + 1][0], group) \
-            if index + 1 < len(plan) else None
+        nxt = start(index + 1) if index + 1 < len(plan) else None
         tensors = _finish_exchange(bucket, pending, me)
         if me == 0:
             yield Bucket(index, len(plan), bucket, tensors)

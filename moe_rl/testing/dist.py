@@ -23,7 +23,7 @@ class RankFailed(RuntimeError):
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
-           kwargs: dict, queue: Any) -> None:
+           kwargs: dict, queue: Any, pg_timeout: float | None = None) -> None:
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -36,8 +36,11 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % max(torch.cuda.device_count(), 1))
+        from datetime import timedelta
+
         dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size)
+                                world_size=world_size,
+                                **({"timeout": timedelta(seconds=pg_timeout)} if pg_timeout else {}))
         result = fn(*args, **kwargs)
         try:
             payload = pickle.dumps(result)
@@ -57,8 +60,9 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-              timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+              timeout: float = 300.0, pg_timeout: float | None = None, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` processes; return the per-rank results.
+    `pg_timeout`: the default group's timeout in seconds (torch's default when None).
 
     `fn` must be importable by name (a module-level function). The default process
     group is created here with `backend`; `fn` adds megatron's groups with
@@ -67,7 +71,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, kwargs, queue),
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, kwargs, queue, pg_timeout),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

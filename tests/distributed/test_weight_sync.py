@@ -172,3 +172,33 @@ def test_weight_sync_disk_http_and_tensor(tiny_hf_dir, tmp_path):
     for r in (r0, r1):
         assert "refused weight version 4" in r["tensor_corrupt"] and "NaN" in r["tensor_corrupt"]
     assert r0["after_tensor_corrupt"] <= TOL and r0["tensor_version_after_corrupt"] == "3"
+
+
+def _slow_consumer(pause: float) -> dict:
+    """Rank 0 takes `pause` s with each bucket (as with a server that is slow to load it), longer than
+    the default group's timeout; every rank owns tensors of every bucket."""
+    import time
+
+    import torch.distributed as dist
+
+    from moe_rl.collectives import init_control_group
+    from moe_rl.rollout.weight_sync import collect_to_rank0
+
+    init_control_group(120.0)  # what the trainer makes: the hand-offs wait as long as rank 0 needs
+    me = dist.get_rank()
+    mine = [(f"w{b}.r{me}", torch.full((256,), float(10 * b + me))) for b in range(4)]
+    got = []
+    for bucket in collect_to_rank0(mine, bucket_bytes=2 * 256 * 4, group=None):
+        got.append([(m.name, float(t[0])) for m, t in zip(bucket.metas, bucket.tensors)])
+        time.sleep(pause)
+    return {"buckets": got}
+
+
+def test_a_slow_bucket_on_rank_0_does_not_time_out_the_other_ranks_sends():
+    """The owners post bucket i + 1's sends only once rank 0 has posted its receives, which it does before
+    it works on bucket i: no send waits on the default group (3 s here) for rank 0's 4 s per bucket."""
+    out = run_ranks(_slow_consumer, 2, 4.0, pg_timeout=3.0, timeout=120)
+    names = [n for b in out[0]["buckets"] for n, _ in b]
+    assert len(out[0]["buckets"]) == 4 and sorted(names) == sorted(f"w{b}.r{r}" for b in range(4) for r in (0, 1))
+    assert all(v == 10 * int(n[1]) + int(n[-1]) for b in out[0]["buckets"] for n, v in b)
+    assert out[1]["buckets"] == []

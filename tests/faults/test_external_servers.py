@@ -121,8 +121,11 @@ def test_a_stalled_server_outlasts_the_collective_timeout_not_the_rollout_budget
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     assert _steps(tmp_path)[-1] == 40
-    slowest = max(json.loads(x)["perf/rollout_s"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
-    assert slowest > 5, f"no rollout outlasted the 5 s collective timeout ({slowest:.1f} s): the test proves nothing"
+    # the stall lands in a rollout or in a weight push (rank 0 waiting on the server either way), while
+    # the other rank waits in a hand-off
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    slowest = max(max(r["perf/rollout_s"], r.get("perf/weight_sync_s", 0.0)) for r in rows)
+    assert slowest > 5, f"no phase outlasted the 5 s collective timeout ({slowest:.1f} s): the test proves nothing"
 
 
 def test_a_new_sync_of_the_same_run_destroys_the_group_the_last_one_left(server, tmp_path):

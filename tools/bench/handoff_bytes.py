@@ -138,7 +138,8 @@ def format_table(rows: list[dict[str, Any]], samples: int = 64, tokens: int = 20
                   ("rank 0: serialised at once", gb(full), gb(full / f["dp"]), f"1/{f['dp']}"),
                   ("rank 0: peak host memory growth in the hand-off (measured, x the ratio of what it "
                    "serialises at once)", gb(rss["broadcast"]), gb(rss["share_out"]),
-                   f"{rss['share_out'] / rss['broadcast']:.2f}"),
+                   f"{rss['share_out'] / rss['broadcast']:.2f}" if rss["broadcast"] else
+                   "n/a (too small to raise the peak)"),
               ]),
               "", f"- {f['world']} ranks (tp2 x pp4 x dp4); each of the {f['world'] // f['dp']} ranks of a "
               "model-parallel group trains on the same share. The weight sync still moves every parameter through "

@@ -78,15 +78,15 @@ def sections() -> list[Section]:
         ("weight_sync", "Weight sync time vs parameter count",
          lambda q: weight_sync.format_table(weight_sync.bench_rows(rounds=1, sizes=weight_sync.SIZES[:2]) if q
                                             else weight_sync.bench_rows())),
-        ("handoff", "Bytes per trainer rank per step: the step's samples and routes, before and now",
-         lambda q: handoff_bytes.format_table(handoff_bytes.bench_rows(16, 256, 128), 16, 256, 128) if q
-         else handoff_bytes.format_table(handoff_bytes.bench_rows())),
         ("routes", "Stored routes per token vs log-probs",
          lambda q: memory.format_table(memory.bench_rows(shapes=memory.SHAPES[:2]) if q else memory.bench_rows())),
         ("step_options", "RL step cost of per-update volatility and rollout-correction masks",
          lambda q: step_options.format_table(step_options.bench_rows(rounds=1) if q else step_options.bench_rows())),
         ("critic", "A critic (PPO / VAPO) vs GRPO: RL step time and peak memory per rank",
          lambda q: critic.format_table(critic.bench_rows(rounds=1, batch=8, seq=64) if q else critic.bench_rows())),
+        ("handoff", "Bytes per trainer rank per step: the step's samples and routes, before and now",
+         lambda q: handoff_bytes.format_table(handoff_bytes.bench_rows(16, 256, 128), 16, 256, 128) if q
+         else handoff_bytes.format_table(handoff_bytes.bench_rows())),
     ]
     out.append(("dpo", "DPO step vs the RL update: tokens/s on the same tokens and layout",
                 lambda q: dpo_step.format_table(dpo_step.bench_rows(rounds=2, worlds=(1,)) if q
