@@ -34,19 +34,11 @@ import torch
 from moe_rl.drift.routes import RouteCaptureError, router_modules, router_topk
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, SamplingParams,
                                    WeightsSource, to_route_dtype)
+from moe_rl.rollout.memory import MEMORY_TAGS, MemoryRegions
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# SGLang's memory regions (GPU_MEMORY_ALL_TYPES, sglang/srt/constants.py): what
-# /release_memory_occupation frees when it is given no tags.
-MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
-
-
-class MemoryReleasedError(RolloutError):
-    """The engine's memory is released (`release_memory_occupation`): it cannot generate or load weights."""
-
-
 def _load_model(model_dir: str | Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """Load a HF causal LM and refuse anything that did not load completely."""
     from transformers import AutoModelForCausalLM
@@ -151,9 +143,7 @@ class LocalEngine:
         self._abort_epoch = 0                   # bumped by pause_generation(mode="abort")
         self._seed_gen = torch.Generator(device="cpu").manual_seed(int(seed))
         self._closed = False
-        self._released: set[str] = set()       # memory tags given up by release_memory_occupation
-        self.memory_saver = bool(memory_saver)  # SGLang's --enable-memory-saver: release frees memory
-        self.weights_cpu_backup = bool(weights_cpu_backup)  # --enable-weights-cpu-backup: weights survive it
+        self.memory = MemoryRegions(memory_saver, weights_cpu_backup)  # what /release_memory_occupation gave up
         self.last_forward_time = 0.0            # time.monotonic() after the latest forward step
         model = _load_model(model_dir, self.dtype, device)
         self._install(model, Path(model_dir))
@@ -537,82 +527,31 @@ class LocalEngine:
         with self._lock:
             self.weight_version = str(version)
 
-    # -------------------------------------------------- memory release / resume
-    # SGLang frees GPU memory (weights, KV cache, CUDA graphs) between rollouts of a
-    # colocated run. This engine has nothing to give back on CPU, but it loses what SGLang
-    # 0.5.23 loses: with --enable-memory-saver a released weights region is paused and, on
-    # resume, mapped again without its content (kept only with --enable-weights-cpu-backup;
-    # managers/scheduler_components/weight_updater.py, model_runner_components/
-    # load_model_utils.py), so here the parameters become noise at release. A caller that
-    # samples after a release with no weight load in between gets garbage, as on a GPU.
-    # Generating or loading weights while released fails loudly, as it would on a GPU.
+    # -------------------------------------------------- memory release / resume (memory.py)
     @property
     def memory_released(self) -> list[str]:
         """The memory tags currently released, in SGLang's order ([] when resident)."""
-        return [t for t in MEMORY_TAGS if t in self._released]
+        return self.memory.released
 
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        """Release `tags` (None or []: all of MEMORY_TAGS). Releasing a released tag again is a no-op.
-
-        Refused (ValueError) for an unknown tag, while a generate call runs (SGLang asserts
-        the server is idle for this request), and without `memory_saver`: SGLang then frees
-        nothing, which a colocated trainer finds out as an out-of-memory error. Releasing
-        "weights" without `weights_cpu_backup` loses the weights (see above).
-        """
-        wanted = self._memory_tags(tags, "release_memory_occupation")
-        if not self.memory_saver:
-            raise ValueError("release_memory_occupation: the server was started without --enable-memory-saver, "
-                             "so SGLang would free no memory (a colocated trainer would run out of it); start "
-                             "it with --enable-memory-saver")
+        """Release `tags` (None or []: all of MEMORY_TAGS), as `MemoryRegions.release` says; refused while a
+        generate call runs (SGLang asserts the server is idle for this request)."""
         if not self._gen_lock.acquire(blocking=False):
             raise ValueError("release_memory_occupation needs an idle engine, but a generation is running: "
                              "wait for it (or /pause_generation with mode 'abort') and release again")
         try:
             with self._lock:
-                if "weights" in wanted and "weights" not in self._released and not self.weights_cpu_backup:
-                    self._lose_weights()
-                self._released.update(wanted)
+                self.memory.release(tags, self.model)
         finally:
             self._gen_lock.release()
 
-    def _lose_weights(self) -> None:
-        """What a paused weights region holds after resume: not the weights (here: noise)."""
-        self._losses = getattr(self, "_losses", 0) + 1  # its own generator: sampling seeds stay as they were
-        noise = torch.Generator(device="cpu").manual_seed(self._losses)
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.copy_(torch.randn(p.shape, generator=noise, dtype=torch.float32).to(p.dtype))
-
     def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        """Take back `tags` (None or []: all of MEMORY_TAGS).
-
-        A tag that is not released is refused (ValueError) and nothing changes: SGLang
-        raises there too (its scheduler removes each tag from the released set).
-        """
-        wanted = self._memory_tags(tags, "resume_memory_occupation")
+        """Take back `tags` (None or []: all of MEMORY_TAGS); what is not released is refused."""
         with self._lock:
-            missing = [t for t in wanted if t not in self._released]
-            if missing:
-                raise ValueError(f"resume_memory_occupation: memory {missing} is not released (released: "
-                                 f"{self.memory_released}); resume only what /release_memory_occupation released")
-            self._released.difference_update(wanted)
-
-    @staticmethod
-    def _memory_tags(tags: Sequence[str] | None, op: str) -> list[str]:
-        if tags is None or len(tags) == 0:
-            return list(MEMORY_TAGS)
-        if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
-            raise ValueError(f"{op}: tags must be a list of strings from {list(MEMORY_TAGS)}, got {tags!r}")
-        unknown = [t for t in tags if t not in MEMORY_TAGS]
-        if unknown:
-            raise ValueError(f"{op}: unknown memory tags {unknown}; SGLang's tags are {list(MEMORY_TAGS)}")
-        return list(dict.fromkeys(tags))
+            self.memory.resume(tags)
 
     def _check_resident(self, op: str, needs: Sequence[str]) -> None:
-        gone = [t for t in needs if t in self._released]
-        if gone:
-            raise MemoryReleasedError(f"{op} refused: the engine's memory {gone} is released; call "
-                                      f"/resume_memory_occupation (resume_memory_occupation()) first")
+        self.memory.check_resident(op, needs)
 
     def close(self) -> None:
         self._closed = True

@@ -111,7 +111,7 @@ from aiohttp import web
 
 from moe_rl.rollout.auth import decide, read_key_file
 from moe_rl.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
-from moe_rl.rollout.local_engine import MemoryReleasedError
+from moe_rl.rollout.memory import MemoryReleasedError
 from moe_rl.rollout.weight_sync import TensorMeta, new_custom_group, unflatten_bucket
 
 log = logging.getLogger(__name__)
@@ -576,8 +576,8 @@ def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
         "load_format": "auto",
         "disaggregation_mode": "null",
         "enable_return_routed_experts": bool(engine.moe_layer_ids),
-        "enable_memory_saver": bool(getattr(engine, "memory_saver", False)),
-        "enable_weights_cpu_backup": bool(getattr(engine, "weights_cpu_backup", False)),
+        "enable_memory_saver": bool(getattr(getattr(engine, "memory", None), "memory_saver", False)),
+        "enable_weights_cpu_backup": bool(getattr(getattr(engine, "memory", None), "weights_cpu_backup", False)),
         "weight_version": engine.weight_version,
         **{k: v for k, v in server_args.items() if k not in ("max_running_requests", "served_model_name")},
         # SGLang's internal_states hold scheduler state per dp rank; here, this engine's

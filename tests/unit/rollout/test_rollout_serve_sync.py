@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
-from moe_rl.rollout.local_engine import LocalEngine, MemoryReleasedError
+from moe_rl.rollout.local_engine import LocalEngine
+from moe_rl.rollout.memory import MemoryReleasedError
 from moe_rl.rollout.server import ServerThread
 from moe_rl.rollout.weight_sync import NcclSync, TensorMeta, WeightSyncError, plan_buckets
 from moe_rl.testing import free_port, make_tiny_qwen3_moe
