@@ -69,7 +69,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics |= minibatch_updates(run, share, old)                 # loss -> backward -> optimizer step
     clock.lap("updates")
     run.weight_version += 1
-    sync_weights(run)                                             # rollout/weight_sync.py
+    sync_weights(run)                                             # rollout/weight_sync/
     clock.lap("weight_sync")
     metrics |= measure_drift(run, share.samples, old, step)       # drift/
     clock.lap("drift")

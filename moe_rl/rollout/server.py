@@ -39,7 +39,7 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
   GET /server_info               launch options (tp_size, dp_size, model_path, context_length, ...);
                                  /get_server_info is the deprecated alias.
   Distributed weight sync (the trainer is rank 0 of a process group it creates with the servers;
-  `NcclSync` in weight_sync.py drives it; gloo stands in for NCCL on CPU). Replies are
+  `NcclSync` in weight_sync/nccl.py drives it; gloo stands in for NCCL on CPU). Replies are
   {"success", "message"}, 200 or 400, as SGLang's:
   POST /init_weights_update_group   InitWeightsUpdateGroupReqInput {master_address, master_port,
                                  rank_offset, world_size, group_name, backend}: join as rank

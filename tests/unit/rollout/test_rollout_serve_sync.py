@@ -1,6 +1,6 @@
 """`moe-rl serve` as an SGLang server for the trainer's distributed weight sync.
 
-This test process is the trainer: `NcclSync` (weight_sync.py) over gloo, the code path
+This test process is the trainer: `NcclSync` (weight_sync/nccl.py) over gloo, the code path
 the cluster runs over NCCL, against one `moe-rl serve` subprocess (a process group
 name can be registered once per process, so the two sides cannot share one). Also
 SGLang 0.5.23's memory release / resume, update session, probe and info endpoints.
