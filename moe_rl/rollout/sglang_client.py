@@ -25,16 +25,7 @@ What it does for robustness:
   a body that is not the expected JSON, routed experts of the wrong shape) are
   not retried: they fail at once, naming the server.
 
-Request / response shapes (sglang/srt/managers/io_struct.py `GenerateReqInput`,
-sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
-{"input_ids": [...], "sampling_params": {..., "n": n}, "return_logprob": true,
-"return_routed_experts": bool} and get one dict (n == 1) or a list of n dicts
-{"output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
-"output_token_logprobs": [[logprob, token_id, text_or_None], ...], "prompt_tokens",
-"weight_version", "routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
-The routes are decoded as `extract_routed_experts_from_meta_info` does
-(sglang/srt/state_capturer/routed_experts.py: frombuffer int32), shape-checked,
-restricted to the MoE layers and stored in the smallest integer dtype.
+Request and reply shapes: moe_rl/rollout/wire.py.
 
 Model info: GET /model_info (its name since sglang 0.5.23), falling back to the older
 /get_model_info on a 404.
@@ -60,8 +51,6 @@ sampled from, which is this framework's convention (see engine.py).
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import logging
 import random
@@ -74,11 +63,12 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Sequence
 
 import aiohttp
-import numpy as np
 
 from moe_rl.rollout.auth import RunKeys
-from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, WeightsSource,
-                                   moe_layer_ids, num_experts_of, to_route_dtype, topk_of)
+from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, WeightsSource, moe_layer_ids,
+                                   num_experts_of, topk_of)
+from moe_rl.rollout.wire import (Geometry, disk_update_payload, error_text, generate_payload, parse_reply,
+                                 read_hf_config)
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +89,6 @@ class _Server:
     next_probe: float = 0.0
     last_error: str | None = None
     probing: bool = False
-
-
-@dataclass
-class _Geometry:
-    num_layers: int
-    topk: int
-    num_experts: int | None
-    moe_layers: list[int]
 
 
 class _LoopThread:
@@ -175,7 +157,7 @@ class SGLangClient:
         self.retry_aborted = retry_aborted
         self.keys, self.served_name = keys, served_name
         self._geo_args = (num_layers, topk, num_experts, None if moe_layer_ids is None else list(moe_layer_ids))
-        self._geometry: _Geometry | None = None
+        self._geometry: Geometry | None = None
         self._target_weights: tuple[str, str | None] | None = None  # last (path, version) applied
         self._rr = 0
         self._lt: _LoopThread | None = None
@@ -277,19 +259,6 @@ class SGLangClient:
         except aiohttp.ClientError as e:
             raise _Unreachable(f"{method} {path} failed: {type(e).__name__}: {e}") from None
 
-    @staticmethod
-    def _error_text(body: bytes) -> str:
-        try:
-            d = json.loads(body)
-            if isinstance(d, dict):
-                err = d.get("error", d.get("message", d))
-                if isinstance(err, dict):
-                    err = err.get("message", err)
-                return str(err)[:500]
-        except ValueError:
-            pass
-        return body[:500].decode("utf-8", "replace")
-
     async def _json(self, server: _Server, method: str, path: str, payload: Any = None,
                     timeout: float | None = None, ok_statuses: tuple[int, ...] = (200,)) -> Any:
         status, body = await self._request(server, method, path, payload, timeout)
@@ -299,9 +268,9 @@ class SGLangClient:
                 ok_statuses: tuple[int, ...] = (200,)) -> Any:
         """A reply's JSON; 5xx / 408 / 429 are retryable, other refusals and bad JSON are not."""
         if status >= 500 or status in (408, 429):
-            raise _Retryable(f"HTTP {status} from {path}: {self._error_text(body)}")
+            raise _Retryable(f"HTTP {status} from {path}: {error_text(body)}")
         if status not in ok_statuses:
-            raise RolloutError(f"server {server.url} refused {path} (HTTP {status}): {self._error_text(body)}")
+            raise RolloutError(f"server {server.url} refused {path} (HTTP {status}): {error_text(body)}")
         try:
             return json.loads(body)
         except ValueError as e:
@@ -408,7 +377,7 @@ class SGLangClient:
         return self._decode(server, path, status, body)
 
     # ------------------------------------------------------------------ geometry
-    async def _resolve_geometry(self) -> _Geometry:
+    async def _resolve_geometry(self) -> Geometry:
         if self._geometry is not None:
             return self._geometry
         n_layers, topk, n_exp, moe = self._geo_args
@@ -422,7 +391,7 @@ class SGLangClient:
                 raise RolloutError(f"server {server.url}: cannot read /model_info: {e}") from None
             cfg: dict[str, Any] = {}
             if "moe_layer_ids" not in info or info.get("num_hidden_layers") is None:
-                cfg = _read_hf_config(info.get("model_path"))
+                cfg = read_hf_config(info.get("model_path"))
             n_layers = n_layers or info.get("num_hidden_layers") or cfg.get("num_hidden_layers")
             topk = topk or info.get("num_experts_per_tok") or (topk_of(cfg) if cfg else None)
             n_exp = n_exp or info.get("num_experts") or (num_experts_of(cfg) if cfg else None)
@@ -432,7 +401,7 @@ class SGLangClient:
                 elif cfg:
                     moe = moe_layer_ids(cfg) or []  # None: a dense model
         if moe == [] and n_layers:  # dense model: no routes to decode
-            self._geometry = _Geometry(int(n_layers), int(topk or 0), None, [])
+            self._geometry = Geometry(int(n_layers), int(topk or 0), None, [])
             return self._geometry
         if not n_layers or not topk:
             raise RolloutError(
@@ -440,7 +409,7 @@ class SGLangClient:
                 f"/model_info does not report them and {info.get('model_path')!r} has no readable "
                 "config.json here; pass SGLangClient(num_layers=..., topk=..., num_experts=...)")
         moe = list(range(int(n_layers))) if moe is None else [int(x) for x in moe]
-        self._geometry = _Geometry(int(n_layers), int(topk), None if n_exp is None else int(n_exp), moe)
+        self._geometry = Geometry(int(n_layers), int(topk), None if n_exp is None else int(n_exp), moe)
         return self._geometry
 
     # ---------------------------------------------------------------- generation
@@ -496,18 +465,12 @@ class SGLangClient:
             out[i].extend(res)
         return out
 
-    @staticmethod
-    def _payload(req: GenerateRequest) -> dict[str, Any]:
-        # SGLang GenerateReqInput (sglang/srt/managers/io_struct.py)
-        return {"input_ids": list(req.prompt_ids), "sampling_params": req.sampling.to_sglang(),
-                "return_logprob": True, "return_routed_experts": bool(req.return_routed_experts)}
-
     def _pool_for(self, req: GenerateRequest) -> list[_Server]:
         """Behind a router, requests for routed experts go to the workers (the router drops the field)."""
         return self._admin if self._behind_router and req.return_routed_experts else self._servers
 
-    async def _run_job(self, req: GenerateRequest, geo: _Geometry | None) -> list[GenerateResult]:
-        payload = self._payload(req)
+    async def _run_job(self, req: GenerateRequest, geo: Geometry | None) -> list[GenerateResult]:
+        payload = generate_payload(req)
         pool = self._pool_for(req)
         errors: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
@@ -517,7 +480,7 @@ class SGLangClient:
                 server.inflight += 1
                 try:
                     data = await self._json(server, "POST", "/generate", payload)
-                    results = self._parse(server.url, req, data, geo)
+                    results = parse_reply(server.url, req, data, geo)
                     stale = self._stale_version(results)
                     if stale is not None:  # a restarted server that has not taken the weights yet
                         errors.append(f"{server.url}: sampled with weight version {stale!r}, expected "
@@ -569,88 +532,11 @@ class SGLangClient:
     def _backoff(self, attempt: int) -> float:
         return min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
 
-    def _parse(self, url: str, req: GenerateRequest, data: Any, geo: _Geometry | None) -> list[GenerateResult]:
-        """SGLang /generate JSON -> results, with every shape checked (errors name the server)."""
-        n = req.sampling.n
-        items = data if isinstance(data, list) else [data]
-        if len(items) != n:
-            raise RolloutError(f"server {url}: /generate returned {len(items)} samples, expected n={n}")
-        P = len(req.prompt_ids)
-        out = []
-        for k, item in enumerate(items):
-            where = f"server {url}: /generate sample {k}"
-            if not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict) \
-                    or not isinstance(item.get("output_ids"), list):
-                raise RolloutError(f"{where}: expected an object with output_ids and meta_info, got "
-                                   f"{str(item)[:200]}")
-            meta = item["meta_info"]
-            output_ids = [int(t) for t in item["output_ids"]]
-            T = len(output_ids)
-            fr = meta.get("finish_reason")
-            ftype = fr.get("type") if isinstance(fr, dict) else fr
-            if ftype not in ("stop", "length", "abort"):
-                raise RolloutError(f"{where}: unexpected finish_reason {fr!r}")
-            if meta.get("prompt_tokens") is not None and int(meta["prompt_tokens"]) != P:
-                raise RolloutError(f"{where}: prompt_tokens {meta['prompt_tokens']} != len(prompt_ids) {P}")
-            lps = meta.get("output_token_logprobs")
-            if not isinstance(lps, list) or len(lps) != T:
-                raise RolloutError(f"{where}: output_token_logprobs has "
-                                   f"{len(lps) if isinstance(lps, list) else lps!r} entries, expected {T}")
-            try:
-                vals = [float(e[0]) for e in lps]
-                ids = [int(e[1]) for e in lps]
-            except (TypeError, ValueError, IndexError):
-                raise RolloutError(f"{where}: output_token_logprobs entries must be "
-                                   f"[logprob, token_id, text]; got {str(lps[:2])[:200]}") from None
-            if ids != output_ids:
-                raise RolloutError(f"{where}: output_token_logprobs token ids differ from output_ids")
-            routes = None
-            if req.return_routed_experts and geo is not None and geo.moe_layers \
-                    and not (ftype == "abort" and meta.get("routed_experts") is None):
-                routes = self._decode_routes(where, meta.get("routed_experts"), P + T - 1, geo)
-            wv = meta.get("weight_version")
-            out.append(GenerateResult(prompt_ids=list(req.prompt_ids), output_ids=output_ids,
-                                      output_logprobs=np.asarray(vals, dtype=np.float32), finish_reason=ftype,
-                                      routed_experts=routes, weight_version=None if wv is None else str(wv),
-                                      server=url))
-        return out
-
-    @staticmethod
-    def _decode_routes(where: str, b64: Any, rows: int, geo: _Geometry) -> np.ndarray:
-        if not isinstance(b64, str):
-            raise RolloutError(f"{where}: meta_info.routed_experts is missing (launch SGLang with "
-                               f"--enable-return-routed-experts)")
-        try:
-            raw = base64.b64decode(b64.encode("ascii"), validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise RolloutError(f"{where}: routed_experts is not valid base64: {e}") from None
-        L, k = geo.num_layers, geo.topk
-        if len(raw) % 4:
-            raise RolloutError(f"{where}: routed_experts has {len(raw)} bytes, not a whole number of int32")
-        arr = np.frombuffer(raw, dtype="<i4")
-        want = rows * L * k
-        if arr.size != want:
-            got = f"{arr.size // (L * k)} rows" if arr.size % (L * k) == 0 else f"{arr.size} int32 values"
-            raise RolloutError(f"{where}: routed_experts has {got}, expected [len(prompt + output) - 1 = {rows}, "
-                               f"num_layers = {L}, topk = {k}] ({want} int32 values)")
-        arr = arr.reshape(rows, L, k)[:, geo.moe_layers, :]
-        try:
-            return to_route_dtype(arr, geo.num_experts)
-        except ValueError as e:
-            raise RolloutError(f"{where}: routed_experts: {e}") from None
-
     # -------------------------------------------------------------- weight updates
-    @staticmethod
-    def _disk_update_payload(path: str, version: str | None) -> dict[str, Any]:
-        # SGLang UpdateWeightFromDiskReqInput (sglang/srt/managers/io_struct.py)
-        payload: dict[str, Any] = {"model_path": path}
-        if version is not None:
-            payload["weight_version"] = version
-        return payload
 
     async def _update_one(self, server: _Server, path: str, version: str | None) -> None:
         await self._check_identity(server)  # never push this run's weights into a stranger
-        payload = self._disk_update_payload(path, version)
+        payload = disk_update_payload(path, version)
         d = await self._json(server, "POST", "/update_weights_from_disk", payload, ok_statuses=(200, 400))
         if not isinstance(d, dict) or not d.get("success"):
             msg = d.get("message") if isinstance(d, dict) else d
@@ -709,7 +595,7 @@ class SGLangClient:
                     return await self._json(s, method, path, payload)
                 status, body = await self._request(s, method, path, payload)
                 if status != 200:
-                    raise RolloutError(f"server {s.url} refused {path} (HTTP {status}): {self._error_text(body)}")
+                    raise RolloutError(f"server {s.url} refused {path} (HTTP {status}): {error_text(body)}")
                 return body.decode("utf-8", "replace")
             except _Retryable as e:
                 raise RolloutError(f"server {s.url}: {e}") from None
@@ -776,15 +662,3 @@ class SGLangClient:
                 self._mark_unhealthy(server, str(e))
                 raise RolloutError(f"server {server.url}: {e}") from None
         return self._run(go())
-
-
-def _read_hf_config(model_path: Any) -> dict[str, Any]:
-    """config.json of a local HF checkpoint dir (the text config for multimodal models), or {}."""
-    if not isinstance(model_path, str):
-        return {}
-    p = Path(model_path) / "config.json"
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return {}
-    return cfg.get("text_config") or cfg if isinstance(cfg, dict) else {}

@@ -61,7 +61,7 @@ CALLS = {
     ("POST", "/end_weight_update"): "weight_sync",
     ("POST", "/update_weights_from_distributed"): "weight_sync",
 }
-CALLERS = ["moe_rl/rollout/sglang_client.py", "moe_rl/rollout/launcher.py",
+CALLERS = ["moe_rl/rollout/sglang_client.py", "moe_rl/rollout/wire.py", "moe_rl/rollout/launcher.py",
            *sorted(str(p.relative_to(REPO)) for p in (REPO / "moe_rl/rollout/weight_sync").glob("*.py")),
            *sorted(str(p.relative_to(REPO)) for p in (REPO / "moe_rl/launch").glob("*.py"))]
 # The router's own endpoint (launcher waits for it; the router test exercises it): not an SGLang server's.

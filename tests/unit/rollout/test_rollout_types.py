@@ -9,7 +9,8 @@ import pytest
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutEngine, SamplingParams,
                                    moe_layer_ids, smallest_int_dtype, to_route_dtype)
 from moe_rl.rollout.server import encode_routes
-from moe_rl.rollout.sglang_client import SGLangClient, _Geometry
+from moe_rl.rollout.sglang_client import SGLangClient
+from moe_rl.rollout.wire import Geometry, decode_routes
 
 
 def test_smallest_int_dtype_boundaries():
@@ -32,8 +33,8 @@ def test_ids_above_255_survive_server_encoding_and_client_decoding():
     b64 = encode_routes(routes, [0, 2, 3], 4)
     flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32).reshape(rows, 4, k)
     assert (flat[:, 1] == 0).all()
-    geo = _Geometry(num_layers=4, topk=k, num_experts=num_experts, moe_layers=[0, 2, 3])
-    got = SGLangClient._decode_routes("test", b64, rows, geo)
+    geo = Geometry(num_layers=4, topk=k, num_experts=num_experts, moe_layers=[0, 2, 3])
+    got = decode_routes("test", b64, rows, geo)
     assert got.dtype == np.int16
     np.testing.assert_array_equal(got, routes)
     with pytest.raises(ValueError, match="out of range"):

@@ -1,0 +1,146 @@
+"""SGLang's native /generate on the wire, as the client sends and reads it.
+
+Request / response shapes (sglang/srt/managers/io_struct.py `GenerateReqInput`,
+sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
+{"input_ids": [...], "sampling_params": {..., "n": n}, "return_logprob": true,
+"return_routed_experts": bool} and get one dict (n == 1) or a list of n dicts
+{"output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
+"output_token_logprobs": [[logprob, token_id, text_or_None], ...], "prompt_tokens",
+"weight_version", "routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
+The routes are decoded as `extract_routed_experts_from_meta_info` does
+(sglang/srt/state_capturer/routed_experts.py: frombuffer int32), shape-checked,
+restricted to the MoE layers and stored in the smallest integer dtype. Every problem is a
+`RolloutError` naming the server and the sample.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moe_rl.rollout.engine import GenerateRequest, GenerateResult, RolloutError, to_route_dtype
+
+
+@dataclass
+class Geometry:
+    """The model's shape as the routed experts need it: layers, top-k, experts, which layers are MoE."""
+
+    num_layers: int
+    topk: int
+    num_experts: int | None
+    moe_layers: list[int]
+
+
+def generate_payload(req: GenerateRequest) -> dict[str, Any]:
+    # SGLang GenerateReqInput (sglang/srt/managers/io_struct.py)
+    return {"input_ids": list(req.prompt_ids), "sampling_params": req.sampling.to_sglang(),
+            "return_logprob": True, "return_routed_experts": bool(req.return_routed_experts)}
+
+
+def parse_reply(url: str, req: GenerateRequest, data: Any, geo: Geometry | None) -> list[GenerateResult]:
+    """SGLang /generate JSON -> results, with every shape checked (errors name the server)."""
+    n = req.sampling.n
+    items = data if isinstance(data, list) else [data]
+    if len(items) != n:
+        raise RolloutError(f"server {url}: /generate returned {len(items)} samples, expected n={n}")
+    P = len(req.prompt_ids)
+    out = []
+    for k, item in enumerate(items):
+        where = f"server {url}: /generate sample {k}"
+        if not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict) \
+                or not isinstance(item.get("output_ids"), list):
+            raise RolloutError(f"{where}: expected an object with output_ids and meta_info, got "
+                               f"{str(item)[:200]}")
+        meta = item["meta_info"]
+        output_ids = [int(t) for t in item["output_ids"]]
+        T = len(output_ids)
+        fr = meta.get("finish_reason")
+        ftype = fr.get("type") if isinstance(fr, dict) else fr
+        if ftype not in ("stop", "length", "abort"):
+            raise RolloutError(f"{where}: unexpected finish_reason {fr!r}")
+        if meta.get("prompt_tokens") is not None and int(meta["prompt_tokens"]) != P:
+            raise RolloutError(f"{where}: prompt_tokens {meta['prompt_tokens']} != len(prompt_ids) {P}")
+        lps = meta.get("output_token_logprobs")
+        if not isinstance(lps, list) or len(lps) != T:
+            raise RolloutError(f"{where}: output_token_logprobs has "
+                               f"{len(lps) if isinstance(lps, list) else lps!r} entries, expected {T}")
+        try:
+            vals = [float(e[0]) for e in lps]
+            ids = [int(e[1]) for e in lps]
+        except (TypeError, ValueError, IndexError):
+            raise RolloutError(f"{where}: output_token_logprobs entries must be "
+                               f"[logprob, token_id, text]; got {str(lps[:2])[:200]}") from None
+        if ids != output_ids:
+            raise RolloutError(f"{where}: output_token_logprobs token ids differ from output_ids")
+        routes = None
+        if req.return_routed_experts and geo is not None and geo.moe_layers \
+                and not (ftype == "abort" and meta.get("routed_experts") is None):
+            routes = decode_routes(where, meta.get("routed_experts"), P + T - 1, geo)
+        wv = meta.get("weight_version")
+        out.append(GenerateResult(prompt_ids=list(req.prompt_ids), output_ids=output_ids,
+                                  output_logprobs=np.asarray(vals, dtype=np.float32), finish_reason=ftype,
+                                  routed_experts=routes, weight_version=None if wv is None else str(wv),
+                                  server=url))
+    return out
+
+
+def decode_routes(where: str, b64: Any, rows: int, geo: Geometry) -> np.ndarray:
+    if not isinstance(b64, str):
+        raise RolloutError(f"{where}: meta_info.routed_experts is missing (launch SGLang with "
+                           f"--enable-return-routed-experts)")
+    try:
+        raw = base64.b64decode(b64.encode("ascii"), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise RolloutError(f"{where}: routed_experts is not valid base64: {e}") from None
+    L, k = geo.num_layers, geo.topk
+    if len(raw) % 4:
+        raise RolloutError(f"{where}: routed_experts has {len(raw)} bytes, not a whole number of int32")
+    arr = np.frombuffer(raw, dtype="<i4")
+    want = rows * L * k
+    if arr.size != want:
+        got = f"{arr.size // (L * k)} rows" if arr.size % (L * k) == 0 else f"{arr.size} int32 values"
+        raise RolloutError(f"{where}: routed_experts has {got}, expected [len(prompt + output) - 1 = {rows}, "
+                           f"num_layers = {L}, topk = {k}] ({want} int32 values)")
+    arr = arr.reshape(rows, L, k)[:, geo.moe_layers, :]
+    try:
+        return to_route_dtype(arr, geo.num_experts)
+    except ValueError as e:
+        raise RolloutError(f"{where}: routed_experts: {e}") from None
+
+
+def disk_update_payload(path: str, version: str | None) -> dict[str, Any]:
+    # SGLang UpdateWeightFromDiskReqInput (sglang/srt/managers/io_struct.py)
+    payload: dict[str, Any] = {"model_path": path}
+    if version is not None:
+        payload["weight_version"] = version
+    return payload
+
+
+def error_text(body: bytes) -> str:
+    try:
+        d = json.loads(body)
+        if isinstance(d, dict):
+            err = d.get("error", d.get("message", d))
+            if isinstance(err, dict):
+                err = err.get("message", err)
+            return str(err)[:500]
+    except ValueError:
+        pass
+    return body[:500].decode("utf-8", "replace")
+
+
+def read_hf_config(model_path: Any) -> dict[str, Any]:
+    """config.json of a local HF checkpoint dir (the text config for multimodal models), or {}."""
+    if not isinstance(model_path, str):
+        return {}
+    p = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg.get("text_config") or cfg if isinstance(cfg, dict) else {}
