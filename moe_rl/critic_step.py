@@ -21,6 +21,7 @@ import torch
 from moe_rl.algo.advantages import compute_gae, length_adaptive_lambda, token_rewards, whiten
 from moe_rl.algo.losses import value_loss
 from moe_rl.drift.metrics import route_stats
+from moe_rl.step_common import combine_loss_metrics, mean_metrics, response_mask
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,6 @@ def critic_step(run: Any, share: Any, old: Any, step: int) -> dict[str, float]:
     `old`: the policy's old pass (`loop.OldPass`), whose width `[B, T - 1]` the values take.
     Returns `critic/...` metrics; `critic/warmup` is 1.0 when the policy must not update.
     """
-    from moe_rl.loop import response_mask
 
     mine, a, c = share.samples, run.cfg.algo, run.cfg.critic
     width = old.logp.shape[1]
@@ -82,7 +82,6 @@ def value_stats(run: Any, values: torch.Tensor, returns: torch.Tensor, mask: tor
 def critic_updates(run: Any, share: Any, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                    routes: torch.Tensor | None) -> dict[str, float]:
     """`critic.updates_per_step` passes over the step's minibatches, one critic optimizer step each."""
-    from moe_rl.loop import _mean, combine_loss_metrics
 
     c, critic = run.cfg.critic, run.critic
     extras_all = {"old_values": values, "returns": returns, "mask": mask}
@@ -102,7 +101,7 @@ def critic_updates(run: Any, share: Any, values: torch.Tensor, returns: torch.Te
                                 replay_routes=None if routes is None else routes[idx])
             step_metrics = out.step
             logged.append(combine_loss_metrics(critic, out.microbatches))
-    metrics = _mean(logged)
+    metrics = mean_metrics(logged)
     metrics.pop("loss/num_tokens", None)
     return metrics | {"critic/grad_norm": step_metrics["perf/grad_norm"], "critic/lr": step_metrics["perf/lr"]}
 

@@ -28,7 +28,7 @@ from moe_rl.config import RunConfig
 from moe_rl.data.preference import PreferenceDataset, PreferencePair, load_preference_dataset
 from moe_rl.data.sampler import PromptSampler
 from moe_rl.collectives import broadcast_object as broadcast
-from moe_rl.loop import Stopwatch, _all_keys, probe_volatility
+from moe_rl.step_common import Stopwatch, all_keys, probe_volatility
 from moe_rl.rollout_batch import share_indices
 from moe_rl.policy.policy import Policy
 
@@ -120,7 +120,7 @@ def combine(policy: Policy, microbatches: list[dict[str, float]]) -> dict[str, f
     """Loss metrics over all micro-batches and ranks: `loss/dpo` adds up (it is globally normalised),
     the rest are means weighted by `dpo/num_pairs`. Collective over all ranks."""
     rows = microbatches if policy.reports_loss else []  # earlier pipeline stages and TP copies: nothing
-    keys = [k for k in _all_keys({k for r in rows for k in r}) if k not in ("loss/dpo", "dpo/num_pairs")]
+    keys = [k for k in all_keys({k for r in rows for k in r}) if k not in ("loss/dpo", "dpo/num_pairs")]
     sums = [sum(r["loss/dpo"] for r in rows), sum(r["dpo/num_pairs"] for r in rows)]
     sums += [sum(r[k] * r["dpo/num_pairs"] for r in rows) for k in keys]
     total = policy.all_reduce_sum(torch.tensor(sums, dtype=torch.float64), group="world").tolist()

@@ -10,7 +10,8 @@ import torch
 from moe_rl.algo.advantages import compute_gae, length_adaptive_lambda, token_rewards
 from moe_rl.config import load_config
 from moe_rl.critic_step import critic_step
-from moe_rl.loop import OldPass, response_mask
+from moe_rl.loop import OldPass
+from moe_rl.step_common import response_mask
 from moe_rl.rollout_batch import Samples, Share
 
 

@@ -106,7 +106,7 @@ class _OneRank:
 
 
 def test_combine_loss_metrics_over_microbatches():
-    from moe_rl.loop import combine_loss_metrics
+    from moe_rl.step_common import combine_loss_metrics
 
     mbs = [
         {"loss/pg_loss": 0.25, "loss/num_tokens": 10.0, "loss/ratio_mean": 1.0, "loss/ratio_min": 0.9,
@@ -126,7 +126,7 @@ def test_combine_loss_metrics_over_microbatches():
 
 
 def test_combine_loss_metrics_rank_without_metrics_contributes_nothing():
-    from moe_rl.loop import combine_loss_metrics
+    from moe_rl.step_common import combine_loss_metrics
 
     class Stage(_OneRank):
         reports_loss = False
