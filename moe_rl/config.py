@@ -139,7 +139,7 @@ def sglang_flag(args: Sequence[Any], flags: Sequence[str]) -> str | None:
 class TinyModel:
     """Shape of the fresh random Qwen3-MoE built when `model.hf_path` is None.
 
-    Names match `moe_rl.testing.TinyMoEConfig` (init_std aside: an argument of
+    Names match `moe_rl.policy.tiny.TinyMoEConfig` (init_std aside: an argument of
     `make_tiny_qwen3_moe`). The defaults divide every layout the tests use: TP2 (4 heads,
     2 KV heads), PP2 x VPP2 (4 layers), EP2 (4 experts).
     """
@@ -503,7 +503,7 @@ class TrainConfig:
     and exit 3, never in a timeout of the waiting ranks. Set it only above that budget."""
     device_guard: bool = False
     """CPU only, for CI and debugging: fail when one of moe_rl's collectives gets a host tensor,
-    which NCCL would refuse on a GPU (moe_rl.testing.device_guard). The CPU rehearsal runs with it."""
+    which NCCL would refuse on a GPU (moe_rl.device_guard). The CPU rehearsal runs with it."""
     mode: str = choice("rl", MODES)
     """rl = RL steps on rollouts (`algo`, `rollout`, `reward`); dpo = DPO steps on preference pairs
     (`dpo`; data.train / data.eval name preference data; no rollout servers)."""

@@ -29,7 +29,7 @@ def _hf_config(cfg: RunConfig) -> dict[str, Any]:
 
     if cfg.model.hf_path:
         return json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
-    from moe_rl.testing.tiny import TinyMoEConfig
+    from moe_rl.policy.tiny import TinyMoEConfig
 
     shape = {k: v for k, v in dataclasses.asdict(cfg.model.tiny).items() if k != "init_std"}
     return TinyMoEConfig(**shape).to_hf().to_dict()

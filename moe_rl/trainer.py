@@ -194,7 +194,7 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
                  cfg.algo.num_minibatches, ", one weight version stale" if cfg.algo.off_policy_overlap else "")
     _Stop.install(spawned)
     if cfg.train.device_guard:  # CPU rehearsal: a host tensor in a collective fails here, not on a GPU
-        from moe_rl.testing.device_guard import install_device_guard
+        from moe_rl.device_guard import install_device_guard
 
         install_device_guard()
     dpo = cfg.train.mode == "dpo"
@@ -371,7 +371,7 @@ def initial_model(cfg: RunConfig, out: Path, rank: int, dataset: Any) -> Path:
         return Path(cfg.model.hf_path)
     path = out / "init_model"
     if rank == 0 and not (path / "config.json").is_file():
-        from moe_rl.testing.tiny import TinyMoEConfig, make_tiny_qwen3_moe
+        from moe_rl.policy.tiny import TinyMoEConfig, make_tiny_qwen3_moe
 
         tok = dataset.tokenizer
         shape = asdict(cfg.model.tiny)

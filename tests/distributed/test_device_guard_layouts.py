@@ -19,7 +19,7 @@ def _step(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], guard: b
 
     installed = None
     if guard:
-        from moe_rl.testing.device_guard import install_device_guard
+        from moe_rl.device_guard import install_device_guard
 
         installed = install_device_guard()  # first, as the trainer does: the model is built under it
     from moe_rl.drift.metrics import route_stats

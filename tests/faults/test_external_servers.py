@@ -37,7 +37,7 @@ STEPS = 4
 def toy_model(tmp_path_factory):
     """A tiny Qwen3-MoE over the toy tasks' 16 tokens."""
     from moe_rl.testing import make_tiny_qwen3_moe
-    from moe_rl.testing.tiny import TinyMoEConfig
+    from moe_rl.policy.tiny import TinyMoEConfig
 
     return make_tiny_qwen3_moe(tmp_path_factory.mktemp("toy_model"), config=TinyMoEConfig(vocab_size=16))
 

@@ -52,7 +52,7 @@ def test_each_setting_reaches_megatrons_transformer_config(monkeypatch):
 
     from moe_rl.policy.model import arch_from_hf_dict, transformer_config
     from moe_rl.policy.parallel import ParallelLayout
-    from moe_rl.testing.tiny import TinyMoEConfig
+    from moe_rl.policy.tiny import TinyMoEConfig
 
     seen = {}
     monkeypatch.setattr(mt, "TransformerConfig", lambda **kw: seen.update(kw))  # what megatron would get

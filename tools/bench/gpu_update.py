@@ -52,7 +52,7 @@ DRY_SHAPE = Shape(vocab_size=128, hidden_size=64, num_hidden_layers=2, head_dim=
 
 def hf_config(shape: Shape) -> dict[str, Any]:
     """The HF config.json of `shape` (Qwen3-MoE keys; no transformers needed)."""
-    from moe_rl.testing.tiny import TinyMoEConfig
+    from moe_rl.policy.tiny import TinyMoEConfig
 
     cfg = asdict(TinyMoEConfig(intermediate_size=4 * shape.hidden_size, **asdict(shape)))
     return {**cfg, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}

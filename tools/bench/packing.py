@@ -71,7 +71,7 @@ def bench_rows(num: int = 16, min_len: int = 16, max_len: int = 1024, max_tokens
                micro_batch_size: int = 1, rounds: int = 2, seed: int = 0) -> list[dict[str, Any]]:
     """One row per variant: median seconds, real tokens/s, real share of computed slots, × padded."""
     from moe_rl.testing import make_tiny_qwen3_moe, run_ranks
-    from moe_rl.testing.tiny import TinyMoEConfig
+    from moe_rl.policy.tiny import TinyMoEConfig
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num,), generator=g).tolist()

@@ -86,7 +86,7 @@ def format_report(results: list[dict[str, Any]], top: int) -> str:
 def run(config: str = str(DEMO), overrides: list[str] | None = None, warmup: int = 2, steps: int = 3,
         top: int = 25) -> str:
     from moe_rl.config import load_config
-    from moe_rl.testing.dist import run_ranks
+    from moe_rl.spawn import run_ranks
 
     quiet = ["log.progress=false", "log.tensorboard=false", "train.eval_every=0", "train.save_every=0"]
     cfg = load_config(config, quiet + list(overrides or []))

@@ -119,7 +119,7 @@ def moe_rl_rank(cfg_dict: dict[str, Any], out: str, target: float, max_steps: in
 
 def run_moe_rl(variant: str, model_dir: str, out: str, target: float, max_steps: int, seed: int) -> dict[str, Any]:
     from moe_rl.config import load_config
-    from moe_rl.testing.dist import run_ranks
+    from moe_rl.spawn import run_ranks
 
     cfg = load_config(str(DEMO), common(seed) + VARIANTS[variant][1] + [f"model.hf_path={model_dir}",
                                                                         f"log.run_dir={out}"])

@@ -26,7 +26,7 @@ def test_help(bench, name, capsys):
 def test_shape_params_match_transformers(bench):
     from transformers import Qwen3MoeForCausalLM
 
-    from moe_rl.testing.tiny import TinyMoEConfig
+    from moe_rl.policy.tiny import TinyMoEConfig
 
     for shape in (bench["common"].BASE, bench["memory"].SHAPES[-1], bench["gpu_update"].DRY_SHAPE):
         cfg = TinyMoEConfig(**{k: getattr(shape, k) for k in shape.__dataclass_fields__}).to_hf()
