@@ -130,6 +130,8 @@ def spawn(cfg: RunConfig, run_dir: str) -> int:
         print(f"moe-rl train failed:\n{e}", file=sys.stderr)
         return 1
     except mp.ProcessExitedException as e:
+        if len(interrupts) > 1:  # stopped at once, as asked: a rank may die of SIGUSR2 while it exits
+            return 130
         print(f"moe-rl train: a rank exited with code {e.exit_code}", file=sys.stderr)
         return e.exit_code or 1
     return 0
@@ -140,6 +142,9 @@ def _spawned(rank: int, cfg_dict: dict[str, Any], run_dir: str, world: int, port
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     code = train_rank(RunConfig.from_dict(cfg_dict), run_dir, spawned=True)
+    # Python restores SIGUSR2's default (death) while it shuts down: a second Ctrl-C that lands
+    # then would end a rank that finished cleanly with -12; nothing is left to stop.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     if code:
         sys.exit(code)
 

@@ -110,10 +110,11 @@ def _weights_fingerprint(policy: Any) -> torch.Tensor:
 
 
 def sigterm_after_first_step(args: list[str], run_dir: Path, timeout: float = 600.0,
-                             signals: tuple[int, ...] | None = None) -> tuple[int, str]:
+                             signals: tuple[int, ...] | None = None, gap_s: float = 0.2) -> tuple[int, str]:
     """Start `moe-rl train` (`args`: its command line) in a new session, wait until it logged a step
-    to `run_dir/metrics.jsonl`, send `signals` (default SIGTERM) to the whole process group (as
-    SLURM signals a job step, or a terminal a Ctrl-C), and return its exit code and output."""
+    to `run_dir/metrics.jsonl`, send `signals` (default SIGTERM, `gap_s` apart) to the whole
+    process group (as SLURM signals a job step, or a terminal a Ctrl-C), and return its exit code
+    and output."""
     import signal
     import subprocess
     import time
@@ -125,7 +126,7 @@ def sigterm_after_first_step(args: list[str], run_dir: Path, timeout: float = 60
         time.sleep(0.5)
     for sig in signals or (signal.SIGTERM,):
         os.killpg(proc.pid, sig)
-        time.sleep(0.2)
+        time.sleep(gap_s)
     out, _ = proc.communicate(timeout=300)
     return proc.returncode, out
 def digit_first_reward(completion_text: str, answer: str | None, **_: Any) -> float:

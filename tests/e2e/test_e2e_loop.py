@@ -116,14 +116,16 @@ def test_stop_signals(tmp_path, signals):
     code, out = sigterm_after_first_step([sys.executable, "-m", "moe_rl.cli", "train", "--config",
                                           "launch/configs/tiny_cpu.yaml", *SMALL, "train.steps=200",
                                           f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"], tmp_path,
-                                         signals=tuple(signals))
+                                         signals=tuple(signals), gap_s=0.02)
     assert "Traceback" not in out, out[-3000:]
     from moe_rl.trainer import latest_checkpoint
 
     ckpt = latest_checkpoint(tmp_path)
     if len(signals) == 2:
         assert code == 130 and "stopping now" in out, out[-3000:]
-        assert ckpt is None  # stopped inside a step: nothing half-saved
+        # Stopped inside a step, nothing of it saved; a step may have ended (and been saved
+        # whole) before the second Ctrl-C landed: steps take half a second here.
+        assert ckpt is None or len(list(ckpt.glob("rank_*.pt"))) == 2, sorted(ckpt.iterdir())
         return
     assert code == 0, out[-3000:]
     assert ckpt is not None and len(list(ckpt.glob("rank_*.pt"))) == 2
