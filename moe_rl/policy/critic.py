@@ -41,7 +41,7 @@ from moe_rl.policy.packing import unpack
 from moe_rl.policy.parallel import data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.policy import Policy, PolicySpec
 from moe_rl.policy.replay import RouteReplay
-from moe_rl.policy.train_step import PolicyOptimizer
+from moe_rl.policy.train_step import PolicyOptimizer, frozen_rows
 
 
 class ValueHead(torch.nn.Module):
@@ -99,7 +99,7 @@ class Critic(Policy):
         load_hf_weights(chunks, spec.hf_dir, self.arch)
         for c in last:
             c.output_layer = ValueHead(c.config, head_init_std, spec.seed).to(next(c.parameters()).device)
-        self.opt = PolicyOptimizer(chunks, spec.optim)
+        self.opt = PolicyOptimizer(chunks, spec.optim, frozen_rows(self.arch))
         self.replay = RouteReplay(self.opt.chunks, self.arch) if self.arch.num_moe_experts else None
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
 

@@ -21,7 +21,7 @@ from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, comp
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.replay import RouteReplay
-from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer
+from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, frozen_rows
 
 # (logp [b, s-1] of the microbatch under the current weights, microbatch) -> (loss, metrics)
 PolicyLoss = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, float]]]
@@ -67,7 +67,7 @@ class Policy:
         init_distributed(spec.layout, seed=spec.seed)
         chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute)
         load_hf_weights(chunks, spec.hf_dir, self.arch)
-        self.opt = PolicyOptimizer(chunks, spec.optim)
+        self.opt = PolicyOptimizer(chunks, spec.optim, frozen_rows(self.arch))
         self.replay = RouteReplay(self.opt.chunks, self.arch) if self.arch.num_moe_experts else None
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
 

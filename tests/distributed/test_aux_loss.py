@@ -49,10 +49,13 @@ def aux_hf_dir(tmp_path_factory):
 def sequences():
     """Four sequences, the first the longest (12 tokens, even for TP2's sequence split).
 
-    Token 0 (the pad id) is avoided: its embedding row is zero in a HF-initialised model,
-    and HF leaves that row's gradient out (`padding_idx`) where megatron does not.
+    Token 0, the pad id, is an input in some of them: its embedding row is zero in a
+    HF-initialised model and HF never trains it (`padding_idx`); the policy leaves it
+    out the same way (`moe_rl.policy.train_step.frozen_rows`).
     """
-    return [torch.where(s == 0, 3, s) for s in sample_sequences(vocab_size=128, num=4, max_len=12, seed=3)]
+    seqs = sample_sequences(vocab_size=128, num=4, max_len=12, seed=3)
+    seqs[1][2] = seqs[2][1] = 0
+    return seqs
 
 
 @pytest.fixture(scope="module")
