@@ -165,6 +165,9 @@ class ModelConfig:
     """Activation recomputation: trades ~30% more compute for memory; needed for long sequences."""
     moe_router_fusion: bool = False
     """Fused router kernel. Off because megatron silently skips routing replay when it is on."""
+    moe_aux_loss_coef: float | None = ranged(None, ge=0.0)
+    """Weight of the routers' load-balancing loss; null = the checkpoint's `router_aux_loss_coef`
+    (0 when it has none), 0 = off. HF trainers (TRL's GRPOTrainer) take the same default."""
     seed: int = 1234
     """Seed for model init and megatron's RNG tracker (data order has its own seed)."""
 

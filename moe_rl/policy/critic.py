@@ -39,7 +39,7 @@ from moe_rl.policy.forward import Microbatch
 from moe_rl.policy.model import build_model, read_hf_config
 from moe_rl.policy.packing import unpack
 from moe_rl.policy.parallel import data_parallel_rank_and_size, init_distributed
-from moe_rl.policy.policy import Policy, PolicySpec
+from moe_rl.policy.policy import Policy, PolicySpec, with_aux_loss_coef
 from moe_rl.policy.replay import RouteReplay
 from moe_rl.policy.train_step import PolicyOptimizer, frozen_rows
 
@@ -86,7 +86,7 @@ class Critic(Policy):
 
     def __init__(self, spec: PolicySpec, head_init_std: float = 0.0) -> None:
         self.spec = spec
-        arch = read_hf_config(spec.hf_dir)
+        arch = with_aux_loss_coef(read_hf_config(spec.hf_dir), spec.moe_aux_loss_coef)
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(arch)
         init_distributed(spec.layout, seed=spec.seed)

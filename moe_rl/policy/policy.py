@@ -40,6 +40,14 @@ class PolicySpec:
     seed: int = 1234
     max_tokens_per_microbatch: int | None = None  # set: pack sequences into rows of this many tokens
     temperature: float = 1.0  # log-probs of softmax(logits / T), the rollout's sampling distribution
+    moe_aux_loss_coef: float | None = None  # set: replaces the checkpoint's router_aux_loss_coef
+
+
+def with_aux_loss_coef(arch: MoEArch, coef: float | None) -> MoEArch:
+    """`arch` with the routers' load-balancing loss weight `coef` (None: the checkpoint's)."""
+    from dataclasses import replace
+
+    return arch if coef is None else replace(arch, moe_aux_loss_coeff=float(coef))
 
 
 @dataclass
@@ -61,7 +69,7 @@ class Policy:
 
     def __init__(self, spec: PolicySpec) -> None:
         self.spec = spec
-        self.arch: MoEArch = read_hf_config(spec.hf_dir)
+        self.arch: MoEArch = with_aux_loss_coef(read_hf_config(spec.hf_dir), spec.moe_aux_loss_coef)
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(self.arch)
         init_distributed(spec.layout, seed=spec.seed)
