@@ -195,6 +195,9 @@ class ModelConfig:
     gradient_accumulation_fusion: bool | None = None
     """Weight-gradient GEMMs accumulate straight into the fp32 gradient buffers (NVIDIA apex's
     fused_weight_gradient_mlp_cuda, which the docker image builds). None = on with a GPU and apex."""
+    moe_aux_loss_coef: float | None = ranged(None, ge=0.0)
+    """Weight of the routers' load-balancing loss; null = the checkpoint's `router_aux_loss_coef`
+    (0 when it has none), 0 = off. HF trainers (TRL's GRPOTrainer) take the same default."""
     seed: int = 1234
     """Seed for model init and megatron's RNG tracker (data order has its own seed)."""
 

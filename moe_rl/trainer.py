@@ -324,18 +324,26 @@ def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature
     log-probs are of softmax(logits / `temperature`) (RL: the rollout's sampling temperature)."""
     from moe_rl.policy.parallel import ParallelLayout, read_dist_env
     from moe_rl.policy.policy import Policy, PolicySpec
-    from moe_rl.policy.train_step import OptimConfig
 
-    p, t = cfg.parallel, cfg.train
+    p = cfg.parallel
     layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp,
                             world_size=read_dist_env().world_size)
-    optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-                        adam_beta2=t.adam_beta2, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
-                        total_steps=t.steps * updates_per_step, lr_schedule=t.lr_schedule,
-                        distributed_optimizer=t.distributed_optimizer)
-    return Policy(PolicySpec(str(hf_dir), layout, optim, cfg.model.dtype, cfg.model.recompute,
-                             p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch, temperature=temperature,
-                             collective_timeout_s=t.collective_timeout_s, perf=perf_request(cfg)))
+    return Policy(PolicySpec(str(hf_dir), layout, optim_config(cfg, updates_per_step), cfg.model.dtype,
+                             cfg.model.recompute, p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch,
+                             temperature=temperature, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,
+                             collective_timeout_s=cfg.train.collective_timeout_s, perf=perf_request(cfg)))
+
+
+def optim_config(cfg: RunConfig, updates_per_step: int) -> Any:
+    """The `train` section as the optimizer's `OptimConfig`. Its scheduler counts optimizer updates,
+    `updates_per_step` per RL step, and `train.steps` and `train.warmup_steps` count RL steps."""
+    from moe_rl.policy.train_step import OptimConfig
+
+    t = cfg.train
+    return OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                       adam_beta2=t.adam_beta2, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps * updates_per_step,
+                       total_steps=t.steps * updates_per_step, lr_schedule=t.lr_schedule,
+                       distributed_optimizer=t.distributed_optimizer)
 
 
 def perf_request(cfg: RunConfig) -> Any:
@@ -346,6 +354,8 @@ def perf_request(cfg: RunConfig) -> Any:
 
     return PerfRequest(**{f.name: getattr(cfg.model, f.name, None) if hasattr(cfg.model, f.name)
                           else getattr(cfg.parallel, f.name) for f in fields(PerfRequest)})
+
+
 def build_critic(cfg: RunConfig, policy_spec: Any) -> Any:
     """The value model of `algo.advantage=gae`: the policy's layout and batching, its own checkpoint
     (`critic.hf_path`, default the policy's) and a constant learning rate `critic.lr`."""

@@ -19,6 +19,10 @@ Tasks (`toy:<name>` in `data.train` / `data.eval`); a prompt is
     add-medium  0..4       25       0..8    (one digit)
     add-hard    0..9       100      0..18   (one or two digits)
 
+and one task with many distinct prompts, where a prompt is `<bos> a b c =`:
+
+    last-parity every abc   1,000    c mod 2 (one digit: 0 or 1)
+
 Each `<name>-eval` variant holds the same problems in another seeded order.
 The problem spaces are tiny, so there is nothing to hold out: evaluation
 measures how well the policy solves these prompts, not generalisation.
@@ -32,14 +36,16 @@ generation stopped at `max_new_tokens`) spell the answer:
     add-easy    1/16   = 6.25 %    1/256 = 0.39 %      0.39 %
     add-medium  1/16   = 6.25 %    1/256 = 0.39 %      0.39 %
     add-hard    0.55/16 = 3.44 %   1/256 = 0.39 %      0.23 %
+    last-parity 1/16   = 6.25 %    1/256 = 0.39 %      0.39 %
 
 With `max_new_tokens=1` the answer digit alone is judged (no `<eos>` needed),
 which gives RL the densest signal on the one-digit tasks.
 
 A policy that ignores the operands can still reach the share of the most
 common answer: 3/9 on add-easy ("2"), 5/25 on add-medium ("4"), 10/100 on
-add-hard ("9"). A run that plateaus there (often as a collapse to one answer
-when the learning rate is too high) has not learned to add.
+add-hard ("9"), 1/2 on last-parity (always "0" or always "1"). A run that
+plateaus there (often as a collapse to one answer when the learning rate is
+too high) has not learned the task.
 """
 from __future__ import annotations
 
@@ -183,6 +189,17 @@ register_toy_task("add-hard", "a+b with a, b in 0..9 (100 prompts, one- or two-d
                   _addition(9))
 
 
+def _last_parity(seed: int) -> list[ToyExample]:
+    """Every `abc=` (a, b, c digits, 1,000 prompts) with answer c mod 2, in a seeded order."""
+    triples = [(a, b, c) for a in range(10) for b in range(10) for c in range(10)]
+    return [ToyExample(f"{a}{b}{c}=", str(c % 2), {"a": a, "b": b, "c": c})
+            for a, b, c in seeded_shuffle(triples, f"moe_rl.toy:{seed}")]
+
+
+register_toy_task("last-parity", "abc= -> c mod 2 for every three-digit abc (1,000 prompts, answers 0 / 1)",
+                  _last_parity)
+
+
 def chance_level(name: str, max_new_tokens: int, vocab_size: int | None = None) -> float:
     """Expected toy reward of a policy sampling uniformly over `vocab_size` tokens.
 
@@ -200,3 +217,4 @@ def chance_level(name: str, max_new_tokens: int, vocab_size: int | None = None) 
         return v ** -(answer_len + (answer_len < max_new_tokens))
 
     return sum(p_match(len(ex.answer)) for ex in examples) / len(examples)
+

@@ -40,9 +40,9 @@ from moe_rl.policy.model import build_model, read_hf_config
 from moe_rl.policy.packing import unpack
 from moe_rl.policy.parallel import data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.perf import resolve
-from moe_rl.policy.policy import Policy, PolicySpec
+from moe_rl.policy.policy import Policy, PolicySpec, with_aux_loss_coef
 from moe_rl.policy.replay import RouteReplay
-from moe_rl.policy.train_step import PolicyOptimizer
+from moe_rl.policy.train_step import PolicyOptimizer, frozen_rows
 
 
 class ValueHead(torch.nn.Module):
@@ -87,7 +87,7 @@ class Critic(Policy):
 
     def __init__(self, spec: PolicySpec, head_init_std: float = 0.0) -> None:
         self.spec = spec
-        arch = read_hf_config(spec.hf_dir)
+        arch = with_aux_loss_coef(read_hf_config(spec.hf_dir), spec.moe_aux_loss_coef)
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(arch)
         init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
@@ -104,7 +104,7 @@ class Critic(Policy):
             c.output_layer = ValueHead(c.config, head_init_std, spec.seed).to(next(c.parameters()).device)
         self.opt = PolicyOptimizer(chunks, dataclasses.replace(
             spec.optim, overlap_grad_reduce=self.perf.overlap_grad_reduce,
-            overlap_param_gather=self.perf.overlap_param_gather))
+            overlap_param_gather=self.perf.overlap_param_gather), frozen_rows(self.arch))
         self.replay = RouteReplay(self.opt.chunks, self.arch) if self.arch.num_moe_experts else None
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
 

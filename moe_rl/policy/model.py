@@ -13,7 +13,7 @@ dispatcher (the alltoall dispatcher creates a CUDA stream when it is built).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,6 +54,7 @@ class MoEArch:
     tie_word_embeddings: bool
     qk_layernorm: bool = True
     hf_architecture: str = ""
+    padding_idx: int | None = None  # HF's `pad_token_id`: its embedding row is never trained (see below)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -127,7 +128,18 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config") -> MoEArch:
     if name not in ARCHITECTURES:
         raise UnsupportedModel(f"{source}: architecture {name or cfg.get('model_type')!r} is not supported; "
                                f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    return ARCHITECTURES[name](cfg)
+    arch = ARCHITECTURES[name](cfg)
+    if arch.padding_idx is None:
+        arch = replace(arch, padding_idx=_padding_idx(cfg, arch.vocab_size))
+    return arch
+
+
+def _padding_idx(cfg: dict[str, Any], vocab_size: int) -> int | None:
+    """The embedding row HF leaves untrained: its decoders build `nn.Embedding(vocab, hidden,
+    padding_idx=config.pad_token_id)`, whose backward gives that row no gradient (HF's
+    `_init_weights` also zeroes it). None when the config names no pad token in the vocabulary."""
+    pad = cfg.get("pad_token_id")
+    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab_size else None
 
 
 # ---------------------------------------------------------------- megatron config

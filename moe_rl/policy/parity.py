@@ -105,7 +105,7 @@ def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], inde
     tokens. The weights are left as they were.
     """
     from moe_rl.policy.forward import build_microbatches, microbatch_logprobs
-    from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer
+    from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, frozen_rows
 
     weights = token_weights(sequences)
     total = sum(len(w) for w in weights)
@@ -122,7 +122,7 @@ def _gradients(chunks: list[Any], arch: Any, sequences: list[torch.Tensor], inde
         loss = -(logp * mb.extras["w"] * mb.loss_mask * valid).sum() / total
         return loss, {}
 
-    opt = opt or PolicyOptimizer(chunks, OptimConfig())
+    opt = opt or PolicyOptimizer(chunks, OptimConfig(), frozen_rows(arch))
     return hf_gradients(opt, arch, mbs, loss_fn), opt
 
 

@@ -22,7 +22,7 @@ from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.perf import PerfRequest, resolve
 from moe_rl.policy.replay import RouteReplay
-from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, sync_params
+from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, frozen_rows, sync_params
 
 # (logp [b, s-1] of the microbatch under the current weights, microbatch) -> (loss, metrics)
 PolicyLoss = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, float]]]
@@ -43,6 +43,14 @@ class PolicySpec:
     temperature: float = 1.0  # log-probs of softmax(logits / T), the rollout's sampling distribution
     collective_timeout_s: float = 1800.0  # of the default and megatron's process groups
     perf: PerfRequest = PerfRequest()  # fused kernels and DDP overlap (moe_rl/policy/perf.py; auto: on GPU)
+    moe_aux_loss_coef: float | None = None  # set: replaces the checkpoint's router_aux_loss_coef
+
+
+def with_aux_loss_coef(arch: MoEArch, coef: float | None) -> MoEArch:
+    """`arch` with the routers' load-balancing loss weight `coef` (None: the checkpoint's)."""
+    from dataclasses import replace
+
+    return arch if coef is None else replace(arch, moe_aux_loss_coeff=float(coef))
 
 
 @dataclass
@@ -64,7 +72,7 @@ class Policy:
 
     def __init__(self, spec: PolicySpec) -> None:
         self.spec = spec
-        self.arch: MoEArch = read_hf_config(spec.hf_dir)
+        self.arch: MoEArch = with_aux_loss_coef(read_hf_config(spec.hf_dir), spec.moe_aux_loss_coef)
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(self.arch)
         init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
@@ -73,7 +81,8 @@ class Policy:
         chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute, self.perf)
         load_hf_weights(chunks, spec.hf_dir, self.arch)
         self.opt = PolicyOptimizer(chunks, replace(spec.optim, overlap_grad_reduce=self.perf.overlap_grad_reduce,
-                                                   overlap_param_gather=self.perf.overlap_param_gather))
+                                                   overlap_param_gather=self.perf.overlap_param_gather),
+                                   frozen_rows(self.arch))
         self.replay = RouteReplay(self.opt.chunks, self.arch) if self.arch.num_moe_experts else None
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
 

@@ -128,13 +128,18 @@ def sync_params(chunks: list[Any]) -> None:
 
 
 class PolicyOptimizer:
-    """DDP-wrapped chunks + megatron optimizer + LR schedule."""
+    """DDP-wrapped chunks + megatron optimizer + LR schedule.
 
-    def __init__(self, chunks: list[Any], cfg: OptimConfig) -> None:
+    `frozen_embedding_rows`: vocabulary rows of the input embedding whose gradient is zeroed
+    before every step (`frozen_rows(arch)`: the HF padding row, which HF never trains).
+    """
+
+    def __init__(self, chunks: list[Any], cfg: OptimConfig, frozen_embedding_rows: tuple[int, ...] = ()) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.cfg = cfg
+        self.frozen_embedding_rows = tuple(frozen_embedding_rows)
         self.chunks = wrap_ddp(chunks, cfg.distributed_optimizer, cfg.overlap_grad_reduce, cfg.overlap_param_gather)
         model_cfg = chunks[0].config
         opt_cfg = OptimizerConfig(
@@ -179,6 +184,7 @@ class PolicyOptimizer:
         with routing(microbatches) if routing else nullcontext():
             outputs = run_schedule(self.chunks, microbatches, scaled_loss, forward_only=False)
         finalize_model_grads(self.chunks, num_tokens=num_tokens)
+        zero_embedding_rows(self.chunks, self.frozen_embedding_rows)
         return outputs
 
     def _router_tokens(self, microbatches: list[Microbatch]) -> tuple[torch.Tensor, float]:
@@ -243,6 +249,40 @@ class PolicyOptimizer:
     def bare_chunks(self) -> list[Any]:
         """The GPTModel chunks inside DDP (for log-prob passes and export)."""
         return [c.module for c in self.chunks]
+
+
+def frozen_rows(arch: Any) -> tuple[int, ...]:
+    """Embedding rows to keep as loaded: HF's padding row (`MoEArch.padding_idx`).
+
+    HF decoders embed with `nn.Embedding(..., padding_idx=pad_token_id)`: that row gets no
+    gradient, and `_init_weights` makes it zero. megatron's embedding trains every row. A
+    policy samples the pad token like any other, and once it is an input (a completion
+    `<pad> x`) megatron sends the row a gradient through the first RMSNorm at a zero input,
+    scaled by 1/sqrt(eps) (~1000x): it dominated the gradient norm, and clipping then shrank
+    the whole step. Untied embeddings only: the row's whole gradient is then the lookup's;
+    with tied weights it also carries the output layer's, so it is trained as megatron does.
+    """
+    pad = getattr(arch, "padding_idx", None)
+    return () if pad is None or arch.tie_word_embeddings else (int(pad),)
+
+
+def zero_embedding_rows(chunks: list[Any], rows: tuple[int, ...]) -> None:
+    """Zero the reduced gradient (`main_grad`) of these vocabulary rows of the input embedding,
+    on the ranks whose vocab-parallel shard holds them (first pipeline stage)."""
+    if not rows:
+        return
+    for c in chunks:
+        model = getattr(c, "module", c)
+        if not getattr(model, "pre_process", False):
+            continue
+        emb = model.embedding.word_embeddings
+        grad = getattr(emb.weight, "main_grad", None)
+        grad = emb.weight.grad if grad is None else grad
+        if grad is None:
+            continue
+        for row in rows:
+            if emb.vocab_start_index <= row < emb.vocab_end_index:
+                grad[row - emb.vocab_start_index].zero_()
 
 
 def grads_as_params(chunks: list[Any]) -> None:

@@ -49,10 +49,13 @@ def aux_hf_dir(tmp_path_factory):
 def sequences():
     """Four sequences, the first the longest (12 tokens, even for TP2's sequence split).
 
-    Token 0 (the pad id) is avoided: its embedding row is zero in a HF-initialised model,
-    and HF leaves that row's gradient out (`padding_idx`) where megatron does not.
+    Token 0, the pad id, is an input in some of them: its embedding row is zero in a
+    HF-initialised model and HF never trains it (`padding_idx`); the policy leaves it
+    out the same way (`moe_rl.policy.train_step.frozen_rows`).
     """
-    return [torch.where(s == 0, 3, s) for s in sample_sequences(vocab_size=128, num=4, max_len=12, seed=3)]
+    seqs = sample_sequences(vocab_size=128, num=4, max_len=12, seed=3)
+    seqs[1][2] = seqs[2][1] = 0
+    return seqs
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +212,28 @@ def test_policy_gradient_without_aux_matches_hf(tiny_hf_dir, sequences):
         for n, g in got.items():
             err = float((g - ref[n]).norm() / ref[n].norm().clamp_min(1e-12))
             assert err <= 1e-4, f"{key}: {n} relative gradient error {err:.2e}"
+
+
+def override_worker(hf_dir: str, sequences: list[torch.Tensor], coef: float | None) -> dict[str, torch.Tensor]:
+    """Router gradients of a zero policy loss through `Policy`, with `model.moe_aux_loss_coef` = `coef`."""
+    from moe_rl.policy.forward import build_microbatches, microbatch_logprobs
+    from moe_rl.policy.parallel import ParallelLayout
+    from moe_rl.policy.policy import Policy, PolicySpec
+    from moe_rl.policy.train_step import OptimConfig
+
+    policy = Policy(PolicySpec(hf_dir, ParallelLayout(), OptimConfig(), micro_batch_size=2, moe_aux_loss_coef=coef))
+    mbs = build_microbatches(sequences[:2], 2, seq_len=max(len(s) for s in sequences))
+    policy.opt.backward(mbs, lambda logits, mb: (0.0 * microbatch_logprobs(logits, mb).sum(), {}))
+    return _router_grads(policy.opt)
+
+
+def test_aux_loss_coef_override_replaces_the_checkpoints(tiny_hf_dir, aux_hf_dir, sequences, single):
+    """`model.moe_aux_loss_coef`: the same weights with coefficient 0 in their config and the
+    override give the checkpoint-with-coefficient's router gradients; 0 turns the loss off."""
+    import json
+
+    assert json.loads((tiny_hf_dir / "config.json").read_text())["router_aux_loss_coef"] == 0.0
+    (on,) = run_ranks(override_worker, 1, str(tiny_hf_dir), sequences, AUX_COEF)
+    _assert_close(on, single["ab"], 1e-5, "override on a checkpoint without aux loss")
+    (off,) = run_ranks(override_worker, 1, str(aux_hf_dir), sequences, 0.0)
+    assert max(float(g.abs().max()) for g in off.values()) == 0.0

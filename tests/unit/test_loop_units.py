@@ -242,3 +242,23 @@ def test_text_only_reward_without_a_tokenizer_is_refused_before_any_work(tmp_pat
     with pytest.raises(ConfigError, match="reward.name='math' reads only the completion text.*completion_ids"):
         build_run(cfg, tmp_path / "run", 0)
     assert not (tmp_path / "run" / "init_model").exists()  # refused before the model was written
+
+
+def test_a_stop_token_ends_the_completion_and_is_trained():
+    """Completions end at the engine's stop token (`<eos>`, even as the first token); the
+    response mask covers every completion token, the stop token included, and nothing after."""
+    from types import SimpleNamespace
+
+    from moe_rl.data.toy import ToyTokenizer
+    from moe_rl.rollout_batch import _samples
+    from moe_rl.step_common import response_mask
+
+    tok = ToyTokenizer()
+    run = SimpleNamespace(dataset=SimpleNamespace(tokenizer=tok), eos_id=tok.eos_token_id)
+    prompt = SimpleNamespace(prompt_ids=tok.encode("<bos>123="))
+    outputs = [([2], [-2.0], None), ([4, 2], [-1.0, -0.5], None), ([4, 5], [-1.0, -3.0], None)]
+    s = _samples(run, [prompt], [outputs])
+    assert s.completion_ids() == [[2], [4, 2], [4, 5]] and s.completions == ["", "1", "12"]
+    mask = response_mask(s, max(s.lengths()) - 1)
+    p = len(prompt.prompt_ids)
+    assert mask.tolist() == [[0.0] * (p - 1) + [1.0, 0.0], [0.0] * (p - 1) + [1.0, 1.0], [0.0] * (p - 1) + [1.0, 1.0]]

@@ -73,6 +73,17 @@ def test_dense_layers_from_mlp_only_layers():
     assert arch_from_hf_dict(cfg).moe_layers == (1, 2)
 
 
+def test_padding_row_is_the_configs_pad_token_and_frozen_only_when_untied():
+    from moe_rl.policy.train_step import frozen_rows
+
+    assert arch_from_hf_dict(QWEN3).padding_idx is None  # no pad_token_id: every row trains
+    arch = arch_from_hf_dict(dict(QWEN3, pad_token_id=0))
+    assert arch.padding_idx == 0 and frozen_rows(arch) == (0,)
+    assert arch_from_hf_dict(dict(QWEN3, pad_token_id=128)).padding_idx is None  # outside the vocabulary
+    tied = arch_from_hf_dict(dict(QWEN3, pad_token_id=0, tie_word_embeddings=True))
+    assert tied.padding_idx == 0 and frozen_rows(tied) == ()  # the row is also the pad token's output row
+
+
 def test_unsupported_architecture_lists_supported():
     with pytest.raises(UnsupportedModel, match="'LlamaForCausalLM' is not supported; supported: Qwen3MoeForCausalLM"):
         arch_from_hf_dict({"architectures": ["LlamaForCausalLM"]})

@@ -9,6 +9,10 @@ the most time of their own (where the interpreter actually spends it).
 
     python tools/bench/profile_step.py                                   # the demo config
     python tools/bench/profile_step.py --config launch/configs/tiny_cpu.yaml drift.enabled=false
+    python tools/bench/profile_step.py --like extended:fast              # a run of the TRL section
+
+`--like PRESET:VARIANT` profiles the run of `trl_parity.py`'s preset (its first setting) and
+moe_rl variant: that section's overrides come first, then the command line's.
 """
 from __future__ import annotations
 
@@ -102,9 +106,21 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--like", metavar="PRESET:VARIANT", help="the run of a trl_parity.py preset and variant")
     p.add_argument("overrides", nargs="*", help="dotlist overrides, as for `moe-rl train`")
     a = p.parse_args()
-    print(run(a.config, a.overrides, a.warmup, a.steps, a.top))
+    print(run(a.config, like(a.like) + a.overrides, a.warmup, a.steps, a.top))
+
+
+def like(spec: str | None) -> list[str]:
+    """The overrides of `trl_parity.py`'s run `PRESET:VARIANT` (seed 1234), or none."""
+    if not spec:
+        return []
+    import trl_parity
+
+    preset, _, variant = spec.partition(":")
+    return trl_parity.common(trl_parity.PRESETS[preset][0], trl_parity.SEEDS[0]) + \
+        trl_parity.VARIANTS[variant or "fast"][1]
 
 
 if __name__ == "__main__":

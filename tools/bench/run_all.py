@@ -94,8 +94,21 @@ def sections() -> list[Section]:
     if (HERE / "packing.py").is_file():
         out.append(("packing", "Packing: packed vs padded tokens/s", _packing))
     out.append(("trl", "Time to reward against TRL's GRPOTrainer (same model, task, batch, GSPO; TRL optional)",
-                lambda q: trl_parity.compare(["fast"], max_generations=2, seeds=trl_parity.SEEDS[:1]) if q else trl_parity.compare()))
+                lambda q: _trl("demo", q)))
+    out.append(("trl_extended", "Generations to reward against TRL on many prompts, 2-token answers, 4 updates "
+                "per generation, lr 1e-3 and 3e-3 (TRL optional)", lambda q: _trl("extended", q)))
     return out
+
+
+def _trl(preset: str, quick: bool) -> str:
+    """The TRL section for a preset of `trl_parity.PRESETS`: `fast` and `demo` over three seeds; the
+    extended preset runs `fast` only here (the demo layout there: `trl_parity.py --preset extended`)."""
+    from dataclasses import replace
+
+    settings = trl_parity.PRESETS[preset]
+    if quick:
+        return trl_parity.compare([replace(settings[0], max_generations=2)], ["fast"], seeds=trl_parity.SEEDS[:1])
+    return trl_parity.compare(settings, ["fast", "demo"] if preset == "demo" else ["fast"])
 
 
 def _versions() -> str:

@@ -40,6 +40,19 @@ def test_answers_are_sums(task):
         assert ex.answer == str(int(a) + int(b)) and ex.metadata == {"a": int(a), "b": int(b)}
 
 
+def test_last_parity_covers_every_three_digit_input_once():
+    examples = make_toy_examples("last-parity")
+    assert sorted(ex.prompt_text for ex in examples) == [f"{n:03d}=" for n in range(1000)]
+    for ex in examples:
+        digits = ex.prompt_text.rstrip("=")
+        assert ex.answer == str(int(digits[2]) % 2)
+        assert ex.metadata == {"a": int(digits[0]), "b": int(digits[1]), "c": int(digits[2])}
+    assert sum(ex.answer == "1" for ex in examples) == 500  # a constant answer scores 1/2
+    train, ev = make_toy_examples("last-parity"), make_toy_examples("last-parity-eval")
+    assert train == make_toy_examples("last-parity") and [e.prompt_text for e in train] != [e.prompt_text for e in ev]
+    assert load_dataset("toy:last-parity")[0].prompt_ids[1:] == ToyTokenizer().encode(train[0].prompt_text)
+
+
 def test_tasks_are_deterministic_and_eval_is_reordered():
     assert {f"{t}{s}" for t in TASKS for s in ("", "-eval")} <= set(toy_task_names())
     for task in TASKS:
@@ -71,3 +84,5 @@ def test_chance_levels():
     assert chance_level("add-easy", 64) == pytest.approx(1 / 256)
     assert chance_level("add-hard", 1) == pytest.approx(0.55 / 16)
     assert chance_level("add-hard", 3) == pytest.approx(0.55 / 256 + 0.45 / 16**3)
+    assert chance_level("last-parity", 1) == pytest.approx(1 / 16)
+    assert chance_level("last-parity", 2) == pytest.approx(1 / 256)
