@@ -17,7 +17,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
+
+from moe_rl.devices import compute_device
 
 _control: Any = None  # the control group once made
 _timeout = timedelta(minutes=30)  # its timeout, for the groups share_out makes beside it
@@ -128,3 +131,21 @@ def share_out(per_key: dict[int, Any] | None, key: int, peers: Sequence[int]) ->
         dist.broadcast_object_list(box, src=peers[0], group=group)
         mine = box[0] if me != 0 else mine
     return mine
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def agree(flag: bool) -> bool:
+    """True on every rank when any rank saw the flag (a signal may reach one rank first)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], device=compute_device())  # NCCL groups take device tensors
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

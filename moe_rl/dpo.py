@@ -24,13 +24,14 @@ from typing import Any
 import torch
 
 from moe_rl.algo.losses import dpo_loss
+from moe_rl.build import hf_tokenizer, initial_model, make_policy
+from moe_rl.collectives import broadcast_object as broadcast
 from moe_rl.config import RunConfig
 from moe_rl.data.preference import PreferenceDataset, PreferencePair, load_preference_dataset
 from moe_rl.data.sampler import PromptSampler
-from moe_rl.collectives import broadcast_object as broadcast
-from moe_rl.step_common import Stopwatch, all_keys, probe_volatility
-from moe_rl.rollout_batch import share_indices
 from moe_rl.policy.policy import Policy
+from moe_rl.rollout_batch import share_indices
+from moe_rl.step_common import Stopwatch, all_keys, probe_volatility
 
 log = logging.getLogger(__name__)
 
@@ -222,10 +223,8 @@ def probe_drift(run: DPORun) -> dict[str, float]:
 
 def build_dpo_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     """Preference data, the policy, the reference log-probs: what `trainer.train_rank` runs."""
-    from moe_rl.trainer import _hf_tokenizer, initial_model, make_policy
-
     d = cfg.dpo
-    tokenizer = _hf_tokenizer(cfg)
+    tokenizer = hf_tokenizer(cfg)
     train = load_preference_dataset(cfg.data.train, tokenizer, d.max_len)
     evals = (load_preference_dataset(cfg.data.eval, tokenizer, d.max_len)
              if cfg.data.eval and cfg.train.eval_every else None)

@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from moe_rl.build import hf_tokenizer
 from moe_rl.config import RunConfig
 
 
@@ -68,10 +69,9 @@ def _resume(cfg: RunConfig) -> str | None:
 def _data(cfg: RunConfig) -> str | None:
     from moe_rl.data.dataset import DataError, load_dataset
     from moe_rl.data.preference import load_preference_dataset
-    from moe_rl.trainer import _hf_tokenizer
 
     vocab = int(_hf_config(cfg)["vocab_size"])
-    tok = _hf_tokenizer(cfg)
+    tok = hf_tokenizer(cfg)
     for key, spec in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval if cfg.train.eval_every else None)):
         if not spec:
             continue

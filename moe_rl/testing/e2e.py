@@ -28,7 +28,7 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
     what the updates replayed (`replay_check`: "ok" or what differed)."""
     from moe_rl.config import RunConfig
     from moe_rl.loop import rl_step
-    from moe_rl.trainer import build_run
+    from moe_rl.build import build_run
 
     cfg = RunConfig.from_dict(cfg_dict)
     rank = int(os.environ["RANK"])
@@ -140,7 +140,7 @@ def critic_steps_worker(cfg_dict: dict[str, Any], run_dir: str, critic_replays: 
     and whether the policy's weights stayed bit for bit."""
     from moe_rl.config import RunConfig
     from moe_rl.loop import rl_step
-    from moe_rl.trainer import build_run
+    from moe_rl.build import build_run
 
     cfg = RunConfig.from_dict(cfg_dict)
     built = build_run(cfg, Path(run_dir), int(os.environ["RANK"]))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
-from moe_rl.trainer import intact_checkpoint, resume, save_checkpoint
+from moe_rl.checkpoint import intact_checkpoint, resume, save_checkpoint
 
 
 class _State:

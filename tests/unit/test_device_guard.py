@@ -222,7 +222,7 @@ def test_fixed_drift_reductions_pass_under_guard_and_old_patterns_fail():
 
 def _agree_under_guard() -> list:
     from moe_rl.device_guard import device_guard
-    from moe_rl.trainer import _agree
+    from moe_rl.collectives import agree as _agree
 
     with device_guard():
         return [_agree(dist.get_rank() == 1), _agree(False)]

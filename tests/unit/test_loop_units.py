@@ -234,7 +234,7 @@ def test_text_only_reward_without_a_tokenizer_is_refused_before_any_work(tmp_pat
     import json
 
     from moe_rl.config import ConfigError, load_config
-    from moe_rl.trainer import build_run
+    from moe_rl.build import build_run
 
     data = tmp_path / "ids.jsonl"
     data.write_text("\n".join(json.dumps({"input_ids": [5, 6, 7], "answer": "3"}) for _ in range(4)) + "\n")

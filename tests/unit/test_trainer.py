@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.trainer import optim_config
+from moe_rl.build import optim_config
 
 DEMO = Path(__file__).resolve().parents[2] / "launch" / "configs" / "tiny_cpu.yaml"
 

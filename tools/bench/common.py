@@ -315,7 +315,7 @@ def trainer_run(cfg_dict: dict[str, Any], out: str) -> Iterator[Any]:
     import torch.distributed as dist
 
     from moe_rl.config import RunConfig
-    from moe_rl.trainer import build_run
+    from moe_rl.build import build_run
 
     cfg = RunConfig.from_dict(cfg_dict)
     rank = dist.get_rank()

@@ -42,7 +42,7 @@ def _variants(cfg: Any) -> dict[str, Any]:
 def _worker(cfg_dict: dict[str, Any], run_dir: str, rounds: int) -> dict[str, dict[str, list[float]]]:
     from moe_rl.config import RunConfig
     from moe_rl.loop import rl_step
-    from moe_rl.trainer import build_run
+    from moe_rl.build import build_run
 
     cfg = RunConfig.from_dict(cfg_dict)
     built = build_run(cfg, Path(run_dir), int(os.environ["RANK"]))

@@ -131,7 +131,7 @@ def write_initial_model(out: Path, seed: int, setting: Setting = Setting()) -> P
     """The fresh tiny Qwen3-MoE both sides start from (the checkpoint `moe-rl train` would write)."""
     from moe_rl.config import load_config
     from moe_rl.data.dataset import load_dataset
-    from moe_rl.trainer import initial_model
+    from moe_rl.build import initial_model
 
     cfg = load_config(str(DEMO), common(setting, seed))
     return initial_model(cfg, out, 0, load_dataset(cfg.data.train, None))

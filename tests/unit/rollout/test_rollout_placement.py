@@ -69,7 +69,7 @@ def test_a_tp_size_in_sglang_args_sizes_the_placement_and_the_update_group():
     servers, _ = plan_servers(cfg, "/ckpt", gpus=gpus)
     assert all(list(s.argv).count("--tp-size") == 2 and s.argv[-1] == "4" for s in servers)
     from moe_rl.config import load_config
-    from moe_rl.trainer import update_group
+    from moe_rl.build import update_group
 
     run = load_config(None, ["rollout.engine=sglang", "rollout.weight_sync=nccl", "rollout.urls=[http://a:1]",
                              "rollout.sglang_args=[--tp-size=4]", "rollout.weight_sync_port=31999"])

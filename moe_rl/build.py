@@ -1,0 +1,211 @@
+"""Everything a run is built from, in order: the initial model checkpoint, the megatron policy
+(layout, optimizer, LR schedule, fused kernels), the critic, the rollout engine and its servers,
+the weight sync and its update group. `moe_rl.trainer` builds a run with `build_run`; the DPO
+recipe takes the policy, model and tokenizer builders from here too."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.collectives import barrier, broadcast_object, init_control_group
+from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
+
+
+def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
+    """Model checkpoint, policy, data, rewards, rollout engine and weight sync for this rank."""
+    from moe_rl.data.dataset import load_dataset
+    from moe_rl.data.sampler import PromptSampler
+    from moe_rl.loop import Run
+    from moe_rl.reward.registry import get_reward
+    from moe_rl.reward.runner import RewardRunner
+    from moe_rl.rollout.weight_sync import make_weight_sync
+
+    dataset = load_dataset(cfg.data.train, hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
+                           cfg.data.max_prompt_len)
+    runner = RewardRunner(get_reward(cfg.reward.name, data=cfg.data.train), cfg.reward.max_failure_frac)
+    if getattr(dataset.tokenizer, "decode", None) is None and not runner.reads_ids:
+        raise ConfigError(f"reward.name={cfg.reward.name!r} reads only the completion text, but {cfg.data.train} "
+                          "comes without a tokenizer to decode completions with: set model.hf_path to a checkpoint "
+                          "with tokenizer files, or use a reward with a completion_ids parameter")
+    hf_dir = initial_model(cfg, out, rank, dataset)
+    policy = make_policy(cfg, hf_dir, cfg.algo.num_minibatches, temperature=cfg.rollout.temperature)
+    init_control_group(handoff_timeout_s(cfg))  # from here on, waits for rank 0 cannot time out first
+    eos = getattr(dataset.tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = policy.hf_config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
+    engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
+    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=getattr(engine, "keys", None),
+                            **(update_group(cfg, servers, out) if cfg.rollout.weight_sync == "nccl" else {}))
+    run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
+              weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
+              critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None)
+    eval_set = load_dataset(cfg.data.eval, hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
+                            cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None
+    return {"run": run, "eval": eval_set, "servers": servers}
+
+
+def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature: float = 1.0) -> Any:
+    """The megatron policy of `hf_dir` in the configured layout, optimizer and LR schedule; its
+    log-probs are of softmax(logits / `temperature`) (RL: the rollout's sampling temperature)."""
+    from moe_rl.policy.parallel import ParallelLayout, read_dist_env
+    from moe_rl.policy.policy import Policy, PolicySpec
+
+    p = cfg.parallel
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp,
+                            world_size=read_dist_env().world_size)
+    return Policy(PolicySpec(str(hf_dir), layout, optim_config(cfg, updates_per_step), cfg.model.dtype,
+                             cfg.model.recompute, p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch,
+                             temperature=temperature, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,
+                             collective_timeout_s=cfg.train.collective_timeout_s, perf=perf_request(cfg)))
+
+
+def optim_config(cfg: RunConfig, updates_per_step: int) -> Any:
+    """The `train` section as the optimizer's `OptimConfig`. Its scheduler counts optimizer updates,
+    `updates_per_step` per RL step, and `train.steps` and `train.warmup_steps` count RL steps."""
+    from moe_rl.policy.train_step import OptimConfig
+
+    t = cfg.train
+    return OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                       adam_beta2=t.adam_beta2, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps * updates_per_step,
+                       total_steps=t.steps * updates_per_step, lr_schedule=t.lr_schedule,
+                       distributed_optimizer=t.distributed_optimizer)
+
+
+def perf_request(cfg: RunConfig) -> Any:
+    """The fused kernels and DDP overlap the config asks for (`model.*_fusion`, `parallel.overlap_*`)."""
+    from dataclasses import fields
+
+    from moe_rl.policy.perf import PerfRequest
+
+    return PerfRequest(**{f.name: getattr(cfg.model, f.name, None) if hasattr(cfg.model, f.name)
+                          else getattr(cfg.parallel, f.name) for f in fields(PerfRequest)})
+
+
+def build_critic(cfg: RunConfig, policy_spec: Any) -> Any:
+    """The value model of `algo.advantage=gae`: the policy's layout and batching, its own checkpoint
+    (`critic.hf_path`, default the policy's) and a constant learning rate `critic.lr`."""
+    from dataclasses import replace
+
+    from moe_rl.policy.critic import Critic
+
+    c = cfg.critic
+    optim = replace(policy_spec.optim, lr=c.lr, min_lr=0.0, warmup_steps=0, lr_schedule="constant",
+                    total_steps=cfg.train.steps * cfg.algo.num_minibatches * c.updates_per_step)
+    return Critic(replace(policy_spec, hf_dir=c.hf_path or policy_spec.hf_dir, optim=optim))
+
+
+def hf_tokenizer(cfg: RunConfig) -> Any:
+    if not cfg.model.hf_path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    except Exception:  # id-only checkpoints (no tokenizer files) are fine for id datasets
+        return None
+
+
+def initial_model(cfg: RunConfig, out: Path, rank: int, dataset: Any) -> Path:
+    """`model.hf_path`, or a fresh tiny Qwen3-MoE written by rank 0 into the run directory."""
+    if cfg.model.hf_path:
+        return Path(cfg.model.hf_path)
+    path = out / "init_model"
+    if rank == 0 and not (path / "config.json").is_file():
+        from moe_rl.policy.tiny import TinyMoEConfig, make_tiny_qwen3_moe
+
+        tok = dataset.tokenizer
+        shape = asdict(cfg.model.tiny)
+        init_std = shape.pop("init_std")
+        tiny = TinyMoEConfig(**shape)
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(tok, attr, None) is not None:
+                setattr(tiny, attr, int(getattr(tok, attr)))
+        make_tiny_qwen3_moe(path.with_suffix(".tmp"), seed=cfg.model.seed, config=tiny, init_std=init_std)
+        os.replace(path.with_suffix(".tmp"), path)
+    if dist.is_initialized():
+        barrier()
+    else:
+        while not (path / "config.json").is_file():  # other ranks wait for rank 0's write
+            time.sleep(0.2)
+    return path
+
+
+def update_group(cfg: RunConfig, servers: Any, out: Path | None = None) -> dict[str, Any]:
+    """Where the nccl weight sync meets the servers (collective; every rank gets rank 0's answer).
+
+    The servers join a process group whose rank 0 is trainer rank 0: they reach it at
+    MASTER_ADDR (under torchrun / srun the host of rank 0, which the servers' nodes can
+    resolve) on `rollout.weight_sync_port`, or on a port rank 0 finds free on all its
+    interfaces, never MASTER_PORT (the trainer's own rendezvous). Each server joins with
+    its `--tp-size` ranks (`rollout.tp_size`; `moe-rl serve` is one rank). The group is
+    NCCL on GPUs and gloo on CPU, where `moe-rl serve` receives the same broadcasts.
+    """
+    found = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        r = cfg.rollout
+        admin = list(r.admin_urls) or list(r.urls) or (servers.admin_urls if servers is not None else [])
+        found = {"admin_urls": admin,
+                 "master_address": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                 "master_port": r.weight_sync_port or _free_port(avoid=int(os.environ.get("MASTER_PORT", "0"))),
+                 "server_tp_sizes": r.server_tp_size if r.engine == "sglang" else 1,
+                 # the group joined last, left by a trainer that died without leaving it
+                 "state_file": None if out is None else str(out / "servers" / "update_group.json"),
+                 "backend": "nccl" if torch.cuda.is_available() else "gloo"}
+    return broadcast_object(found)  # the others wait while rank 0 starts the servers
+
+
+def _free_port(avoid: int) -> int:
+    """A TCP port free on every interface of this host (the servers connect from other nodes)."""
+    import socket
+
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        if port != avoid:
+            return port
+
+
+def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
+    """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
+    from moe_rl.devices import gpu_count, local_trainer_ranks
+    from moe_rl.rollout.auth import read_key_file
+    from moe_rl.rollout.launcher import RunIdentity, ServerGroup
+    from moe_rl.rollout.placement import server_gpus
+    from moe_rl.rollout.sglang_client import SGLangClient
+
+    if cfg.rollout.engine == "inprocess":  # no server: the engine runs in this process
+        from moe_rl.rollout.inprocess import inprocess_engine
+
+        return inprocess_engine(cfg, hf_dir), None
+    arch = policy.arch
+    servers = None
+    r = cfg.rollout
+    urls, admin = list(r.urls), list(r.admin_urls) or None
+    keys, served_name = (read_key_file(r.api_key_file) if r.api_key_file else None), r.served_model_name
+    if not urls:  # launched here: fresh run id (and keys off loopback), supervised, weights only from ours
+        # weights only from ours: the versions synced and the checkpoint they started from (reloaded
+        # after a colocated release, which loses them)
+        identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights", hf_dir])
+        gpus = server_gpus(r, local_trainer_ranks(cfg.train.world_size), gpu_count())  # after the trainer's GPUs
+        servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity, gpus=gpus).start()
+        if r.weight_sync == "nccl":  # a restarted server could not rejoin the update group: it would serve stale weights
+            servers.max_restarts = 0
+        servers.wait_healthy(timeout=r.timeout_s)
+        servers.watch()
+        urls, admin, keys, served_name = servers.urls, servers.admin_urls, identity.keys, identity.run_id
+    client = SGLangClient(urls, admin_urls=admin, max_concurrency=cfg.rollout.concurrency,
+                          keys=keys, served_name=served_name, no_server_timeout=r.timeout_s,
+                          request_timeout=cfg.rollout.timeout_s, max_attempts=cfg.rollout.retries + 1,
+                          num_layers=arch.num_layers, topk=arch.moe_router_topk,
+                          num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers),
+                          initial_weights=hf_dir)
+    return client, servers
