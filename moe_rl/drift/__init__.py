@@ -1,9 +1,13 @@
 """Routing drift: route volatility, rollout/trainer mismatch and expert load (`metrics`),
-route capture from HF models (`routes`), and the `moe-rl drift` command (`offline`)."""
-from moe_rl.drift.metrics import (LOAD_PREFIX, LOGPROB_PREFIX, ROLLOUT_MISMATCH, VOLATILITY, DriftShapeError,
-                                  LogprobStats, RouteStats, all_reduce_counts, expert_load, load_change,
-                                  logprob_mismatch, route_dtype, route_stats)
+route capture from HF models (`routes`), and the `moe-rl drift` command (`offline`).
 
-__all__ = ["LOAD_PREFIX", "LOGPROB_PREFIX", "ROLLOUT_MISMATCH", "VOLATILITY", "DriftShapeError", "LogprobStats",
-           "RouteStats", "all_reduce_counts", "expert_load", "load_change", "logprob_mismatch", "route_dtype",
-           "route_stats"]
+Names load with their module on first use (`moe_rl.lazy`): `moe_rl.config` reads this
+package's `config.py` without importing the rest.
+"""
+from moe_rl.lazy import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "metrics": ("LOAD_PREFIX", "LOGPROB_PREFIX", "ROLLOUT_MISMATCH", "VOLATILITY", "DriftShapeError",
+                "LogprobStats", "RouteStats", "all_reduce_counts", "expert_load", "load_change",
+                "logprob_mismatch", "route_dtype", "route_stats"),
+})

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Sequence
 
-from moe_rl.config import SGLANG_TP_FLAGS, sglang_flag
+from moe_rl.rollout.config import SGLANG_TP_FLAGS, sglang_flag
 
 DEFAULT_BASE_PORT = 30000  # servers of a SLURM job listen from here (SGLang's usual range)
 TP_FLAGS = SGLANG_TP_FLAGS  # flags of `sglang.launch_server` that set its tensor-parallel size

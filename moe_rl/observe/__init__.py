@@ -6,15 +6,17 @@
     ...
     write_report(run_dir)                                        # run_dir/report/*.png
 
-`write_report` lives in `moe_rl.observe.report` and is not imported here, so
+`write_report` lives in `moe_rl.observe.report` and is not exported here, so
 that importing this package does not import matplotlib.
-"""
-from moe_rl.observe.logging import get_logger, setup_logging
-from moe_rl.observe.progress import Progress
-from moe_rl.observe.sinks import (JsonlSink, MetricSink, MultiSink, TensorBoardSink, WandbSink, make_sinks,
-                                  read_metrics)
 
-__all__ = [
-    "JsonlSink", "MetricSink", "MultiSink", "Progress", "TensorBoardSink", "WandbSink", "get_logger",
-    "make_sinks", "read_metrics", "setup_logging",
-]
+Names load with their module on first use (`moe_rl.lazy`): `moe_rl.config` reads this
+package's `config.py` without importing the rest.
+"""
+from moe_rl.lazy import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "logging": ("get_logger", "setup_logging"),
+    "progress": ("Progress",),
+    "sinks": ("JsonlSink", "MetricSink", "MultiSink", "TensorBoardSink", "WandbSink", "make_sinks",
+              "read_metrics"),
+})

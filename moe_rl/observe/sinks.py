@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, runtime_chec
 from moe_rl.observe.logging import get_logger
 
 if TYPE_CHECKING:
-    from moe_rl.config import LogConfig
+    from moe_rl.observe.config import LogConfig
 
 __all__ = [
     "JsonlSink", "MetricSink", "MultiSink", "TensorBoardSink", "WandbSink", "latest_history", "make_sinks",

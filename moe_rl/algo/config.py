@@ -1,0 +1,216 @@
+"""The `algo`, `critic` and `dpo` sections of the run config: the objective, advantages,
+rollout correction, routing replay, the critic of GAE runs and DPO, and their rules.
+
+The `check_*(cfg)` rules take the whole `RunConfig` (`moe_rl.config`, which imports this
+module: hence `Any`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from moe_rl.configurable import choice, ranged
+
+
+LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "sapo", "cispo", "gmpo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+ADVANTAGES = ("grpo", "drgrpo", "rloo", "gae")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+TIS_LEVELS = ("token", "sequence")
+CORRECTION_MODES = ("tis", "token_mask", "icepop", "seq_mask")
+REPLAYS = ("off", "r2", "r3", "auto")
+CRITIC_REPLAYS = ("off", "r2")
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """What to do with tokens whose trainer and rollout probabilities disagree (moe_rl/algo/correction.py)."""
+
+    mode: str | None = choice(None, CORRECTION_MODES)
+    """None = off; tis = truncated IS (cap: algo.tis_cap, 2 if unset); token_mask = drop tokens whose
+    ratio pi_old / pi_rollout is outside [low, high] (MIS); icepop = token_mask with IcePop's [0.5, 5];
+    seq_mask = drop whole sequences whose geometric-mean ratio is outside [low, high]. algo.tis_cap
+    set together with a mask mode applies both."""
+    low: float | None = ranged(None, ge=0.0, lt=1.0)
+    """Lower bound on the ratio for the mask modes; None = the mode's default (0.5; seq_mask 0.99)."""
+    high: float | None = ranged(None, gt=1.0)
+    """Upper bound on the ratio for the mask modes; None = the mode's default (2; icepop 5; seq_mask 1.01)."""
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective, advantages and rollout filters."""
+
+    loss: str = choice("gspo", LOSSES)
+    """Policy loss; GSPO because sequence-level ratios are stable on MoE models."""
+    eps_low: float | None = ranged(None, ge=0.0, lt=1.0)
+    """Lower clip range; None = the loss's paper default (GRPO/DAPO 0.2, GSPO 3e-4)."""
+    eps_high: float | None = ranged(None, ge=0.0)
+    """Upper clip range; None = the loss's paper default (GRPO 0.2, DAPO 0.28, GSPO 4e-4)."""
+    tau_pos: float = ranged(1.0, gt=0.0)
+    """SAPO temperature for positive advantages (paper value)."""
+    tau_neg: float = ranged(1.05, gt=0.0)
+    """SAPO temperature for negative advantages; slightly sharper, as in the paper."""
+    dual_clip: float | None = ranged(None, gt=1.0)
+    """Dual-clip constant c > 1 bounding the loss for negative advantages; None = off."""
+    aggregation: str | None = choice(None, AGGREGATIONS)
+    """How token losses become one number; None = the loss's default."""
+    advantage: str = choice("grpo", ADVANTAGES)
+    """Group advantage estimator: grpo (mean/std), drgrpo (mean only), rloo (leave-one-out); gae =
+    per-token GAE from a learned critic (PPO / VC-PPO / VAPO; the `critic` section)."""
+    adv_eps: float = ranged(1e-6, ge=0.0)
+    """Added to the group std so equal-reward groups give 0, not NaN."""
+    kl_coef: float = ranged(0.0, ge=0.0)
+    """KL penalty to the reference policy; 0 (no reference model) as in DAPO and GSPO."""
+    kl_estimator: str = choice("k3", KL_ESTIMATORS)
+    """KL estimator when kl_coef > 0; k3 is unbiased and non-negative."""
+    tis_cap: float | None = ranged(None, gt=0.0)
+    """Truncated importance sampling cap for the rollout/trainer mismatch; None = off."""
+    tis_level: str = choice("token", TIS_LEVELS)
+    """Whether the TIS weight is per token or one per sequence."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Masks (and TIS) for the trainer/rollout mismatch, composable with every loss."""
+    num_minibatches: int = ranged(4, ge=1)
+    """Optimizer updates per step (the step's samples split evenly); 4 as in GSPO."""
+    shuffle_minibatches: bool = True
+    """Split the step's samples into minibatches in a random order (seeded by data.shuffle_seed and
+    the step, the same on every rank), so each update sees samples of every prompt, as
+    PPO implementations do; false keeps the prompt order (each prompt's samples together)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose task rewards (before overlong shaping) are all
+    equal, and sample further prompts until the step has data.prompts_per_step informative groups
+    or dynamic_sampling_max_rounds rounds were generated; off so every step has a fixed size."""
+    dynamic_sampling_max_rounds: int = ranged(3, ge=1)
+    """Rollout rounds (each of data.prompts_per_step prompts) a step may generate to fill its groups
+    with dynamic sampling; 1 = never refill (train on the informative groups of one round)."""
+    overlong_max_len: int | None = ranged(None, ge=1)
+    """DAPO overlong shaping L_max in tokens; None = off."""
+    overlong_cache_len: int = ranged(0, ge=0)
+    """DAPO L_cache: responses within this many tokens of L_max get a linear penalty."""
+    replay: str = choice("r2", REPLAYS)
+    """Routing replay: r2 replays the old policy's routes, r3 the rollout engine's; r2 needs no engine
+    support. auto: r2 while a step's updates are mildly off-policy (at most 2 optimizer updates per
+    rollout batch, counting off_policy_overlap's stale version as one), r3 beyond that, following the
+    Qwen team's analysis of routing replay (R2 biases less when close to on-policy, R3 holds up far off it)."""
+    off_policy_overlap: bool = False
+    """Generate step t+1 while training step t (one step stale); off so steps are on-policy."""
+    gamma: float = ranged(1.0, ge=0.0, le=1.0)
+    """GAE discount (advantage=gae); 1.0: the reward comes once, at the end of the response."""
+    lam: float | int | str = 0.95
+    """GAE λ of the policy's advantages (advantage=gae): a number in [0, 1] (VC-PPO 0.95), or
+    'adaptive' for VAPO's per-sequence λ = 1 - 1/(lam_alpha * response length)."""
+    lam_alpha: float = ranged(0.05, gt=0.0)
+    """α of the length-adaptive λ (VAPO's 0.05)."""
+    whiten_advantages: bool = False
+    """Normalise the GAE advantages to mean 0, std 1 over the step's response tokens (all DP ranks)."""
+    ntp_coef: float = ranged(0.0, ge=0.0)
+    """μ of VAPO's positive-example LM loss: μ * (mean NLL over the response tokens of samples with
+    reward >= 1) is added to the policy loss; 0 = off, VAPO uses 0.1."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model of `algo.advantage=gae`: the policy's network with a value head."""
+
+    hf_path: str | None = None
+    """HF checkpoint whose trunk starts the critic; None = the policy's (its value head starts at 0)."""
+    lr: float = ranged(1e-5, gt=0.0)
+    """Critic learning rate (constant; Adam betas, weight decay and clipping as in `train`)."""
+    lam: float = ranged(1.0, ge=0.0, le=1.0)
+    """GAE λ of the value targets; VC-PPO's 1.0 (unbiased Monte-Carlo returns), decoupled from algo.lam."""
+    updates_per_step: int = ranged(1, ge=1)
+    """Passes of critic updates over the step's minibatches per policy update (K >= 1)."""
+    value_clip: float | None = ranged(0.2, gt=0.0)
+    """ε_v of the clipped value loss (values stay within old ± ε_v); null = unclipped."""
+    warmup_steps: int = ranged(0, ge=0)
+    """Value pretraining (VC-PPO): the first N RL steps update only the critic, on the initial
+    policy's rollouts; 0 = none."""
+    replay: str = choice("r2", CRITIC_REPLAYS)
+    """Routing replay of the critic's own routes in its updates: r2 (recorded in its value pass) or
+    off. R3 does not apply: the engine's routes are the policy's."""
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimisation, used when train.mode=dpo (moe_rl/dpo.py)."""
+
+    loss: str = choice("sigmoid", DPO_LOSSES)
+    """sigmoid = DPO, −log σ(β·h) (conservative DPO with label_smoothing > 0); ipo = IPO's (h − 1/(2β))²."""
+    beta: float = ranged(0.1, gt=0.0)
+    """β: how far the policy may move from the reference (the implicit KL weight); 0.1 as in the DPO paper."""
+    label_smoothing: float = ranged(0.0, ge=0.0, lt=0.5)
+    """Conservative DPO's ε, the share of preference labels assumed flipped; 0 = plain DPO (sigmoid only)."""
+    sft_coef: float = ranged(0.0, ge=0.0)
+    """Weight of the chosen response's per-token NLL added to the loss; 0 = off."""
+    ref_path: str | None = None
+    """Reference model (a HF checkpoint of the policy's architecture); None = the initial policy.
+    Its log-probs are computed once before training and cached in the run directory."""
+    pairs_per_step: int = ranged(32, ge=1)
+    """Preference pairs per optimizer step, over all data-parallel ranks (a multiple of their number)."""
+    max_len: int = ranged(1024, ge=2)
+    """Pairs whose prompt + longer response has more tokens are skipped, not truncated."""
+
+
+def replay_mode(a: AlgoConfig) -> str:
+    """The replay a step uses: `algo.replay`, with auto resolved (see AlgoConfig.replay)."""
+    if a.replay != "auto":
+        return a.replay
+    updates_per_batch = a.num_minibatches + (1 if a.off_policy_overlap else 0)
+    return "r2" if updates_per_batch <= 2 else "r3"
+
+
+def check_algo(cfg: Any) -> Iterator[str]:
+    a = cfg.algo
+    if replay_mode(a) == "r3" and not cfg.rollout.return_routed_experts:
+        yield (f"algo.replay: {a.replay!r} chooses 'r3' here, which replays the rollout engine's routes and requires "
+               "rollout.return_routed_experts=true")
+    if a.overlong_cache_len > 0 and a.overlong_max_len is None:
+        yield f"algo.overlong_cache_len: {a.overlong_cache_len} needs algo.overlong_max_len to be set"
+    if a.overlong_max_len is not None and a.overlong_cache_len >= a.overlong_max_len:
+        yield (f"algo.overlong_cache_len: {a.overlong_cache_len} must be < "
+               f"algo.overlong_max_len={a.overlong_max_len}")
+    rc = a.rollout_correction
+    if (rc.low is not None or rc.high is not None) and rc.mode not in ("token_mask", "icepop", "seq_mask"):
+        yield (f"algo.rollout_correction.low/high bound the ratio of a mask mode; mode is {rc.mode!r}: set "
+               "algo.rollout_correction.mode to token_mask, icepop or seq_mask, or leave the bounds unset")
+    samples = cfg.data.prompts_per_step * cfg.rollout.n_samples
+    if samples % a.num_minibatches:
+        yield (f"algo.num_minibatches: {a.num_minibatches} must divide the step's samples, "
+               f"data.prompts_per_step*rollout.n_samples={samples}")
+
+
+def check_critic(cfg: Any) -> Iterator[str]:
+    a, c = cfg.algo, cfg.critic
+    if isinstance(a.lam, str) and a.lam != "adaptive":
+        yield f"algo.lam: {a.lam!r} must be a number in [0, 1] or 'adaptive'"
+    elif not isinstance(a.lam, str) and not 0.0 <= a.lam <= 1.0:
+        yield f"algo.lam: {a.lam} must be in [0, 1] (or 'adaptive')"
+    if a.advantage != "gae":
+        return
+    if c.warmup_steps >= cfg.train.steps:
+        yield (f"critic.warmup_steps: {c.warmup_steps} must be < train.steps={cfg.train.steps}, "
+               "or the policy never trains")
+    if c.hf_path is not None and not c.hf_path.strip():
+        yield "critic.hf_path: '' must be a checkpoint directory or null (the policy's)"
+    if a.kl_coef > 0:
+        yield "algo.kl_coef: the GAE path takes no reference policy yet; set algo.kl_coef=0"
+
+
+def check_dpo(cfg: Any) -> Iterator[str]:
+    d, p = cfg.dpo, cfg.parallel
+    if cfg.train.mode != "dpo":
+        return
+    for key, spec in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if spec is not None and spec.startswith("toy:") and not spec.startswith("toy:pref-"):
+            yield (f"{key}: {spec!r} is a prompt task; train.mode=dpo needs preference pairs: "
+                   f"toy:pref-{spec[4:]} or a file of prompt/chosen/rejected rows")
+    if d.loss == "ipo" and d.label_smoothing > 0:
+        yield f"dpo.label_smoothing: {d.label_smoothing} applies to dpo.loss=sigmoid only (it is ipo); use 0"
+    if p.max_tokens_per_microbatch is None and p.micro_batch_size % 2:
+        yield (f"parallel.micro_batch_size: {p.micro_batch_size} must be even with train.mode=dpo "
+               "(chosen and rejected of a pair share a micro-batch)")
+    dp = cfg.train.world_size // (p.tp * p.pp)
+    if cfg.train.world_size > 1 and dp > 1 and d.pairs_per_step % dp:
+        yield (f"dpo.pairs_per_step: {d.pairs_per_step} must be a multiple of the data-parallel size "
+               f"{dp} (train.world_size / (tp * pp))")

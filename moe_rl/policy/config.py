@@ -1,0 +1,210 @@
+"""The `model` and `parallel` sections of the run config, and the rules between them and
+the model's shape (a layout must divide heads, experts and layers).
+
+The `check_*(cfg)` rules take the whole `RunConfig` (`moe_rl.config`, which imports this
+module: hence `Any`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from moe_rl.configurable import choice, ranged
+
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class TinyModel:
+    """Shape of the fresh random Qwen3-MoE built when `model.hf_path` is None.
+
+    Names match `moe_rl.policy.tiny.TinyMoEConfig` (init_std aside: an argument of
+    `make_tiny_qwen3_moe`). The defaults divide every layout the tests use: TP2 (4 heads,
+    2 KV heads), PP2 x VPP2 (4 layers), EP2 (4 experts).
+    """
+
+    vocab_size: int = ranged(128, ge=1)
+    """Token vocabulary; the toy tasks need 16 (see moe_rl/data/toy.py)."""
+    hidden_size: int = ranged(64, ge=1)
+    """Residual width; small so a CPU step takes well under a second."""
+    moe_intermediate_size: int = ranged(32, ge=1)
+    """Hidden width of each expert's MLP."""
+    intermediate_size: int = ranged(128, ge=1)
+    """Hidden width of a dense MLP (only used by dense layers, if any)."""
+    num_hidden_layers: int = ranged(4, ge=1)
+    """Transformer layers; 4 allows PP2 with VPP2."""
+    num_attention_heads: int = ranged(4, ge=1)
+    """Query heads; 4 allows TP2."""
+    num_key_value_heads: int = ranged(2, ge=1)
+    """KV heads (GQA groups); 2 allows TP2 and keeps GQA in the tested path."""
+    head_dim: int = ranged(16, ge=1)
+    """Per-head width (Qwen3 sets it explicitly rather than hidden/heads)."""
+    num_experts: int = ranged(4, ge=1)
+    """Routed experts per MoE layer; 4 allows EP2 and EP4."""
+    num_experts_per_tok: int = ranged(2, ge=1)
+    """Top-k experts per token; 2 so routes can partly change between updates."""
+    init_std: float = ranged(0.02, gt=0.0)
+    """Std of the random initial weights (HF's default): a near-uniform first policy that explores."""
+
+
+@dataclass
+class ModelConfig:
+    """Which policy to train and how its weights are held."""
+
+    hf_path: str | None = None
+    """HF checkpoint directory. None builds a fresh tiny model from `tiny` (CPU demo and tests)."""
+    tiny: TinyModel = field(default_factory=TinyModel)
+    """Shape of the fresh model when `hf_path` is None; ignored otherwise."""
+    dtype: str = choice("fp32", DTYPES)
+    """Parameter/compute dtype. fp32 because the CPU path is the default; GPU configs set bf16."""
+    recompute: bool = False
+    """Activation recomputation: trades ~30% more compute for memory; needed for long sequences."""
+    moe_router_fusion: bool = False
+    """Fused router kernel (transformer-engine >= 2.7). Off because megatron silently skips routing
+    replay when it is on: allowed only with algo.replay=off."""
+    moe_permute_fusion: bool | None = None
+    """Fused MoE token permutation (transformer-engine >= 2.1). None = on with a GPU and TE, off on CPU
+    (moe_rl/policy/perf.py says what each fusion needs)."""
+    apply_rope_fusion: bool | None = None
+    """Fused rotary embedding (transformer-engine >= 1.4). None = on with a GPU and TE, off on CPU."""
+    bias_activation_fusion: bool | None = None
+    """megatron's fused SwiGLU. None = on with a GPU, off on CPU."""
+    bias_dropout_fusion: bool | None = None
+    """megatron's fused bias-dropout-add. None = on with a GPU, off on CPU."""
+    gradient_accumulation_fusion: bool | None = None
+    """Weight-gradient GEMMs accumulate straight into the fp32 gradient buffers (NVIDIA apex's
+    fused_weight_gradient_mlp_cuda, which the docker image builds). None = on with a GPU and apex."""
+    moe_aux_loss_coef: float | None = ranged(None, ge=0.0)
+    """Weight of the routers' load-balancing loss; null = the checkpoint's `router_aux_loss_coef`
+    (0 when it has none), 0 = off. HF trainers (TRL's GRPOTrainer) take the same default."""
+    seed: int = 1234
+    """Seed for model init and megatron's RNG tracker (data order has its own seed)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Trainer parallel layout. Checks against the world size live in `policy/parallel.py`."""
+
+    tp: int = ranged(1, ge=1)
+    """Tensor parallel size; must divide attention heads and KV heads."""
+    pp: int = ranged(1, ge=1)
+    """Pipeline parallel stages; pp * vpp must divide the layer count."""
+    vpp: int | None = ranged(None, ge=1)
+    """Virtual pipeline chunks per stage (interleaved 1F1B); None = not interleaved. Needs pp > 1."""
+    ep: int = ranged(1, ge=1)
+    """Expert parallel size; must divide the number of experts."""
+    etp: int = ranged(1, ge=1)
+    """Tensor parallel size inside experts; 1 because EP scales MoE better than splitting experts."""
+    sp: bool | None = None
+    """Sequence parallel; None = auto (on when tp > 1, which megatron MoE requires)."""
+    micro_batch_size: int = ranged(4, ge=1)
+    """Sequences per forward/backward micro-batch; tiny models fit 4, long-context runs use 1."""
+    overlap_grad_reduce: bool | None = None
+    """Reduce gradients bucket by bucket during the backward pass (megatron DDP). None = on with a
+    GPU, off on CPU."""
+    overlap_param_gather: bool | None = None
+    """With train.distributed_optimizer: gather the updated parameters during the next forward instead
+    of at the end of the optimizer step. None = on with a GPU and the distributed optimizer."""
+    max_tokens_per_microbatch: int | None = ranged(None, ge=2)
+    """Token budget per micro-batch. Set: sequences are packed several to a row (no padding
+    compute) and spread over data-parallel ranks by tokens rather than by count; null = padded
+    micro-batches of micro_batch_size sequences. Must hold the longest sequence
+    (data.max_prompt_len + rollout.max_new_tokens)."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """`sp` with the auto rule applied."""
+        return self.tp > 1 if self.sp is None else self.sp
+
+
+# Keys of a HF config.json that give the shapes the parallel layout must divide.
+_HF_SHAPE_KEYS = {
+    "num_attention_heads": ("num_attention_heads",),
+    "num_key_value_heads": ("num_key_value_heads",),
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "num_hidden_layers": ("num_hidden_layers",),
+    "moe_intermediate_size": ("moe_intermediate_size",),
+}
+
+
+def _model_shape(model: ModelConfig) -> dict[str, tuple[int, str]]:
+    """Known model sizes as name -> (value, label for messages).
+
+    The tiny model's sizes are always known; for `hf_path` they are read from its
+    config.json when that file is on this machine, and skipped otherwise.
+    """
+    if model.hf_path is None:
+        return {k: (v, f"model.tiny.{k}={v}") for k, v in dataclasses.asdict(model.tiny).items()}
+    cfg_file = Path(model.hf_path) / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    raw = raw.get("text_config", raw)  # multimodal checkpoints nest the LM's config
+    shape = {}
+    for name, keys in _HF_SHAPE_KEYS.items():
+        value = next((raw[k] for k in keys if isinstance(raw.get(k), int)), None)
+        if value is not None:
+            shape[name] = (value, f"{name}={value} (from {cfg_file})")
+    return shape
+
+
+def _divides(key: str, size: int, shape: dict[str, tuple[int, str]], dim: str,
+             what: str = "") -> Iterator[str]:
+    """`key: <what><size> must divide <dim>=N` when the model's `dim` is known and not divisible."""
+    if dim in shape and shape[dim][0] % size:
+        yield f"{key}: {what}{size} must divide {shape[dim][1]}"
+
+
+def check_model(cfg: Any) -> Iterator[str]:
+    tiny = cfg.model.tiny
+    if cfg.model.hf_path is None:
+        if tiny.num_experts_per_tok > tiny.num_experts:
+            yield (f"model.tiny.num_experts_per_tok: {tiny.num_experts_per_tok} must be <= "
+                   f"model.tiny.num_experts={tiny.num_experts}")
+        if tiny.num_attention_heads % tiny.num_key_value_heads:
+            yield (f"model.tiny.num_key_value_heads: {tiny.num_key_value_heads} must divide "
+                   f"model.tiny.num_attention_heads={tiny.num_attention_heads}")
+    elif not cfg.model.hf_path.strip():
+        yield "model.hf_path: '' must be a checkpoint directory or null (fresh tiny model)"
+    if cfg.model.moe_router_fusion and cfg.algo.replay != "off":
+        yield (f"model.moe_router_fusion: true is not allowed with algo.replay={cfg.algo.replay}: "
+               "the fused router skips routing replay (set algo.replay=off or fusion false)")
+    elif cfg.model.moe_router_fusion and cfg.drift.enabled:
+        yield ("model.moe_router_fusion: true is not allowed with drift.enabled=true: the fused router skips "
+               "RouterReplay, which records the routes drift compares (set drift.enabled=false or fusion false)")
+
+
+def check_parallel(cfg: Any) -> Iterator[str]:
+    p = cfg.parallel
+    if p.overlap_param_gather and not cfg.train.distributed_optimizer:
+        yield ("parallel.overlap_param_gather: true needs train.distributed_optimizer=true (the distributed "
+               "optimizer gathers the parameters it updates)")
+    if p.overlap_param_gather and p.overlap_grad_reduce is False:
+        yield "parallel.overlap_param_gather: true needs parallel.overlap_grad_reduce (true or null)"
+    if p.vpp is not None and p.pp < 2:
+        yield f"parallel.vpp: {p.vpp} needs parallel.pp > 1 (pp={p.pp}); use null without pipelining"
+    if p.tp > 1 and p.sp is False:
+        yield (f"parallel.sp: false is not allowed with parallel.tp={p.tp}: megatron MoE layers "
+               "need sequence parallel when tp > 1 (use true or null for auto)")
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    what = "the longest sequence, data.max_prompt_len + rollout.max_new_tokens"
+    if cfg.train.mode == "dpo":  # chosen and rejected of a pair share a packed row
+        longest, what = 2 * cfg.dpo.max_len, "the longest pair, 2 * dpo.max_len"
+    if p.max_tokens_per_microbatch is not None and p.max_tokens_per_microbatch < longest:
+        yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} cannot hold {what} = "
+               f"{longest}; use at least {longest}")
+    shape = _model_shape(cfg.model)
+    yield from _divides("parallel.tp", p.tp, shape, "num_attention_heads")
+    yield from _divides("parallel.tp", p.tp, shape, "num_key_value_heads")
+    yield from _divides("parallel.ep", p.ep, shape, "num_experts")
+    yield from _divides("parallel.etp", p.etp, shape, "moe_intermediate_size")
+    if p.vpp is None:
+        yield from _divides("parallel.pp", p.pp, shape, "num_hidden_layers")
+    else:
+        yield from _divides("parallel.vpp", p.pp * p.vpp, shape, "num_hidden_layers",
+                            f"pp*vpp={p.pp}*{p.vpp}=")

@@ -1,0 +1,178 @@
+"""The `rollout` section of the run config: engine, servers, sampling, weight sync, and its rules.
+
+The `check_*(cfg)` rules take the whole `RunConfig` (`moe_rl.config`, which imports this
+module: hence `Any`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from moe_rl.configurable import choice, ranged
+
+
+ENGINES = ("local", "sglang", "inprocess")
+WEIGHT_SYNCS = ("disk", "tensor", "nccl")
+# SGLang 0.5.23's names of its parallel sizes (sglang/srt/arg_groups/fields/parallel.py; argparse
+# also takes an unambiguous prefix such as --tp).
+SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
+SGLANG_DP_FLAGS = ("--dp-size", "--data-parallel-size", "--dp")
+SGLANG_PP_FLAGS = ("--pp-size", "--pipeline-parallel-size", "--pp")
+
+
+def sglang_flag(args: Sequence[Any], flags: Sequence[str]) -> str | None:
+    """The value the last of `flags` gets in `args` (`--flag N` or `--flag=N`), as SGLang's parser
+    reads it; None when none of them is there."""
+    args = [str(a) for a in args]
+    found = None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return found
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are generated: engine, servers and sampling."""
+
+    engine: str = choice("local", ENGINES)
+    """local = HF-transformers engine (CPU, speaks SGLang's HTTP API); sglang = real SGLang servers;
+    inprocess = the HF-transformers engine inside trainer rank 0 (no server, no HTTP; small CPU runs)."""
+    urls: list[str] = field(default_factory=list)
+    """Base URLs of servers that are already running; empty means launch `num_servers` ourselves."""
+    colocated: bool = False
+    """SGLang shares the trainer's GPUs: it releases its memory after each rollout and takes
+    it back before the next rollout or weight update (servers need --enable-memory-saver).
+    With engine=local the `moe-rl serve` processes track the same released/resumed state
+    (the CPU rehearsal of the protocol)."""
+    admin_urls: list[str] = field(default_factory=list)
+    """With `urls` pointing at an sglang-router: the workers behind it. They get the weight
+    updates, and the generate requests that ask for routed experts (the router drops them)."""
+    num_servers: int = ranged(1, ge=1)
+    """Servers to launch when `urls` is empty."""
+    router: bool | None = None
+    """sglang-router in front of the launched servers. None = auto (sglang engine with more
+    than one server); true also puts it in front of `moe-rl serve` workers (the CPU rehearsal)."""
+    n_samples: int = ranged(8, ge=2)
+    """Responses per prompt (G); group advantages need at least 2. 8 as in the GSPO/DAPO setups."""
+    temperature: float = ranged(1.0, gt=0.0)
+    """Sampling temperature T. The trainer trains the distribution sampled from: every
+    log-prob (engine, old pass, updates, drift) is log_softmax(logits / T). 1.0 = the model's own."""
+    top_p: float = ranged(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling; 1.0 (off). < 1 needs `allow_truncated_sampling` (see there)."""
+    top_k: int = -1
+    """Top-k sampling; -1 (off). >= 1 needs `allow_truncated_sampling` (see there)."""
+    allow_truncated_sampling: bool = False
+    """Accept top_p < 1 or top_k >= 1. The engine then samples from a truncated distribution
+    whose log-probs neither it (SGLang returns them before truncation) nor the trainer
+    reproduce, so the update is silently off-policy; true says you accept that."""
+    max_new_tokens: int = ranged(64, ge=1)
+    """Response length cap; 64 fits the toy tasks."""
+    concurrency: int = ranged(64, ge=1)
+    """Requests in flight across all servers; bounds client memory and server queueing."""
+    timeout_s: float = ranged(120.0, gt=0.0)
+    """Per-request HTTP timeout in seconds."""
+    retries: int = ranged(3, ge=0)
+    """Retries per failed request before the step fails."""
+    host: str = "127.0.0.1"
+    """Interface launched servers bind to; loopback unless servers run on other nodes."""
+    base_port: int | None = ranged(None, ge=1, le=65535)
+    """Port of the first launched server; server i uses base_port + i. None = consecutive ports
+    found free at launch (two runs on one machine never collide); SLURM jobs use 30000."""
+    sglang_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments passed to `sglang.launch_server` as given. A --tp-size here
+    wins over `tp_size` (it comes last on SGLang's command line), and the weight sync and GPU
+    placement follow it."""
+    tp_size: int = ranged(1, ge=1)
+    """--tp-size of each SGLang server (unless sglang_args gives one)."""
+    ep_size: int = ranged(1, ge=1)
+    """--ep-size of each SGLang server; must divide tp_size."""
+    mem_fraction: float = ranged(0.8, gt=0.0, le=1.0)
+    """Share of GPU memory SGLang may take for weights + KV cache (its --mem-fraction-static)."""
+    weight_sync: str = choice("disk", WEIGHT_SYNCS)
+    """How new weights reach the engine: disk (safetensors; works everywhere), tensor (same
+    process), nccl (trainer rank 0 broadcasts to every server over a process group it forms with
+    them: NCCL on GPUs, gloo to `moe-rl serve` on CPU)."""
+    weight_sync_port: int | None = ranged(None, ge=1, le=65535)
+    """nccl: port on trainer rank 0 (MASTER_ADDR) where the servers join the weight update group;
+    None = a free port picked at start (set it when a firewall allows only fixed ports)."""
+    return_routed_experts: bool = True
+    """Ask the engine for its routed experts; needed for R3 and train-rollout mismatch metrics."""
+    api_key_file: str | None = None
+    """With `urls`: the servers' keys, a file of 'api-key: KEY' and 'admin-api-key: KEY' lines
+    (mode 600; the file SGLang and `moe-rl serve` read with --config). Launched servers on a
+    non-loopback `host` get fresh per-run keys instead; on loopback they stay keyless."""
+    served_model_name: str | None = None
+    """With `urls`: the --served-model-name the servers run under; a server reporting another
+    name in /server_info is refused. None = not checked (launched servers always are)."""
+    max_restarts: int = ranged(3, ge=0)
+    """Launched servers: how often each one that dies is restarted (same port, same argv; not with
+    weight_sync=nccl, where a new server cannot join the update group and would serve stale weights)."""
+
+    @property
+    def server_tp_size(self) -> int:
+        """Each SGLang server's tensor-parallel size: the last --tp-size of `sglang_args`, else `tp_size`."""
+        value = sglang_flag(self.sglang_args, SGLANG_TP_FLAGS)
+        return self.tp_size if value is None else int(value)
+
+
+def check_rollout(cfg: Any) -> Iterator[str]:
+    r = cfg.rollout
+    if r.top_k == 0 or r.top_k < -1:
+        yield f"rollout.top_k: {r.top_k} must be -1 (off) or >= 1"
+    elif (r.top_p < 1.0 or r.top_k >= 1) and not r.allow_truncated_sampling:
+        yield (f"rollout.top_p={r.top_p} / rollout.top_k={r.top_k}: truncated sampling draws tokens from a "
+               "distribution whose log-probs neither the engine nor the trainer compute, so every update would be "
+               "off-policy without correction; use top_p=1.0 and top_k=-1, or set "
+               "rollout.allow_truncated_sampling=true to accept the bias")
+    for i, url in enumerate(r.urls):
+        if not url.startswith(("http://", "https://")):
+            yield f"rollout.urls[{i}]: {url!r} must start with http:// or https://"
+    if r.colocated and r.weight_sync == "nccl":
+        yield ("rollout.weight_sync: 'nccl' is not allowed with rollout.colocated=true: trainer rank 0 and "
+               "server 0 share GPU 0, and NCCL refuses two ranks on one GPU in a communicator; use "
+               "rollout.weight_sync=disk (colocated runs elsewhere send tensors by CUDA IPC, "
+               "update_weights_from_tensor, which moe_rl does not do yet)")
+    if r.colocated and cfg.algo.off_policy_overlap:
+        yield ("rollout.colocated: true is not allowed with algo.off_policy_overlap=true: colocated servers "
+               "release their GPU memory while the trainer trains, so they cannot generate meanwhile")
+    if r.router and r.urls:
+        yield ("rollout.router: true starts a router in front of launched servers; rollout.urls is set (servers "
+               "already run): put the router's URL in rollout.urls and its workers in rollout.admin_urls")
+    sizes = {}
+    for what, flags in (("tp", SGLANG_TP_FLAGS), ("dp", SGLANG_DP_FLAGS), ("pp", SGLANG_PP_FLAGS)):
+        value = sglang_flag(r.sglang_args, flags)
+        if value is not None and not (value.isdigit() and int(value) >= 1):
+            yield f"rollout.sglang_args: {flags[0]} needs an integer >= 1, got {value!r}"
+            return
+        sizes[what] = 1 if value is None else int(value)
+    tp = r.server_tp_size
+    if tp % r.ep_size:
+        yield f"rollout.ep_size: {r.ep_size} must divide the servers' tensor-parallel size {tp} (rollout.tp_size " \
+              "or a --tp-size in rollout.sglang_args)"
+    if r.weight_sync == "nccl" and sizes["dp"] > 1:
+        yield (f"rollout.sglang_args: --dp-size {sizes['dp']} is not allowed with rollout.weight_sync=nccl: SGLang "
+               "refuses distributed weight updates to data-parallel replicas (it asserts dp_size == 1); run "
+               "that many servers instead (rollout.num_servers), or use rollout.weight_sync=disk")
+    if r.weight_sync == "nccl" and sizes["pp"] > 1:
+        yield (f"rollout.sglang_args: --pp-size {sizes['pp']} is not allowed with rollout.weight_sync=nccl: each "
+               "server rank joins the update group as rank_offset + tp_rank, so pipeline stages would take the "
+               "same ranks; use tensor parallelism (rollout.tp_size), or rollout.weight_sync=disk")
+    if r.weight_sync == "tensor" and r.engine != "inprocess":
+        yield ("rollout.weight_sync: 'tensor' copies into an engine in the trainer's own process, but a run's "
+               "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl, or "
+               "rollout.engine=inprocess")
+    yield from _check_inprocess(r)
+
+
+def _check_inprocess(r: RolloutConfig) -> Iterator[str]:
+    """rollout.engine=inprocess: the engine lives in trainer rank 0, so there are no servers to reach."""
+    if r.engine != "inprocess":
+        return
+    if r.urls:
+        yield ("rollout.urls: set, but rollout.engine=inprocess generates inside the trainer; "
+               "empty rollout.urls, or use rollout.engine=local/sglang to reach running servers")
+    if r.weight_sync == "nccl":
+        yield ("rollout.weight_sync: 'nccl' broadcasts to server processes; rollout.engine=inprocess has none: "
+               "use rollout.weight_sync=tensor (or disk)")
