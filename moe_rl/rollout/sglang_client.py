@@ -11,19 +11,9 @@ therefore goes straight to the workers (`admin_urls`), balanced by this client
 other generate request goes through the router. Weight updates, pause / flush and
 memory release / resume always go to the workers, which the router does not relay them to.
 
-What it does for robustness:
-- async aiohttp core with bounded concurrency (`max_concurrency` requests in flight);
-- a per-request timeout (`request_timeout`): a hung server costs a timeout, never a hang;
-- retries with exponential backoff and jitter, each attempt on the least-loaded
-  healthy server; a server that fails (connection error, timeout, HTTP 5xx / 429)
-  is marked unhealthy and re-probed via GET /health_generate every `probe_interval` s
-  (a wedged SGLang server still answers a plain /health with 200; /health_generate
-  generates a token); a recovered server first gets the latest weights
-  (`update_weights_from_disk`) when it missed an update;
-- a sample is never dropped: it is retried elsewhere, or the call fails with a
-  `RolloutError` naming the server URL and the error. Protocol errors (HTTP 4xx,
-  a body that is not the expected JSON, routed experts of the wrong shape) are
-  not retried: they fail at once, naming the server.
+Robustness (health probes, retries with backoff, least-loaded picking): the
+`ServerPool` it is built on (moe_rl/rollout/server_pool.py). A server that recovers
+first proves it is this run's and gets the latest weights when it missed an update.
 
 Request and reply shapes: moe_rl/rollout/wire.py.
 
@@ -51,66 +41,20 @@ sampled from, which is this framework's convention (see engine.py).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import random
-import threading
-import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Coroutine, Sequence
-
-import aiohttp
+from typing import Any, Sequence
 
 from moe_rl.rollout.auth import RunKeys
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, WeightsSource, moe_layer_ids,
                                    num_experts_of, topk_of)
-from moe_rl.rollout.wire import (Geometry, disk_update_payload, error_text, generate_payload, parse_reply,
-                                 read_hf_config)
+from moe_rl.rollout.server_pool import Retryable, Server, ServerPool, Unreachable
+from moe_rl.rollout.wire import Geometry, disk_update_payload, generate_payload, parse_reply, read_hf_config
 
 log = logging.getLogger(__name__)
 
 
-class _Retryable(Exception):
-    """A failure of one server that another server (or a later try) may not have."""
-
-
-class _Unreachable(_Retryable):
-    """No answer at all (connection refused or reset, timeout): the server is down or restarting."""
-
-
-@dataclass(eq=False)  # one object per server: compared by identity
-class _Server:
-    url: str
-    healthy: bool = True
-    inflight: int = 0
-    next_probe: float = 0.0
-    last_error: str | None = None
-    probing: bool = False
-
-
-class _LoopThread:
-    """A private asyncio loop in a daemon thread: sync callers submit coroutines to it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-client", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-        if not self.loop.is_running() and not self.loop.is_closed():
-            self.loop.close()
-
-
-class SGLangClient:
+class SGLangClient(ServerPool):
     """RolloutEngine over SGLang servers (or `moe-rl serve`).
 
     urls: server base URLs (`http://host:port`), or one sglang-router URL.
@@ -137,227 +81,32 @@ class SGLangClient:
                  moe_layer_ids: Sequence[int] | None = None, retry_aborted: bool = False,
                  keys: RunKeys | None = None, served_name: str | None = None,
                  initial_weights: str | Path | None = None):
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
-            raise ValueError("SGLangClient needs at least one server URL")
-        # With a run id to check, a server is used only once a probe has seen it is ours.
-        self._servers = [_Server(u.rstrip("/"), healthy=served_name is None) for u in urls]
-        admin = [u.rstrip("/") for u in (admin_urls or [])]
-        # A router in front: `urls` are not the workers themselves.
-        self._behind_router = bool(admin) and set(admin) != set(self.urls)
-        self._admin = [_Server(u, healthy=served_name is None) for u in admin] if self._behind_router \
-            else self._servers
-        self.max_concurrency = int(max_concurrency)
-        self.request_timeout = float(request_timeout)
-        self.connect_timeout = float(connect_timeout)
-        self.max_attempts = max(1, int(max_attempts))
-        self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
-        self.probe_interval, self.probe_timeout = float(probe_interval), float(probe_timeout)
-        self.no_server_timeout = float(no_server_timeout)
+        super().__init__(urls, admin_urls=admin_urls, max_concurrency=max_concurrency,
+                         request_timeout=request_timeout, connect_timeout=connect_timeout,
+                         max_attempts=max_attempts, backoff_base=backoff_base, backoff_max=backoff_max,
+                         probe_interval=probe_interval, probe_timeout=probe_timeout,
+                         no_server_timeout=no_server_timeout, keys=keys, served_name=served_name)
         self.retry_aborted = retry_aborted
-        self.keys, self.served_name = keys, served_name
         self._geo_args = (num_layers, topk, num_experts, None if moe_layer_ids is None else list(moe_layer_ids))
         self._geometry: Geometry | None = None
         self._target_weights: tuple[str, str | None] | None = None  # last (path, version) applied
-        self._rr = 0
-        self._lt: _LoopThread | None = None
-        self._lt_lock = threading.Lock()
-        self._session: aiohttp.ClientSession | None = None
-        self._sem: asyncio.Semaphore | None = None
-        self._health_changed: asyncio.Event | None = None
         self._released = False  # the servers gave their memory away (release_memory_occupation)
         self._weights_lost = False  # resumed from a release with no weight load since
         self._initial_weights = None if initial_weights is None else str(initial_weights)
-        self._resume_lock: asyncio.Lock | None = None
+        self._resume_lock: asyncio.Lock | None = None  # made on the client's loop, at first use
 
-    # ------------------------------------------------------------------ plumbing
-    def _loop_thread(self) -> _LoopThread:
-        with self._lt_lock:
-            if self._lt is None:
-                self._lt = _LoopThread()
-            return self._lt
-
-    def _run(self, coro: Coroutine, timeout: float | None = None) -> Any:
-        fut = self._loop_thread().submit(coro)
-        try:
-            return fut.result(timeout)
-        except FutureTimeout:
-            fut.cancel()
-            raise RolloutError(f"no result within {timeout:g} s (servers: {', '.join(self.urls)})") from None
-        except KeyboardInterrupt:
-            fut.cancel()
-            raise
-
-    async def _on_loop(self, coro: Coroutine) -> Any:
-        """Await `coro` on the client's loop from any other loop."""
-        return await asyncio.wrap_future(self._loop_thread().submit(coro))
-
-    def _ensure_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 2 * len(self._servers)))
-            self._sem = asyncio.Semaphore(self.max_concurrency)
-            self._health_changed = asyncio.Event()
-            self._resume_lock = asyncio.Lock()
-        return self._session
-
-    def close(self) -> None:
-        if self._lt is None:
-            return
-        async def shutdown() -> None:
-            me = asyncio.current_task()
-            pending = [t for t in asyncio.all_tasks() if t is not me]
-            for t in pending:  # probes still running
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            if self._session is not None:
-                await self._session.close()
-
-        try:
-            self._run(shutdown(), timeout=10)
-        except Exception:  # noqa: BLE001
-            pass
-        self._lt.stop()
-        self._lt, self._session = None, None
-
-    def __enter__(self) -> "SGLangClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    @property
-    def urls(self) -> list[str]:
-        return [s.url for s in self._servers]
+    async def _on_recovered(self, server: Server) -> None:
+        await self._check_identity(server)
+        await self._bring_up_to_date(server)
 
     @property
     def released(self) -> bool:
         """True between `release_memory_occupation()` and the next resume (explicit or by `generate`)."""
         return self._released
 
-    def _all_servers(self) -> list[_Server]:
-        """The generate URLs, then the workers behind a router (each once)."""
-        return self._servers + [s for s in self._admin if s not in self._servers]
+    # ---------------------------------------------------------------- identity
 
-    def server_states(self) -> dict[str, dict[str, Any]]:
-        return {s.url: {"healthy": s.healthy, "inflight": s.inflight, "last_error": s.last_error}
-                for s in self._all_servers()}
-
-    async def _request(self, server: _Server, method: str, path: str, payload: Any = None,
-                       timeout: float | None = None) -> tuple[int, bytes]:
-        """One HTTP call; connection problems and timeouts become `_Retryable`."""
-        session = self._ensure_session()
-        t = self.request_timeout if timeout is None else timeout
-        to = aiohttp.ClientTimeout(total=t, sock_connect=min(self.connect_timeout, t))
-        try:
-            headers = self.keys.header(path) if self.keys is not None else None
-            async with session.request(method, server.url + path, json=payload, timeout=to,
-                                       headers=headers) as resp:
-                return resp.status, await resp.read()
-        except asyncio.TimeoutError:
-            raise _Unreachable(f"no answer to {method} {path} within {t:g} s") from None
-        except aiohttp.ClientError as e:
-            raise _Unreachable(f"{method} {path} failed: {type(e).__name__}: {e}") from None
-
-    async def _json(self, server: _Server, method: str, path: str, payload: Any = None,
-                    timeout: float | None = None, ok_statuses: tuple[int, ...] = (200,)) -> Any:
-        status, body = await self._request(server, method, path, payload, timeout)
-        return self._decode(server, path, status, body, ok_statuses)
-
-    def _decode(self, server: _Server, path: str, status: int, body: bytes,
-                ok_statuses: tuple[int, ...] = (200,)) -> Any:
-        """A reply's JSON; 5xx / 408 / 429 are retryable, other refusals and bad JSON are not."""
-        if status >= 500 or status in (408, 429):
-            raise _Retryable(f"HTTP {status} from {path}: {error_text(body)}")
-        if status not in ok_statuses:
-            raise RolloutError(f"server {server.url} refused {path} (HTTP {status}): {error_text(body)}")
-        try:
-            return json.loads(body)
-        except ValueError as e:
-            raise RolloutError(f"server {server.url} answered {path} with invalid JSON ({e}): "
-                               f"{body[:200]!r}") from None
-
-    # ------------------------------------------------------------- server health
-    def _mark_unhealthy(self, server: _Server, why: str) -> None:
-        if server.healthy:
-            log.warning("server %s marked unhealthy: %s", server.url, why)
-        server.healthy = False
-        server.last_error = why
-        server.next_probe = time.monotonic() + self.probe_interval
-
-    async def _probe(self, server: _Server, path: str = "/health_generate") -> bool:
-        """GET `path`; on success bring the server's weights up to date, then mark it healthy.
-
-        Failed servers are re-probed with /health_generate, which generates a token: SGLang's
-        plain /health answers 200 even when the scheduler is wedged.
-        """
-        if server.probing:
-            return server.healthy
-        server.probing = True
-        try:
-            status, body = await self._request(server, "GET", path, timeout=self.probe_timeout)
-            if status != 200:
-                raise _Retryable(f"{path} answered HTTP {status}")
-            if not server.healthy and server in self._admin:  # a server we update directly, recovering
-                await self._check_identity(server)
-                await self._bring_up_to_date(server)
-            if not server.healthy:
-                log.info("server %s is healthy again", server.url)
-            server.healthy, server.last_error = True, None
-            return True
-        except (_Retryable, RolloutError) as e:
-            self._mark_unhealthy(server, str(e))
-            return False
-        finally:
-            server.probing = False
-            server.next_probe = time.monotonic() + self.probe_interval
-            if self._health_changed is not None:
-                self._health_changed.set()
-
-    def _schedule_probes(self, pool: list[_Server]) -> None:
-        now = time.monotonic()
-        for s in pool:
-            if not s.healthy and not s.probing and s.next_probe <= now:
-                asyncio.get_running_loop().create_task(self._probe(s))
-
-    async def _pick(self, pool: list[_Server] | None = None) -> _Server:
-        """The least-loaded healthy server of `pool` (default: the generate URLs); waits
-        (probing) up to `no_server_timeout` for one."""
-        pool = self._servers if pool is None else pool
-        deadline = time.monotonic() + self.no_server_timeout
-        while True:
-            self._schedule_probes(pool)
-            healthy = [s for s in pool if s.healthy]
-            if healthy:
-                low = min(s.inflight for s in healthy)
-                best = [s for s in healthy if s.inflight == low]
-                self._rr += 1
-                return best[self._rr % len(best)]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                why = "; ".join(f"{s.url}: {s.last_error}" for s in pool)
-                raise RolloutError(f"no healthy SGLang server for {self.no_server_timeout:g} s ({why})")
-            assert self._health_changed is not None
-            self._health_changed.clear()
-            try:
-                await asyncio.wait_for(self._health_changed.wait(),
-                                       timeout=min(left, max(0.05, self.probe_interval / 2)))
-            except asyncio.TimeoutError:
-                pass
-
-    async def _ahealth(self) -> bool:
-        self._ensure_session()
-        res = await asyncio.gather(*(self._probe(s, "/health") for s in self._all_servers()))
-        front = res[:len(self._servers)]
-        workers = [ok for s, ok in zip(self._all_servers(), res) if s in self._admin]
-        return any(front) and (not self._behind_router or any(workers))
-
-    def health(self) -> bool:
-        """Quick liveness: probe every server now with GET /health. True when at least one
-        generate URL answers (and, behind a router, at least one worker too)."""
-        return bool(self._run(self._ahealth()))
-
-    async def _check_identity(self, server: _Server) -> None:
+    async def _check_identity(self, server: Server) -> None:
         """Refuse (RolloutError) a server whose /server_info names another run than `served_name`:
         whatever answers on a dead server's port may be another run's or another model."""
         if self.served_name is None:
@@ -368,7 +117,7 @@ class SGLangClient:
             raise RolloutError(f"server {server.url} is not this run's: it serves {name!r}, expected "
                                f"{self.served_name!r}; it is not used")
 
-    async def _model_info(self, server: _Server) -> Any:
+    async def _model_info(self, server: Server) -> Any:
         """GET /model_info; /get_model_info (its name before sglang 0.5.23) when that is a 404."""
         for path in ("/model_info", "/get_model_info"):
             status, body = await self._request(server, "GET", path, timeout=self.probe_timeout)
@@ -386,7 +135,7 @@ class SGLangClient:
             server = await self._pick(self._admin)  # the servers themselves, not a router
             try:
                 info = await self._model_info(server)
-            except _Retryable as e:
+            except Retryable as e:
                 self._mark_unhealthy(server, str(e))
                 raise RolloutError(f"server {server.url}: cannot read /model_info: {e}") from None
             cfg: dict[str, Any] = {}
@@ -428,15 +177,6 @@ class SGLangClient:
             return
         await self._check_each([s for s in self._admin if s.healthy], self._check_identity)
 
-    async def _check_each(self, servers: list[_Server], check: Callable[[_Server], Awaitable[None]]) -> None:
-        """`check` every server at once; one whose check fails goes out of rotation."""
-        async def one(s: _Server) -> None:
-            try:
-                await check(s)
-            except (_Retryable, RolloutError) as e:
-                self._mark_unhealthy(s, str(e))
-        await asyncio.gather(*(one(s) for s in servers))
-
     async def _generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
         self._ensure_session()
         await self._recheck_identity()
@@ -465,7 +205,7 @@ class SGLangClient:
             out[i].extend(res)
         return out
 
-    def _pool_for(self, req: GenerateRequest) -> list[_Server]:
+    def _pool_for(self, req: GenerateRequest) -> list[Server]:
         """Behind a router, requests for routed experts go to the workers (the router drops the field)."""
         return self._admin if self._behind_router and req.return_routed_experts else self._servers
 
@@ -493,7 +233,7 @@ class SGLangClient:
                         await asyncio.sleep(self._backoff(attempt))
                         continue
                     return results
-                except _Retryable as e:
+                except Retryable as e:
                     self._mark_unhealthy(server, str(e))
                     errors.append(f"{server.url}: {e}")
                 finally:
@@ -510,7 +250,7 @@ class SGLangClient:
         return next((r.weight_version for r in results
                      if r.weight_version is not None and r.weight_version != want), None)
 
-    async def _resync(self, server: _Server) -> None:
+    async def _resync(self, server: Server) -> None:
         """After a sample from stale weights: a server we update directly goes out of rotation
         until a probe has loaded the weights; behind a router (which may have sent the request to
         any worker), every worker reporting another version gets the weights now."""
@@ -519,7 +259,7 @@ class SGLangClient:
             return
         await self._check_each(self._admin, self._bring_up_to_date)
 
-    async def _bring_up_to_date(self, server: _Server) -> None:
+    async def _bring_up_to_date(self, server: Server) -> None:
         """Load the last pushed weights into `server` unless its /model_info reports their version."""
         target = self._target_weights
         if target is None:
@@ -529,12 +269,9 @@ class SGLangClient:
             log.info("server %s does not serve weight version %s; applying %s", server.url, version, path)
             await self._update_one(server, path, version)
 
-    def _backoff(self, attempt: int) -> float:
-        return min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-
     # -------------------------------------------------------------- weight updates
 
-    async def _update_one(self, server: _Server, path: str, version: str | None) -> None:
+    async def _update_one(self, server: Server, path: str, version: str | None) -> None:
         await self._check_identity(server)  # never push this run's weights into a stranger
         payload = disk_update_payload(path, version)
         d = await self._json(server, "POST", "/update_weights_from_disk", payload, ok_statuses=(200, 400))
@@ -550,9 +287,9 @@ class SGLangClient:
         ok = [s for s, r in zip(servers, res) if r is None]
         failed = [(s, r) for s, r in zip(servers, res) if r is not None]
         for s, r in failed:
-            if isinstance(r, BaseException) and not isinstance(r, (_Retryable, RolloutError)):
+            if isinstance(r, BaseException) and not isinstance(r, (Retryable, RolloutError)):
                 raise r
-        if not ok and not all(isinstance(r, _Unreachable) for _, r in failed):
+        if not ok and not all(isinstance(r, Unreachable) for _, r in failed):
             raise RolloutError("weight update failed on every server: "
                                + " | ".join(f"{s.url}: {r}" for s, r in failed))
         # Every server unreachable (dead, restarting): the weights are still the target. None of
@@ -586,21 +323,6 @@ class SGLangClient:
                                   "and call update_weights_from_disk(path, version)")
 
     # --------------------------------------------------------------- admin calls
-    async def _broadcast(self, method: str, path: str, payload: Any = None, json_reply: bool = True) -> list[Any]:
-        self._ensure_session()
-
-        async def one(s: _Server) -> Any:
-            try:
-                if json_reply:
-                    return await self._json(s, method, path, payload)
-                status, body = await self._request(s, method, path, payload)
-                if status != 200:
-                    raise RolloutError(f"server {s.url} refused {path} (HTTP {status}): {error_text(body)}")
-                return body.decode("utf-8", "replace")
-            except _Retryable as e:
-                raise RolloutError(f"server {s.url}: {e}") from None
-
-        return list(await asyncio.gather(*(one(s) for s in self._admin)))
 
     def flush_cache(self) -> None:
         self._run(self._broadcast("POST", "/flush_cache", json_reply=False))
@@ -619,9 +341,13 @@ class SGLangClient:
         self._run(self._broadcast("POST", "/release_memory_occupation", {}))
         self._released = True
 
+    def _lock(self) -> asyncio.Lock:
+        if self._resume_lock is None:
+            self._resume_lock = asyncio.Lock()
+        return self._resume_lock
+
     async def _aresume(self) -> None:
-        assert self._resume_lock is not None
-        async with self._resume_lock:  # concurrent generate calls resume once
+        async with self._lock():  # concurrent generate calls resume once
             if self._released:
                 await self._broadcast("POST", "/resume_memory_occupation", {})
                 self._released, self._weights_lost = False, True  # the region is back, its content is not
@@ -629,8 +355,7 @@ class SGLangClient:
     async def _areload_weights(self) -> None:
         """After a resume with no weight update since the release: load the current weights again
         (SGLang's resumed weights region holds no weights), once for concurrent callers."""
-        assert self._resume_lock is not None
-        async with self._resume_lock:
+        async with self._lock():
             if not self._weights_lost:
                 return
             path, version = self._target_weights or (self._initial_weights, None)
@@ -658,7 +383,7 @@ class SGLangClient:
             server = await self._pick(self._admin)
             try:
                 return await self._model_info(server)
-            except _Retryable as e:
+            except Retryable as e:
                 self._mark_unhealthy(server, str(e))
                 raise RolloutError(f"server {server.url}: {e}") from None
         return self._run(go())
