@@ -1,4 +1,4 @@
-"""The trainer"s maths as pure tensor code: advantages, filters, policy losses.
+"""The trainer's maths as pure tensor code: advantages, filters, policy losses.
 
 No model, no distributed state: every function maps tensors to tensors, so it
 runs the same on a laptop CPU and inside a megatron-core trainer.
