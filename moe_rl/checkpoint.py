@@ -21,8 +21,9 @@ from moe_rl.integrity import check_file, file_record, read_meta
 CHECKPOINTS = "checkpoints"
 
 
-def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
-    """Every rank writes its state into `step_N.tmp/`; rank 0 renames it to `step_N/` once all are done.
+def save_checkpoint(recipe: Any, out: Path, step: int, keep_last: int) -> Path:
+    """Every rank writes its state (`recipe.state_dict()`, with the step and the RNG states) into
+    `step_N.tmp/`; rank 0 renames it to `step_N/` once all are done.
 
     A crash while writing leaves only a `.tmp` directory, which resume ignores. `meta.json`
     records every file's size and SHA-256 (`moe_rl.integrity`), so damage is found on resume.
@@ -30,18 +31,15 @@ def save_checkpoint(run: Any, out: Path, step: int, keep_last: int) -> Path:
     root = out / CHECKPOINTS
     final = root / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    if run.rank == 0:
+    if recipe.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    state = {"policy": run.policy.state_dict(), "critic": run.critic.state_dict() if getattr(run, "critic", None) else None,
-             "sampler": run.sampler.state_dict(),
-             "rewards": run.rewards.state_dict() if run.rewards is not None else None,  # None in DPO runs
-             "step": step, "weight_version": run.weight_version, "drift_state": run.drift_state, "rng": _rng_state()}
-    mine = f"rank_{run.rank:05d}.pt"
+    state = recipe.state_dict() | {"step": step, "rng": _rng_state()}
+    mine = f"rank_{recipe.rank:05d}.pt"
     torch.save(state, tmp / mine)
     records = all_gather_objects((mine, file_record(tmp / mine)))  # each rank hashes its own file
-    if run.rank == 0:
+    if recipe.rank == 0:
         meta = {"step": step, "world_size": world_size(), "files": dict(records)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -79,37 +77,29 @@ def _agreed_problem(path: Path, rank: int) -> str:
     return "; ".join(dict.fromkeys(problems))
 
 
-def resume(run: Any, cfg: RunConfig, out: Path, log: Any) -> int:
+def resume(recipe: Any, cfg: RunConfig, out: Path, log: Any) -> int:
     """Load the checkpoint `train.resume` names (or with "auto" the newest intact one, skipping
-    damaged ones with a warning that names the file); returns its step (0 if none)."""
+    damaged ones with a warning that names the file) into `recipe` (`load_state_dict`); returns
+    its step (0 if none)."""
     if not cfg.train.resume:
         return 0
-    path = intact_checkpoint(out, run.rank, log) if cfg.train.resume == "auto" else Path(cfg.train.resume)
+    path = intact_checkpoint(out, recipe.rank, log) if cfg.train.resume == "auto" else Path(cfg.train.resume)
     if path is None:
         log.info("no intact checkpoint in %s: starting from step 1", out / CHECKPOINTS)
         return 0
-    problem = _agreed_problem(path, run.rank)
+    problem = _agreed_problem(path, recipe.rank)
     if problem:
         raise RuntimeError(f"cannot resume from {path}: {problem}")
     meta = read_meta(path)[0]
     if meta["world_size"] != world_size():
         raise RuntimeError(f"{path} was written by {meta['world_size']} ranks; this run has {world_size()} "
                            f"(resume with the same layout)")
-    file = path / f"rank_{run.rank:05d}.pt"
+    file = path / f"rank_{recipe.rank:05d}.pt"
     try:
         state = torch.load(file, weights_only=False)
     except Exception as e:  # a file that matches its record but will not load: say which
         raise RuntimeError(f"cannot load {file}: {type(e).__name__}: {e}") from e
-    run.policy.load_state_dict(state["policy"])
-    if run.critic is not None:
-        if state.get("critic") is None:
-            raise RuntimeError(f"{path} holds no critic: it was saved by a run without algo.advantage=gae")
-        run.critic.load_state_dict(state["critic"])
-    run.sampler.load_state_dict(state["sampler"])
-    if run.rewards is not None:  # DPO runs have no reward runner
-        run.rewards.load_state_dict(state["rewards"])
-    run.weight_version = state["weight_version"]
-    run.drift_state = state["drift_state"]
+    recipe.load_state_dict(state, path)
     _set_rng_state(state["rng"])
     log.info("resumed from %s (step %d)", path, state["step"])
     return int(state["step"])

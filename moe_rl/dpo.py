@@ -41,7 +41,7 @@ REF_CHUNK = 256  # pairs per reference / eval pass on each rank: bounds the [B, 
 
 @dataclass
 class DPORun:
-    """Everything a DPO step needs, built once (the fields checkpoints and resume read match `loop.Run`)."""
+    """Everything a DPO step needs, built once (`moe_rl.recipes.DPORecipe` runs it)."""
 
     cfg: RunConfig
     policy: Policy
@@ -53,10 +53,6 @@ class DPORun:
     rank: int = 0
     weight_version: int = 0
     drift_state: dict[str, Any] = field(default_factory=dict)
-    rewards: Any = None            # no reward model, critic, engine or weight sync in DPO
-    critic: Any = None
-    engine: Any = None
-    weight_sync: Any = None
 
 
 def dpo_step(run: DPORun, step: int) -> dict[str, float]:
@@ -221,7 +217,7 @@ def probe_drift(run: DPORun) -> dict[str, float]:
 
 # ---------------------------------------------------------------- building the run
 
-def build_dpo_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
+def build_dpo_run(cfg: RunConfig, out: Path, rank: int) -> DPORun:
     """Preference data, the policy, the reference log-probs: what `trainer.train_rank` runs."""
     d = cfg.dpo
     tokenizer = hf_tokenizer(cfg)
@@ -234,7 +230,7 @@ def build_dpo_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     sampler = PromptSampler(len(train), d.pairs_per_step, seed=cfg.data.shuffle_seed)
     run = DPORun(cfg=cfg, policy=policy, train=train, eval=evals, ref_train=ref_train, ref_eval=ref_eval,
                  sampler=sampler, rank=rank)
-    return {"run": run, "eval": evals, "servers": None}
+    return run
 
 
 def _rank() -> int:

@@ -1,4 +1,6 @@
-"""`moe-rl train`: build everything from `RunConfig`, run RL steps, checkpoint, report.
+"""`moe-rl train`: the driver. It builds the recipe of `train.mode` (moe_rl/recipes/: RL or
+DPO) and runs it the same way whatever it is: resume, steps, evaluation, metric sinks,
+checkpoints, stop signals, report.
 
 Single machine: `train.world_size` trainer processes are spawned here (gloo on CPU,
 nccl on GPU). Under torchrun or srun (RANK / SLURM_PROCID set) this process is one
@@ -10,7 +12,6 @@ checkpoints/, weights/ (versions synced to the engine), servers/ (engine logs), 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import signal
 import sys
@@ -20,10 +21,10 @@ from typing import Any
 
 import torch
 
-from moe_rl.build import build_run
 from moe_rl.checkpoint import latest_checkpoint, resume, save_checkpoint
 from moe_rl.collectives import agree
 from moe_rl.config import ConfigError, RunConfig, load_config
+from moe_rl.recipes import build_recipe
 from moe_rl.rollout.outage import EXIT_NO_SERVER, RolloutLost
 
 
@@ -186,46 +187,32 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
     log = setup_logging(cfg.log.level, rank, cfg.log.all_ranks, out / "train.log")
     if rank == 0:
         (out / "config.yaml").write_text(cfg.to_yaml())  # the resolved config, overrides applied
-    if cfg.algo.replay == "auto":
-        from moe_rl.config import replay_mode
-
-        log.info("algo.replay=auto: %s (%d optimizer updates per rollout batch%s)", replay_mode(cfg.algo),
-                 cfg.algo.num_minibatches, ", one weight version stale" if cfg.algo.off_policy_overlap else "")
     _Stop.install(spawned)
     if cfg.train.device_guard:  # CPU rehearsal: a host tensor in a collective fails here, not on a GPU
         from moe_rl.device_guard import install_device_guard
 
         install_device_guard()
-    dpo = cfg.train.mode == "dpo"
-    if dpo:  # preference pairs, no rollout servers, no weight sync (moe_rl/dpo.py)
-        from moe_rl.dpo import build_dpo_run, dpo_step as step_fn, evaluate
-    else:
-        from moe_rl.loop import rl_step as step_fn
-        from moe_rl.rollout_batch import evaluate
-    built = (build_dpo_run if dpo else build_run)(cfg, out, rank)
-    run, eval_set, servers = built["run"], built["eval"], built["servers"]
+    recipe = build_recipe(cfg, out, rank)  # train.mode: RL or DPO (moe_rl/recipes/)
     sinks = make_sinks(cfg.log, out, cfg.to_dict(), rank)
-    start_step = resume(run, cfg, out, log) + 1
-    if start_step > 1 and run.weight_sync is not None:
-        from moe_rl.loop import sync_weights
-
-        sync_weights(run)  # the engine starts from the initial weights: give it the resumed ones
+    start_step = resume(recipe, cfg, out, log) + 1
+    if start_step > 1:
+        recipe.resumed()
     progress = Progress(cfg.train.steps, enabled=rank == 0, live=None if cfg.log.progress else False)
     try:
         for step in range(start_step, cfg.train.steps + 1):
-            before = _step_state(run)
+            before = recipe.draws()
             try:
-                metrics = step_fn(run, step)
+                metrics = recipe.step(step)
             except RolloutLost as e:  # every rank, at the same point: the step changed nothing but its draws
-                return _save_and_give_up(run, out, step - 1, before, cfg, log, e)
-            if eval_set is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                metrics |= evaluate(run, eval_set, step)
+                return _save_and_give_up(recipe, out, step - 1, before, cfg, log, e)
+            if recipe.eval_due(step):
+                metrics |= recipe.evaluate(step)
             metrics["step"] = step
             sinks.log(step, metrics)
             progress.update(step, metrics)
             stop = agree(_Stop.requested)
             if stop or (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
-                save_checkpoint(run, out, step, cfg.train.keep_last)
+                save_checkpoint(recipe, out, step, cfg.train.keep_last)
             if stop:
                 log.info("stop signal received: checkpoint of step %d saved; exiting", step)
                 return 0
@@ -235,35 +222,21 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
     finally:
         progress.close()
         sinks.close()
-        if hasattr(run.weight_sync, "close"):
-            run.weight_sync.close()  # leave the nccl update group before its servers stop
-        if run.engine is not None and hasattr(run.engine, "close"):
-            run.engine.close()
-        if servers is not None:
-            servers.stop()
-    if dpo:
-        run.policy.export_hf(out / "hf")  # the trained policy as a HF checkpoint (collective)
+        recipe.close()
+    recipe.finish(out)
     if rank == 0:
         figures = write_report(out)
         log.info("report: %s", ", ".join(str(f) for f in figures))
     return 0
 
 
-def _step_state(run: Any) -> dict[str, Any]:
-    """What a step changes before its rollout returns (the prompt draws), to undo when it fails."""
-    return copy.deepcopy({"sampler": run.sampler.state_dict(),
-                          "rewards": run.rewards.state_dict() if run.rewards is not None else None})
-
-
-def _save_and_give_up(run: Any, out: Path, last: int, before: dict[str, Any], cfg: RunConfig, log: Any,
+def _save_and_give_up(recipe: Any, out: Path, last: int, before: dict[str, Any], cfg: RunConfig, log: Any,
                       error: Exception) -> int:
     """No rollout server recovered: checkpoint step `last` as it ended (draws undone), exit 3."""
-    run.sampler.load_state_dict(before["sampler"])
-    if before["rewards"] is not None:
-        run.rewards.load_state_dict(before["rewards"])
+    recipe.undo_draws(before)
     done = latest_checkpoint(out)
     if last >= 1 and (done is None or done.name != f"step_{last:06d}"):
-        save_checkpoint(run, out, last, cfg.train.keep_last)
+        save_checkpoint(recipe, out, last, cfg.train.keep_last)
     log.error("no rollout server answered within rollout.timeout_s=%g s (%s); checkpoint of step %d saved, "
               "resume with train.resume=auto once the servers are back", cfg.rollout.timeout_s, error, last)
     return EXIT_NO_SERVER

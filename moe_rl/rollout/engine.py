@@ -212,6 +212,10 @@ class RolloutEngine(Protocol):
         """True when the engine can serve `generate` now."""
         ...
 
+    def close(self) -> None:
+        """Release its connections, threads and model (the run is over)."""
+        ...
+
 
 def moe_layer_ids(config: Any) -> list[int] | None:
     """Indices of the decoder layers that hold a routed-expert MoE block, from a HF config.

@@ -10,6 +10,7 @@ import torch
 
 from moe_rl.config import load_config
 from moe_rl.checkpoint import intact_checkpoint, resume, save_checkpoint
+from moe_rl.recipes import RLRecipe
 
 
 class _State:
@@ -26,9 +27,9 @@ class _State:
 
 
 def _run(value: float):
-    return SimpleNamespace(policy=_State(value), sampler=_State(value), rewards=_State(value), critic=None, rank=0,
+    return RLRecipe(SimpleNamespace(policy=_State(value), sampler=_State(value), rewards=_State(value), critic=None, rank=0,
                            weight_version=int(value), drift_state={}, pending=None, engine=None,
-                           cfg=load_config(None), weight_sync=SimpleNamespace(sync=lambda *a: None))
+                           cfg=load_config(None), weight_sync=SimpleNamespace(sync=lambda *a: None)))
 
 
 def _two_checkpoints(tmp_path):
@@ -39,7 +40,7 @@ def _two_checkpoints(tmp_path):
 def _resumed(tmp_path, spec):
     run = _run(0.0)
     step = resume(run, load_config(None, [f"train.resume={spec}"]), tmp_path, logging.getLogger("test"))
-    return step, float(run.policy.value[0])
+    return step, float(run.run.policy.value[0])
 
 
 def test_meta_records_every_file_and_an_intact_checkpoint_resumes(tmp_path):

@@ -57,6 +57,9 @@ class DiskSync:
         self.group = group
         self.served: Path | None = None  # the version dir the engine loaded last
 
+    def close(self) -> None:
+        """Nothing to leave (only the nccl sync holds a process group with the servers)."""
+
     def sync(self, version: int, export_fn: WeightsArg, engine: Any) -> Path:
         """Export, commit and load version `version` (collective; `engine` is used on rank 0 only).
 

@@ -23,6 +23,9 @@ class TensorSync:
         self.atomic = atomic
         self.group = group
 
+    def close(self) -> None:
+        """Nothing to leave (only the nccl sync holds a process group with the servers)."""
+
     def sync(self, version: int, named_tensors: WeightsArg, engine: Any) -> int:
         """Send the weights to `engine` on rank 0 (collective). Returns the number of tensors sent."""
         error: str | None = None
