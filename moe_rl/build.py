@@ -59,8 +59,7 @@ def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature
     from moe_rl.policy.policy import Policy, PolicySpec
 
     p = cfg.parallel
-    layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp,
-                            world_size=read_dist_env().world_size)
+    layout = ParallelLayout.of(p, read_dist_env().world_size)
     return Policy(PolicySpec(str(hf_dir), layout, optim_config(cfg, updates_per_step), cfg.model.dtype,
                              cfg.model.recompute, p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch,
                              temperature=temperature, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,

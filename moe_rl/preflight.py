@@ -47,8 +47,7 @@ def _layout(cfg: RunConfig, world_size: int) -> str | None:
     from moe_rl.policy.model import arch_from_hf_dict
     from moe_rl.policy.parallel import LayoutError, ParallelLayout
 
-    p = cfg.parallel
-    layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sp=p.sp, world_size=world_size)
+    layout = ParallelLayout.of(cfg.parallel, world_size)
     try:
         layout.validate(arch_from_hf_dict(_hf_config(cfg), cfg.model.hf_path or "model.tiny"))
     except LayoutError as e:

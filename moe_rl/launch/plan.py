@@ -248,8 +248,7 @@ def check_trainer_layout(parallel: Any, world_size: int, per_node_flag: str = "-
     """
     from moe_rl.policy.parallel import LayoutError, ParallelLayout
 
-    layout = ParallelLayout(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, ep=parallel.ep, etp=parallel.etp,
-                            sp=parallel.sp, world_size=world_size)
+    layout = ParallelLayout.of(parallel, world_size)
     try:
         layout.validate()
     except LayoutError as e:

@@ -117,7 +117,8 @@ class ParallelConfig:
 
     @property
     def sequence_parallel(self) -> bool:
-        """`sp` with the auto rule applied."""
+        """`sp` with the auto rule applied (`ParallelLayout.sequence_parallel`'s, for the layout
+        `ParallelLayout.of` makes of this section)."""
         return self.tp > 1 if self.sp is None else self.sp
 
 

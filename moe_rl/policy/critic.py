@@ -27,8 +27,6 @@ the last pipeline stage; values are broadcast to the other stages like log-probs
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,13 +34,9 @@ import torch.nn.functional as F
 
 from moe_rl.policy.convert import load_hf_weights
 from moe_rl.policy.forward import Microbatch
-from moe_rl.policy.model import build_model, read_hf_config
+from moe_rl.policy.model import MoEArch
 from moe_rl.policy.packing import unpack
-from moe_rl.policy.parallel import data_parallel_rank_and_size, init_distributed
-from moe_rl.policy.perf import resolve
-from moe_rl.policy.policy import Policy, PolicySpec, with_aux_loss_coef
-from moe_rl.policy.replay import RouteReplay
-from moe_rl.policy.train_step import PolicyOptimizer, frozen_rows
+from moe_rl.policy.policy import MegatronModel, PolicySpec
 
 
 class ValueHead(torch.nn.Module):
@@ -75,38 +69,32 @@ def microbatch_values(output: torch.Tensor, mb: Microbatch) -> torch.Tensor:
     return unpack(output[0, :-1, 0].float(), mb.packed.starts, mb.tokens.shape[1] - 1) * mb.loss_mask
 
 
-class Critic(Policy):
-    """The value model on this rank: a `Policy` whose per-token output is V(s_t) instead of log π.
+class Critic(MegatronModel):
+    """The value model on this rank: a megatron model whose per-token output is V(s_t).
 
-    `values()` is the forward pass, `update()` (inherited) one optimizer step with a loss
-    of `(values [b, s - 1], microbatch)`, `state_dict()` / `load_state_dict()` (inherited)
-    its model, optimizer and schedule. Every method is collective.
+    `values()` is the forward pass, `update()` one optimizer step with a loss of
+    `(values [b, s - 1], microbatch)`, `state_dict()` / `load_state_dict()` its model,
+    optimizer and schedule (all shared with `Policy` through `MegatronModel`). It is
+    checkpointed, never exported or synced to a rollout engine. Every method is collective.
     """
 
     per_token = staticmethod(microbatch_values)
 
     def __init__(self, spec: PolicySpec, head_init_std: float = 0.0) -> None:
-        self.spec = spec
-        arch = with_aux_loss_coef(read_hf_config(spec.hf_dir), spec.moe_aux_loss_coef)
-        self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
-        spec.layout.validate(arch)
-        init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
+        self.head_init_std = head_init_std
+        super().__init__(spec)
+
+    def _model_arch(self, arch: MoEArch) -> MoEArch:
         # Untied: the value head replaces the output layer, which must not share the embedding.
-        self.arch = dataclasses.replace(arch, tie_word_embeddings=False)
-        self.perf = resolve(spec.perf, distributed_optimizer=spec.optim.distributed_optimizer,
-                            moe=self.arch.num_moe_experts is not None)
-        chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute, self.perf)
+        return dataclasses.replace(arch, tie_word_embeddings=False)
+
+    def _load_weights(self, chunks: list[Any]) -> None:
         last = [c for c in chunks if c.post_process]
         for c in last:
             c.output_layer = torch.nn.Identity()  # drop the vocabulary projection before loading
-        load_hf_weights(chunks, spec.hf_dir, self.arch)
+        load_hf_weights(chunks, self.spec.hf_dir, self.arch)
         for c in last:
-            c.output_layer = ValueHead(c.config, head_init_std, spec.seed).to(next(c.parameters()).device)
-        self.opt = PolicyOptimizer(chunks, dataclasses.replace(
-            spec.optim, overlap_grad_reduce=self.perf.overlap_grad_reduce,
-            overlap_param_gather=self.perf.overlap_param_gather), frozen_rows(self.arch))
-        self.replay = RouteReplay(self.opt.chunks, self.arch) if self.arch.num_moe_experts else None
-        self.dp_rank, self.dp_size = data_parallel_rank_and_size()
+            c.output_layer = ValueHead(c.config, self.head_init_std, self.spec.seed).to(next(c.parameters()).device)
 
     def values(self, sequences: list[torch.Tensor], *, record_routes: bool = False,
                replay_routes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,11 +102,5 @@ class Critic(Policy):
 
         record_routes: also return the critic's own routes (for R2 and its volatility).
         """
-        out = self.logprobs(sequences, record_routes=record_routes, replay_routes=replay_routes)
+        out = self._forward(sequences, record_routes=record_routes, replay_routes=replay_routes)
         return out.logp, out.routes
-
-    def export_hf(self, out_dir: str | Path) -> None:
-        raise NotImplementedError("the critic is not a language model: it is checkpointed, not exported")
-
-    def hf_tensors(self):
-        raise NotImplementedError("the critic is not a language model: it is not synced to the rollout engine")

@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,13 @@ class ParallelLayout:
         parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vpp", self.vpp or 1),
                                          ("ep", self.ep), ("etp", self.etp), ("dp", self.dp)) if v > 1]
         return "-".join(parts) or "single"
+
+    @classmethod
+    def of(cls, parallel: Any, world_size: int) -> "ParallelLayout":
+        """The layout a config's `parallel` section (`moe_rl.policy.config.ParallelConfig`) asks
+        for on `world_size` ranks."""
+        return cls(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, ep=parallel.ep, etp=parallel.etp,
+                   sp=parallel.sp, world_size=world_size)
 
     @classmethod
     def parse(cls, name: str) -> "ParallelLayout":

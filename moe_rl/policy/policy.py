@@ -62,29 +62,40 @@ class UpdateResult:
     step: dict[str, float]
 
 
-class Policy:
-    """The megatron policy on this rank (call every method on every rank: they are collective)."""
+class MegatronModel:
+    """A megatron model on this rank, built from a HF checkpoint in the spec's layout, with its
+    optimizer and routing replay: what `Policy` and the critic (`moe_rl.policy.critic`) share.
+    Subclasses say what the output becomes per token (`per_token`) and may change the
+    architecture (`_model_arch`) and how the HF weights go in (`_load_weights`). Call every
+    method on every rank: they are collective."""
 
     def per_token(self, logits: torch.Tensor, mb: Microbatch) -> torch.Tensor:
-        """What the model's output becomes per token, for passes and losses: log-probs of
-        softmax(logits / T) at the spec's sampling temperature (the critic: its values)."""
-        return microbatch_logprobs(logits, mb, self.spec.temperature)
+        raise NotImplementedError
 
     def __init__(self, spec: PolicySpec) -> None:
         self.spec = spec
-        self.arch: MoEArch = with_aux_loss_coef(read_hf_config(spec.hf_dir), spec.moe_aux_loss_coef)
+        arch = with_aux_loss_coef(read_hf_config(spec.hf_dir), spec.moe_aux_loss_coef)
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
-        spec.layout.validate(self.arch)
+        spec.layout.validate(arch)
         init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
+        self.arch: MoEArch = self._model_arch(arch)
         self.perf = resolve(spec.perf, distributed_optimizer=spec.optim.distributed_optimizer,
                             moe=self.arch.num_moe_experts is not None)
         chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute, self.perf)
-        load_hf_weights(chunks, spec.hf_dir, self.arch)
+        self._load_weights(chunks)
         self.opt = PolicyOptimizer(chunks, replace(spec.optim, overlap_grad_reduce=self.perf.overlap_grad_reduce,
                                                    overlap_param_gather=self.perf.overlap_param_gather),
                                    frozen_rows(self.arch))
         self.replay = RouteReplay(self.opt.chunks, self.arch) if self.arch.num_moe_experts else None
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
+
+    def _model_arch(self, arch: MoEArch) -> MoEArch:
+        """The architecture to build (the checkpoint's)."""
+        return arch
+
+    def _load_weights(self, chunks: list[Any]) -> None:
+        """Put the HF checkpoint's weights into the freshly built `chunks`."""
+        load_hf_weights(chunks, self.spec.hf_dir, self.arch)
 
     @property
     def chunks(self) -> list[Any]:
@@ -123,19 +134,13 @@ class Policy:
 
         return ps.get_data_parallel_group()
 
-    # ------------------------------------------------------------ log-probs
+    # ------------------------------------------------------------ forward
 
-    def logprobs(self, sequences: list[torch.Tensor], *, record_routes: bool = False,
+    def _forward(self, sequences: list[torch.Tensor], *, record_routes: bool = False,
                  replay_routes: torch.Tensor | None = None, entropy: bool = False,
                  route_confidence: bool = False) -> LogProbs:
-        """Per-token log-probs `[B, T - 1]` of this DP rank's sequences, of softmax(logits / T)
-        at the spec's sampling temperature T.
-
-        record_routes: also return the routes the routers chose (`[B, T - 1, L, K]`);
-            with route_confidence, also each router's confidence (`[B, T - 1, L, 2]`: top-k
-            gate mass, k-th minus (k+1)-th logit).
-        replay_routes: make the routers use these routes (R3 old-log-prob pass).
-        """
+        """`per_token` of this DP rank's sequences, `[B, T - 1]`, in one pass without gradients
+        (see `Policy.logprobs` for the arguments)."""
         routing = None
         if replay_routes is not None:
             routing = lambda mbs: self.replay.replay(replay_routes, mbs)  # noqa: E731
@@ -167,33 +172,6 @@ class Policy:
         routing = (lambda m: self.replay.replay(replay_routes, m)) if replay_routes is not None else None
         outputs, step_metrics = self.opt.step(mbs, loss_fn, routing)
         return UpdateResult([{k: float(v) for k, v in out["metrics"].items()} for out in outputs], step_metrics)
-
-    # ------------------------------------------------------------ weights
-
-    def load_hf_weights(self, hf_dir: str | Path) -> None:
-        """Copy a HF checkpoint of the same architecture into the model (e.g. a reference model
-        for one pass). The optimizer's master copies are not touched: load the policy's own
-        checkpoint back before the next update."""
-        load_hf_weights(self.chunks, hf_dir, self.arch)
-
-    def export_hf(self, out_dir: str | Path) -> None:
-        """Write the current weights as a HF checkpoint (collective)."""
-        sync_params(self.opt.chunks)  # overlap_param_gather left the gather to the next forward
-        export_hf(self.chunks, out_dir, self.arch, self.hf_config)
-
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) for the tensors this rank owns (collective)."""
-        sync_params(self.opt.chunks)
-        return iter_hf_tensors(self.chunks, self.arch)
-
-    # The two methods a weight sync takes (moe_rl.rollout.weight_sync.PolicyWeights).
-    def export(self, out_dir: str | Path) -> None:
-        """`export_hf`: disk sync."""
-        self.export_hf(out_dir)
-
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """`hf_tensors`: tensor and nccl syncs."""
-        return self.hf_tensors()
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and scheduler state of this rank (for a same-layout resume).
@@ -231,3 +209,51 @@ class Policy:
         dist.all_reduce(out, op=op, group=self.dp_group if group == "dp" else None)
         return out.to(values.device)
 
+
+class Policy(MegatronModel):
+    """The megatron policy on this rank (call every method on every rank: they are collective)."""
+
+    def per_token(self, logits: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+        """Log-probs of softmax(logits / T) at the spec's sampling temperature, per token."""
+        return microbatch_logprobs(logits, mb, self.spec.temperature)
+
+    def logprobs(self, sequences: list[torch.Tensor], *, record_routes: bool = False,
+                 replay_routes: torch.Tensor | None = None, entropy: bool = False,
+                 route_confidence: bool = False) -> LogProbs:
+        """Per-token log-probs `[B, T - 1]` of this DP rank's sequences, of softmax(logits / T)
+        at the spec's sampling temperature T.
+
+        record_routes: also return the routes the routers chose (`[B, T - 1, L, K]`);
+            with route_confidence, also each router's confidence (`[B, T - 1, L, 2]`: top-k
+            gate mass, k-th minus (k+1)-th logit).
+        replay_routes: make the routers use these routes (R3 old-log-prob pass).
+        """
+        return self._forward(sequences, record_routes=record_routes, replay_routes=replay_routes,
+                             entropy=entropy, route_confidence=route_confidence)
+
+    # ------------------------------------------------------------ weights
+
+    def load_hf_weights(self, hf_dir: str | Path) -> None:
+        """Copy a HF checkpoint of the same architecture into the model (e.g. a reference model
+        for one pass). The optimizer's master copies are not touched: load the policy's own
+        checkpoint back before the next update."""
+        load_hf_weights(self.chunks, hf_dir, self.arch)
+
+    def export_hf(self, out_dir: str | Path) -> None:
+        """Write the current weights as a HF checkpoint (collective)."""
+        sync_params(self.opt.chunks)  # overlap_param_gather left the gather to the next forward
+        export_hf(self.chunks, out_dir, self.arch, self.hf_config)
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for the tensors this rank owns (collective)."""
+        sync_params(self.opt.chunks)
+        return iter_hf_tensors(self.chunks, self.arch)
+
+    # The two methods a weight sync takes (moe_rl.rollout.weight_sync.PolicyWeights).
+    def export(self, out_dir: str | Path) -> None:
+        """`export_hf`: disk sync."""
+        self.export_hf(out_dir)
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`hf_tensors`: tensor and nccl syncs."""
+        return self.hf_tensors()
