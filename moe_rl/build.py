@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from moe_rl.collectives import barrier, broadcast_object, init_control_group
 from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
+from moe_rl.rollout.engines import engine_kind
 
 
 def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
@@ -154,7 +155,7 @@ def update_group(cfg: RunConfig, servers: Any, out: Path | None = None) -> dict[
         found = {"admin_urls": admin,
                  "master_address": os.environ.get("MASTER_ADDR", "127.0.0.1"),
                  "master_port": r.weight_sync_port or _free_port(avoid=int(os.environ.get("MASTER_PORT", "0"))),
-                 "server_tp_sizes": r.server_tp_size if r.engine == "sglang" else 1,
+                 "server_tp_sizes": engine_kind(r).server_tp(r),
                  # the group joined last, left by a trainer that died without leaving it
                  "state_file": None if out is None else str(out / "servers" / "update_group.json"),
                  "backend": "nccl" if torch.cuda.is_available() else "gloo"}
@@ -181,7 +182,7 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
     from moe_rl.rollout.placement import server_gpus
     from moe_rl.rollout.sglang_client import SGLangClient
 
-    if cfg.rollout.engine == "inprocess":  # no server: the engine runs in this process
+    if not engine_kind(cfg.rollout).runs_as_servers:  # rollout.engine=inprocess: the engine runs in this process
         from moe_rl.rollout.inprocess import inprocess_engine
 
         return inprocess_engine(cfg, hf_dir), None

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from moe_rl.rollout.config import SGLANG_TP_FLAGS, sglang_flag
+from moe_rl.rollout.engines import engine_kind
 
 DEFAULT_BASE_PORT = 30000  # servers of a SLURM job listen from here (SGLang's usual range)
 TP_FLAGS = SGLANG_TP_FLAGS  # flags of `sglang.launch_server` that set its tensor-parallel size
@@ -168,10 +169,14 @@ def plan_servers(rollout: Any, shape: NodeShape, servers_per_node: int | None = 
     if rollout.urls:
         raise LaunchError(f"rollout.urls is set ({', '.join(rollout.urls)}): the job starts its own servers "
                           "and passes their URLs to the trainer; remove rollout.urls from the config")
-    engine = str(rollout.engine)
+    kind = engine_kind(rollout)
+    engine = kind.name
     base = int(rollout.base_port or DEFAULT_BASE_PORT)  # fixed: other nodes must know where to connect
     most: int | None
-    if engine == "sglang":
+    if not kind.runs_as_servers:
+        raise LaunchError(f"rollout.engine={engine} runs as {kind.what} of a one-machine run; a SLURM job "
+                          "launches rollout servers: use rollout.engine=local (CPU) or sglang")
+    if kind.gpu_only:
         if shape.cpu:
             raise LaunchError("rollout.engine=sglang needs GPUs, and --gpus-per-node 0 (CPU mode) requests none: "
                               "set rollout.engine=local for a CPU job (`moe-rl serve` speaks SGLang's HTTP API), "
@@ -182,16 +187,11 @@ def plan_servers(rollout: Any, shape: NodeShape, servers_per_node: int | None = 
                               "use a server tp that divides --gpus-per-node")
         most = shape.gpus_per_node // tp
         default = most
-    elif engine == "local":
+    else:
         # CPU mode has no per-GPU bound: each server is a task with --cpus-per-task CPUs.
         tp, most = 1, (None if shape.cpu else shape.gpus_per_node)
         default = -(-int(rollout.num_servers) // shape.serve_nodes)  # ceil: at least num_servers in all
         default = default if most is None else min(default, most)
-    elif engine == "inprocess":
-        raise LaunchError("rollout.engine=inprocess runs the engine inside trainer rank 0 of a one-machine run; "
-                          "a SLURM job launches rollout servers: use rollout.engine=local (CPU) or sglang")
-    else:
-        raise LaunchError(f"rollout.engine must be 'local' or 'sglang', got {engine!r}")
     n = servers_per_node if servers_per_node is not None else default
     if n < 1 or (most is not None and n > most):
         bound = f"[1, {most}]" if most is not None else ">= 1"

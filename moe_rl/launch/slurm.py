@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from moe_rl.launch.plan import TP_FLAGS, LaunchError, NodeShape, ServerLayout
+from moe_rl.rollout.engines import engine_kind
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "launch" / "slurm" / "rl_job.sbatch.tmpl"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -230,7 +231,7 @@ def _server_argv(cfg: Any, servers: ServerLayout, index: int, host: str, colocat
 
     port = servers.ports[index]
     own = list(SERVER_IDENTITY)
-    if servers.engine == "local":  # colocated: the trainer releases their memory between phases
+    if not engine_kind(servers).tensor_parallel:  # moe-rl serve; colocated: released between phases
         return local_server_command("@@MODEL@@", host=host, port=port, python="@@PYTHON@@",
                                     extra_args=own + (["--enable-memory-saver"] if colocated else []))
     extra = _without_tp_flags([str(a) for a in cfg.rollout.sglang_args])  # folded into servers.tp
@@ -368,7 +369,7 @@ def _server_overrides(rollout: Any, servers: ServerLayout, colocated: bool, fiel
     out = []
     if getattr(rollout, "router", None):
         out.append("rollout.router=null")
-    if servers.engine == "sglang":
+    if engine_kind(servers).tensor_parallel:
         out.append(f"rollout.tp_size={servers.tp}")
         if colocated and "colocated" in fields:
             out.append("rollout.colocated=true")

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from moe_rl.configurable import choice, ranged
+from moe_rl.rollout.engines import ENGINE_KINDS, engine_kind
 
 
-ENGINES = ("local", "sglang", "inprocess")
+ENGINES = tuple(ENGINE_KINDS)  # local, sglang, inprocess (moe_rl/rollout/engines.py)
 WEIGHT_SYNCS = ("disk", "tensor", "nccl")
 # SGLang 0.5.23's names of its parallel sizes (sglang/srt/arg_groups/fields/parallel.py; argparse
 # also takes an unambiguous prefix such as --tp).
@@ -159,7 +160,7 @@ def check_rollout(cfg: Any) -> Iterator[str]:
         yield (f"rollout.sglang_args: --pp-size {sizes['pp']} is not allowed with rollout.weight_sync=nccl: each "
                "server rank joins the update group as rank_offset + tp_rank, so pipeline stages would take the "
                "same ranks; use tensor parallelism (rollout.tp_size), or rollout.weight_sync=disk")
-    if r.weight_sync == "tensor" and r.engine != "inprocess":
+    if r.weight_sync not in engine_kind(r).weight_syncs and r.weight_sync == "tensor":
         yield ("rollout.weight_sync: 'tensor' copies into an engine in the trainer's own process, but a run's "
                "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl, or "
                "rollout.engine=inprocess")
@@ -168,11 +169,11 @@ def check_rollout(cfg: Any) -> Iterator[str]:
 
 def _check_inprocess(r: RolloutConfig) -> Iterator[str]:
     """rollout.engine=inprocess: the engine lives in trainer rank 0, so there are no servers to reach."""
-    if r.engine != "inprocess":
+    if engine_kind(r).runs_as_servers:
         return
     if r.urls:
         yield ("rollout.urls: set, but rollout.engine=inprocess generates inside the trainer; "
                "empty rollout.urls, or use rollout.engine=local/sglang to reach running servers")
-    if r.weight_sync == "nccl":
+    if r.weight_sync not in engine_kind(r).weight_syncs:
         yield ("rollout.weight_sync: 'nccl' broadcasts to server processes; rollout.engine=inprocess has none: "
                "use rollout.weight_sync=tensor (or disk)")

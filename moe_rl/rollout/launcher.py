@@ -48,6 +48,7 @@ from typing import Any, Mapping, Sequence
 
 from moe_rl.ports import free_ports
 from moe_rl.rollout.auth import RunKeys, needs_keys, redact, write_key_file
+from moe_rl.rollout.engines import engine_kind
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,30 @@ def router_command(worker_urls: Sequence[str], *, host: str, port: int, promethe
     return argv + ["--worker-urls", *worker_urls, *map(str, extra_args)]
 
 
+def _local_server(cfg: Any, model_path: str | Path, *, host: str, port: int, python: str | None, own: list[str],
+                  identity: "RunIdentity | None", saver: list[str], gpu: int | None, tp: int,
+                  ep: int) -> tuple[list[str], dict[str, str]]:
+    """`moe-rl serve`: this run's identity and trusted dirs, its device (`--device cuda:N`)."""
+    extra = own + saver + [a for d in (identity.trusted_dirs if identity else ()) for a in ("--trusted-dir", str(d))]
+    extra += [] if gpu is None else ["--device", f"cuda:{gpu}"]
+    return local_server_command(model_path, host=host, port=port, python=python, extra_args=extra), _local_env()
+
+
+def _sglang_server(cfg: Any, model_path: str | Path, *, host: str, port: int, python: str | None, own: list[str],
+                   identity: "RunIdentity | None", saver: list[str], gpu: int | None, tp: int,
+                   ep: int) -> tuple[list[str], dict[str, str]]:
+    """`python -m sglang.launch_server` on `tp` GPUs from `gpu`; `rollout.sglang_args` come last (they win)."""
+    extra = [a for a in saver if a not in cfg.sglang_args] + list(cfg.sglang_args)
+    argv = sglang_server_command(model_path, host=host, port=port, tp_size=tp, ep_size=ep,
+                                 mem_fraction=float(cfg.mem_fraction), base_gpu_id=gpu, python=python,
+                                 extra_args=own + extra)
+    return argv, {}
+
+
+# The command of one server, per engine that runs as servers (moe_rl/rollout/engines.py).
+SERVER_COMMANDS = {"local": _local_server, "sglang": _sglang_server}
+
+
 def wants_router(cfg: Any) -> bool:
     """Whether `plan_servers` puts sglang-router in front of the servers `cfg` describes.
 
@@ -145,7 +170,7 @@ def wants_router(cfg: Any) -> bool:
     """
     choice = getattr(cfg, "router", None)
     if choice is None:
-        return cfg.engine == "sglang" and int(cfg.num_servers) > 1
+        return engine_kind(cfg).router_when_many and int(cfg.num_servers) > 1
     if not isinstance(choice, bool):
         raise ValueError(f"rollout.router must be true, false or null (auto), got {choice!r}")
     return choice
@@ -188,23 +213,16 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
     saver = ["--enable-memory-saver"] if getattr(cfg, "colocated", False) else []
     if gpus is not None and len(gpus) != n:
         raise ValueError(f"{n} servers but {len(gpus)} GPU assignments")
+    kind = engine_kind(cfg)
+    if not kind.runs_as_servers:
+        raise ValueError(f"rollout.engine={kind.name} runs as {kind.what}: there are no servers to launch")
+    command = SERVER_COMMANDS[kind.name]
     for i in range(n):
         port, gpu = base + i, (None if gpus is None else gpus[i])
-        if cfg.engine == "local":
-            extra = own + saver + [a for d in (identity.trusted_dirs if identity else ())
-                                   for a in ("--trusted-dir", str(d))]
-            extra += [] if gpu is None else ["--device", f"cuda:{gpu}"]
-            argv = local_server_command(model_path, host=host, port=port, python=python, extra_args=extra)
-            servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port, _local_env()))
-        elif cfg.engine == "sglang":
-            extra = [a for a in saver if a not in cfg.sglang_args] + list(cfg.sglang_args)
-            argv = sglang_server_command(model_path, host=host, port=port, tp_size=tp, ep_size=ep,
-                                         mem_fraction=float(cfg.mem_fraction),
-                                         base_gpu_id=i * tp if gpu is None else gpu,
-                                         python=python, extra_args=own + extra)
-            servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port))
-        else:
-            raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.engine!r}")
+        argv, env = command(cfg, model_path, host=host, port=port, python=python, own=own, identity=identity,
+                            saver=saver, gpu=gpu if gpu is not None or not kind.tensor_parallel else i * tp,
+                            tp=tp, ep=ep)
+        servers.append(ServerSpec(f"server-{i}", tuple(argv), host, port, env))
     router = None
     if wants_router(cfg):
         keyed = identity is not None and identity.keys is not None

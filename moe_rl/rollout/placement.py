@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_rl.rollout.engines import ENGINE_KINDS, engine_kind
+
 
 def plan_devices(engine: str, num_servers: int, tp: int, *, trainer_gpus: int, device_count: int,
                  colocated: bool = False, weight_sync: str = "disk") -> list[int | None]:
@@ -24,7 +26,7 @@ def plan_devices(engine: str, num_servers: int, tp: int, *, trainer_gpus: int, d
     `device_count` GPUs do not fit the plan, or when a `moe-rl serve` would share trainer
     rank 0's GPU with the nccl weight sync (NCCL refuses two ranks of one communicator on one GPU).
     """
-    if engine == "local":
+    if not ENGINE_KINDS[engine].tensor_parallel:  # moe-rl serve: one device each
         if device_count == 0:
             return [None] * num_servers
         first = 0 if colocated else trainer_gpus
@@ -49,7 +51,7 @@ def plan_devices(engine: str, num_servers: int, tp: int, *, trainer_gpus: int, d
 
 def server_gpus(cfg: Any, trainer_ranks: int, device_count: int) -> list[int | None] | None:
     """`plan_devices` for the servers a `RolloutConfig` has the trainer launch (None: it launches none)."""
-    if getattr(cfg, "urls", None) or cfg.engine not in ("local", "sglang"):
+    if getattr(cfg, "urls", None) or not engine_kind(cfg).runs_as_servers:
         return None
     tp = int(getattr(cfg, "server_tp_size", getattr(cfg, "tp_size", 1)))
     return plan_devices(cfg.engine, int(cfg.num_servers), tp, trainer_gpus=trainer_ranks, device_count=device_count,

@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence, Union
 
+from moe_rl.rollout.engines import engine_kind
 from moe_rl.rollout.weight_sync.buckets import (Bucket, TensorMeta, collect_to_rank0, dtype_name, flatten_bucket,
                                                 plan_buckets, unflatten_bucket)
 from moe_rl.rollout.weight_sync.common import (ExportFn, MegatronWeights, NamedTensors, PolicyWeights, WeightsArg,
@@ -54,10 +55,11 @@ def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Se
     `moe-rl serve` on CPU over the same calls).
     """
     rollout = getattr(cfg, "rollout", cfg)
-    kind, engine = rollout.weight_sync, getattr(rollout, "engine", None)
-    if kind == "tensor" and engine == "sglang":
-        raise ValueError("rollout.weight_sync=tensor copies into a LocalEngine in the trainer's process; "
-                         "SGLang servers take disk or nccl")
+    kind = rollout.weight_sync
+    engine = engine_kind(rollout) if getattr(rollout, "engine", None) is not None else None
+    if engine is not None and kind not in engine.weight_syncs:
+        raise ValueError(f"rollout.weight_sync={kind} cannot reach {engine.what} (rollout.engine={engine.name}); "
+                         f"use {' or '.join(engine.weight_syncs)}")
     if kind == "disk":
         if root is None:
             raise ValueError("rollout.weight_sync=disk needs a root directory for the weight versions")

@@ -260,7 +260,7 @@ def test_launch_refuses_unsafe_sbatch_values(tmp_path):
         render_script(TINY, [], NodeShape(2, 1, 2), _opts(sbatch_args=["qos high"]), run_dir=tmp_path)
     with pytest.raises(LaunchError, match="--servers-per-node must be in"):
         render_script(QWEN, [], NodeShape(8, 4, 8), _opts(servers_per_node=5), run_dir=tmp_path)
-    with pytest.raises(LaunchError, match="rollout.engine=inprocess runs the engine inside trainer rank 0"):
+    with pytest.raises(LaunchError, match="rollout.engine=inprocess runs as the local engine inside trainer rank 0"):
         render_script(TINY, ["rollout.engine=inprocess"], NodeShape(2, 1, 2), _opts(), run_dir=tmp_path)
 
 

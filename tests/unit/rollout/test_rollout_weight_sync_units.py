@@ -118,7 +118,7 @@ def test_init_group_payload_and_rank_offsets():
 
 def test_factory_picks_by_config(tmp_path):
     assert isinstance(make_weight_sync(RolloutConfig(weight_sync="disk"), root=tmp_path), DiskSync)
-    assert isinstance(make_weight_sync(RolloutConfig(weight_sync="tensor")), TensorSync)
+    assert isinstance(make_weight_sync(RolloutConfig(engine="inprocess", weight_sync="tensor")), TensorSync)
     nccl = make_weight_sync(RolloutConfig(engine="sglang", weight_sync="nccl"),
                             admin_urls=["http://a:1", "http://b:2"], master_address="127.0.0.1",
                             master_port=1234, server_tp_sizes=[2, 2])
@@ -127,8 +127,12 @@ def test_factory_picks_by_config(tmp_path):
         make_weight_sync(RolloutConfig(weight_sync="disk"))
     with pytest.raises(ValueError, match="admin_urls"):
         make_weight_sync(RolloutConfig(engine="sglang", weight_sync="nccl"))
-    with pytest.raises(ValueError, match="SGLang servers take disk or nccl"):
+    with pytest.raises(ValueError, match="tensor cannot reach SGLang servers .*use disk or nccl"):
         make_weight_sync(RolloutConfig(engine="sglang", weight_sync="tensor"))
+    with pytest.raises(ValueError, match="tensor cannot reach `moe-rl serve` servers"):
+        make_weight_sync(RolloutConfig(engine="local", weight_sync="tensor"))
+    with pytest.raises(ValueError, match="nccl cannot reach the local engine inside trainer rank 0"):
+        make_weight_sync(RolloutConfig(engine="inprocess", weight_sync="nccl"))
     # moe-rl serve (engine local) joins the same update group over gloo
     gloo = make_weight_sync(RolloutConfig(engine="local", weight_sync="nccl"), admin_urls=["http://a:1"],
                             master_address="h", master_port=1, backend="gloo")

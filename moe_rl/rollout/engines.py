@@ -1,0 +1,47 @@
+"""The rollout engines a run can use (`rollout.engine`), and what each one is.
+
+Code that depends on the engine asks its `EngineKind` (does it run as server processes,
+on GPUs only, sharded over a tensor-parallel group, which weight syncs reach it, does a
+router go in front of several) instead of comparing engine names; adding an engine is an
+entry here plus its server command (`moe_rl.rollout.launcher.SERVER_COMMANDS`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    name: str
+    runs_as_servers: bool       # rollouts come from server processes (launched, or at rollout.urls)
+    gpu_only: bool              # its servers need GPUs
+    tensor_parallel: bool       # each server shards over `rollout.server_tp_size` GPUs of its own
+    router_when_many: bool      # `rollout.router=null` puts sglang-router in front of more than one server
+    weight_syncs: tuple[str, ...]  # the `rollout.weight_sync` kinds that reach it
+    what: str                   # for messages
+
+    def server_tp(self, rollout: Any) -> int:
+        """GPUs per server (1 for an engine that does not shard)."""
+        return int(rollout.server_tp_size) if self.tensor_parallel else 1
+
+
+ENGINE_KINDS: dict[str, EngineKind] = {
+    "local": EngineKind("local", runs_as_servers=True, gpu_only=False, tensor_parallel=False,
+                        router_when_many=False, weight_syncs=("disk", "nccl"),
+                        what="`moe-rl serve` servers (SGLang's HTTP API over HF transformers)"),
+    "sglang": EngineKind("sglang", runs_as_servers=True, gpu_only=True, tensor_parallel=True,
+                         router_when_many=True, weight_syncs=("disk", "nccl"), what="SGLang servers"),
+    "inprocess": EngineKind("inprocess", runs_as_servers=False, gpu_only=False, tensor_parallel=False,
+                            router_when_many=False, weight_syncs=("tensor", "disk"),
+                            what="the local engine inside trainer rank 0"),
+}
+
+
+def engine_kind(rollout: Any) -> EngineKind:
+    """The kind of `rollout.engine` (`rollout`: a RolloutConfig or anything with `.engine`)."""
+    name = str(rollout.engine)
+    kind = ENGINE_KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"rollout.engine must be one of {', '.join(ENGINE_KINDS)}, got {name!r}")
+    return kind
