@@ -51,14 +51,20 @@ def control_group() -> Any:
     return _control
 
 
-def _world(group: Any) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+def rank(group: Any = None) -> int:
+    """This process's rank in `group` (default: the world); 0 without torch.distributed."""
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size(group: Any = None) -> int:
+    """The size of `group` (default: the world); 1 without torch.distributed."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def broadcast_object(obj: Any, group: Any = None) -> Any:
     """Rank 0's (of `group`; default: the control group) Python object, on every rank of it."""
     group = _control if group is None else group
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
@@ -68,9 +74,9 @@ def broadcast_object(obj: Any, group: Any = None) -> Any:
 def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's `obj` (of `group`; default: the control group), in rank order."""
     group = _control if group is None else group
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return [obj]
-    out: list[Any] = [None] * _world(group)
+    out: list[Any] = [None] * world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -83,7 +89,7 @@ def all_errors(error: str | None, group: Any = None) -> list[str]:
 def scatter_objects(per_rank: Sequence[Any] | None, group: Any = None) -> Any:
     """Rank 0 gives rank r `per_rank[r]` (of `group`; default: the control group); others pass None."""
     group = _control if group is None else group
-    if _world(group) == 1:
+    if world_size(group) == 1:
         assert per_rank is not None
         return per_rank[0]
     out: list[Any] = [None]
@@ -136,10 +142,6 @@ def share_out(per_key: dict[int, Any] | None, key: int, peers: Sequence[int]) ->
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def agree(flag: bool) -> bool:

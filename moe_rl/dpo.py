@@ -25,7 +25,7 @@ import torch
 
 from moe_rl.algo.losses import dpo_loss
 from moe_rl.build import hf_tokenizer, initial_model, make_policy
-from moe_rl.collectives import broadcast_object as broadcast
+from moe_rl.collectives import broadcast_object as broadcast, rank
 from moe_rl.config import RunConfig
 from moe_rl.data.preference import PreferenceDataset, PreferencePair, load_preference_dataset
 from moe_rl.data.sampler import PromptSampler
@@ -157,7 +157,7 @@ def reference_logps(cfg: RunConfig, policy: Policy, out: Path, hf_dir: Path, tra
         raise FileNotFoundError(f"dpo.ref_path: {ref_dir} has no config.json; give a HF checkpoint directory "
                                 "of the policy's architecture, or null for the initial policy")
     pairs = list(train) + (list(evals) if evals is not None else [])
-    key = broadcast(cache_key(pairs, ref_dir) if _rank() == 0 else None)
+    key = broadcast(cache_key(pairs, ref_dir) if rank() == 0 else None)
     path = out / REF_CACHE
     cached = torch.load(path, weights_only=True) if path.is_file() else None
     if cached is not None and cached.get("key") == key:
@@ -170,7 +170,7 @@ def reference_logps(cfg: RunConfig, policy: Policy, out: Path, hf_dir: Path, tra
         logps = pair_logps(policy, pairs).float()
         if cfg.dpo.ref_path:
             policy.load_hf_weights(hf_dir)  # the policy's own start again
-        if _rank() == 0:
+        if rank() == 0:
             torch.save({"key": key, "logps": logps}, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)
         log.info("reference log-probs of %d pairs: computed by %s in %.1f s, cached in %s", len(pairs), ref_dir,
@@ -231,9 +231,3 @@ def build_dpo_run(cfg: RunConfig, out: Path, rank: int) -> DPORun:
     run = DPORun(cfg=cfg, policy=policy, train=train, eval=evals, ref_train=ref_train, ref_eval=ref_eval,
                  sampler=sampler, rank=rank)
     return run
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0

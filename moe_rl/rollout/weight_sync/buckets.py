@@ -8,9 +8,9 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_rl.collectives import all_gather_objects
+from moe_rl.collectives import all_gather_objects, rank
 from moe_rl.devices import compute_device
-from moe_rl.rollout.weight_sync.common import NamedTensors, WeightSyncError, _from_rank0, _global_rank, _rank
+from moe_rl.rollout.weight_sync.common import NamedTensors, WeightSyncError, _from_rank0, _global_rank
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -123,7 +123,7 @@ def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any 
     exhaust the generator. Memory: each rank holds its own share until the end; rank 0
     two buckets more.
     """
-    me = _rank(group)
+    me = rank(group)
     local: list[tuple[str, torch.Tensor]] = [(n, t.detach()) for n, t in named_tensors]
     metas_per_rank = all_gather_objects([TensorMeta.of(n, t, me) for n, t in local], group)
     metas = [m for per_rank in metas_per_rank for m in per_rank]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_ch
 import torch
 import torch.distributed as dist
 
-from moe_rl.collectives import all_errors, broadcast_object
+from moe_rl.collectives import all_errors, broadcast_object, rank
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +46,6 @@ class PolicyWeights(Protocol):
 
 
 WeightsArg = Union[ExportFn, NamedTensors, PolicyWeights]
-
-
-def _rank(group: Any = None) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world(group: Any = None) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def _global_rank(group: Any, group_rank: int) -> int:
@@ -119,7 +111,7 @@ class MegatronWeights:
         from moe_rl.policy.convert import copy_aux_files, export_hf
 
         result = export_hf(self.chunks, out_dir, self.arch, self.hf_config, dtype=self.dtype)
-        if self.aux_dir is not None and _rank() == 0:
+        if self.aux_dir is not None and rank() == 0:
             copy_aux_files(self.aux_dir, out_dir)
         return result
 

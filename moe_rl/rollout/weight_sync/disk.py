@@ -11,8 +11,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from moe_rl.collectives import rank
 from moe_rl.rollout.weight_sync.common import (ExportFn, WeightsArg, WeightSyncError, _all_errors, _describe,
-                                               _engine_name, _export_fn, _from_rank0, _rank)
+                                               _engine_name, _export_fn, _from_rank0)
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,10 @@ class DiskSync:
             raise ValueError(f"version must be >= 0, got {version}")
         final = version_dir(self.root, version)
         tmp = final.with_name(final.name + ".tmp")
-        self._raise_from_rank0(self._prepare(final, tmp) if _rank(self.group) == 0 else None)
+        self._raise_from_rank0(self._prepare(final, tmp) if rank(self.group) == 0 else None)
         self._export(version, _export_fn(export_fn), tmp)
         error = None
-        if _rank(self.group) == 0:
+        if rank(self.group) == 0:
             error = self._commit_and_load(version, tmp, final, engine)
         self._raise_from_rank0(error)
         self.served = final
@@ -99,11 +100,11 @@ class DiskSync:
         try:
             export_fn(tmp)
         except Exception as e:  # noqa: BLE001 - reported on every rank below
-            error = f"rank {_rank(self.group)}: {_describe(e)}"
+            error = f"rank {rank(self.group)}: {_describe(e)}"
             log.exception("weight export of version %d failed", version)
         errors = _all_errors(error, self.group)  # also the barrier before the rename
         if errors:
-            if _rank(self.group) == 0:
+            if rank(self.group) == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise WeightSyncError(f"export of weight version {version} into {tmp} failed ({'; '.join(errors)}); "
                                   f"the engine keeps serving {self.served or 'its current weights'}")
@@ -135,7 +136,7 @@ class DiskSync:
 
     def cleanup(self) -> list[Path]:
         """Rank 0: delete versions beyond the newest `keep_last` (never the served one) and stale .tmp dirs."""
-        if _rank(self.group) != 0:
+        if rank(self.group) != 0:
             return []
         versions = list_versions(self.root)
         keep = {p for _, p in versions[-self.keep_last:]} | ({self.served} if self.served else set())

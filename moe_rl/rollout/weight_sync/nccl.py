@@ -35,9 +35,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from moe_rl.collectives import rank
 from moe_rl.devices import compute_device
 from moe_rl.rollout.weight_sync.buckets import Bucket, TensorMeta, collect_to_rank0, flatten_bucket
-from moe_rl.rollout.weight_sync.common import WeightsArg, WeightSyncError, _describe, _from_rank0, _named_tensors, _rank
+from moe_rl.rollout.weight_sync.common import WeightsArg, WeightSyncError, _describe, _from_rank0, _named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ class NcclSync:
     def connect(self) -> None:
         """Rank 0: make every server join the update group, and join it as rank 0 (collective)."""
         error = None
-        if _rank(self.group) == 0 and self._pg is None:
+        if rank(self.group) == 0 and self._pg is None:
             error = self._connect()
         error = _from_rank0(error, self.group)
         if error:
@@ -291,7 +292,7 @@ class NcclSync:
         source = _named_tensors(named_tensors)
         if self.dtype is not None:
             source = ((n, t.to(self.dtype)) for n, t in source)
-        rank0 = _rank(self.group) == 0
+        rank0 = rank(self.group) == 0
         error = self._call_all("/begin_weight_update", {}) if rank0 else None
         count = 0
         for bucket in collect_to_rank0(source, self.bucket_bytes, self.group):

@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
+from moe_rl.collectives import rank
 from moe_rl.rollout.weight_sync.buckets import collect_to_rank0
 from moe_rl.rollout.weight_sync.common import (WeightsArg, WeightSyncError, _describe, _engine_name, _from_rank0,
-                                               _named_tensors, _rank)
+                                               _named_tensors)
 
 class TensorSync:
     """HF-named tensors from all ranks into an engine in rank 0's process (a `LocalEngine`).
@@ -37,7 +38,7 @@ class TensorSync:
                 staged += bucket.pairs
             elif error is None:  # after a failure keep receiving: the senders must finish
                 error = self._load(engine, bucket.pairs, str(version) if bucket.last else None, version)
-        if _rank(self.group) == 0 and error is None and (self.atomic or not count):
+        if rank(self.group) == 0 and error is None and (self.atomic or not count):
             error = self._load(engine, staged, str(version), version)
         error = _from_rank0(error, self.group)
         if error:
