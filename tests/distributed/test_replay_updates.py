@@ -5,9 +5,9 @@ The TRL bench's extended setting learns a little slower with R2 under EP2 (media
 generations to 0.8) than with R2 on one rank (36.5) or EP2 without replay (37.5). This pins
 down that the replayed update itself is layout-independent, so the difference is the
 seed-to-seed spread of chaotic runs, not a replay that means something else under EP. The
-reference is the single process: the same 12 sequences (the pad token fed as an input,
-as in tests/distributed/test_train_step_reference.py), their routes recorded in one
-old-log-prob pass, then three GSPO minibatches each replaying those routes; on two ranks
+reference is the single process: the 12 sequences of moe_rl/testing/minibatches.py (the
+pad token fed as an input in some), their routes recorded in one old-log-prob pass, then
+three GSPO minibatches each replaying those routes; on two ranks
 each data-parallel rank takes every other sequence of a minibatch, and the loss divides by
 the minibatch's global sequence count, as `rl_step` does.
 
@@ -20,20 +20,9 @@ import pytest
 import torch
 
 from moe_rl.testing import run_ranks
+from moe_rl.testing.minibatches import completion_mask, gspo_batch
 
 LR, CLIP, EPS = 3e-3, 0.5, (0.2, 0.2)
-
-
-def _batch() -> tuple[list[torch.Tensor], list[int], torch.Tensor, list[list[int]]]:
-    """12 sequences (prompt of 5, completion of 1-3 tokens), advantages, three minibatches."""
-    g = torch.Generator().manual_seed(11)
-    seqs, plens = [], []
-    for i in range(12):
-        prompt = [1] + torch.randint(3, 128, (4,), generator=g).tolist()
-        completion = torch.randint(3, 128, (1 + i % 3,), generator=g).tolist()
-        seqs.append(torch.tensor(prompt + completion))
-        plens.append(len(prompt))
-    return seqs, plens, torch.randn(12, generator=g), [[0, 5, 9, 2], [7, 1, 11, 4], [3, 10, 6, 8]]
 
 
 def r2_updates(hf_dir: str, out_dir: str, layout: str) -> dict:
@@ -43,14 +32,11 @@ def r2_updates(hf_dir: str, out_dir: str, layout: str) -> dict:
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
 
-    seqs, plens, adv, minibatches = _batch()
+    seqs, plens, adv, minibatches = gspo_batch()
     spec = PolicySpec(hf_dir, ParallelLayout.parse(layout), OptimConfig(lr=LR, grad_clip=CLIP), micro_batch_size=2)
     policy = Policy(spec)
     old = policy.logprobs(seqs, record_routes=True)  # the old policy's routes (R2)
-    width = old.logp.shape[1]
-    t = torch.arange(width).view(1, -1)
-    lengths = torch.tensor([len(s) for s in seqs]).view(-1, 1)
-    mask = ((t >= torch.tensor(plens).view(-1, 1) - 1) & (t < lengths - 1)).float()
+    mask = completion_mask(seqs, plens, old.logp.shape[1])
     norms = []
     for idx in minibatches:
         mine = idx[policy.dp_rank::policy.dp_size]  # this data-parallel rank's share

@@ -25,31 +25,9 @@ import pytest
 import torch
 
 from moe_rl.testing import run_ranks
+from moe_rl.testing.minibatches import PAD, completion_mask, gspo_batch
 
 LR, CLIP, EPS = 3e-3, 0.5, (0.2, 0.2)
-PAD = 0  # the tiny checkpoint's pad_token_id
-
-
-def _batch() -> tuple[list[torch.Tensor], list[int], torch.Tensor, list[list[int]]]:
-    """12 sequences (prompt of 5, completion of 1-3 tokens), advantages, three minibatches."""
-    g = torch.Generator().manual_seed(7)
-    seqs, plens = [], []
-    for i in range(12):
-        prompt = [1] + torch.randint(3, 128, (4,), generator=g).tolist()
-        completion = torch.randint(3, 128, (1 + i % 3,), generator=g).tolist()
-        if i % 4 == 1 and len(completion) > 1:
-            completion[0] = PAD  # the pad token as an input: it predicts the next completion token
-        seqs.append(torch.tensor(prompt + completion))
-        plens.append(len(prompt))
-    adv = torch.randn(12, generator=g)
-    return seqs, plens, adv, [[0, 5, 9, 2], [7, 1, 11, 4], [3, 10, 6, 8]]
-
-
-def _mask(seqs: list[torch.Tensor], plens: list[int], width: int) -> torch.Tensor:
-    """1 where position t predicts a completion token."""
-    t = torch.arange(width).view(1, -1)
-    lengths = torch.tensor([s.shape[0] for s in seqs]).view(-1, 1)
-    return ((t >= torch.tensor(plens).view(-1, 1) - 1) & (t < lengths - 1)).float()
 
 
 def moe_rl_updates(hf_dir: str, out_dir: str) -> dict:
@@ -59,10 +37,10 @@ def moe_rl_updates(hf_dir: str, out_dir: str) -> dict:
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
 
-    seqs, plens, adv, minibatches = _batch()
+    seqs, plens, adv, minibatches = gspo_batch()
     policy = Policy(PolicySpec(hf_dir, ParallelLayout(), OptimConfig(lr=LR, grad_clip=CLIP), micro_batch_size=2))
     old = policy.logprobs(seqs).logp
-    mask = _mask(seqs, plens, old.shape[1])
+    mask = completion_mask(seqs, plens, old.shape[1])
     norms = []
     for idx in minibatches:
         n_seqs = float(len(idx))
@@ -83,7 +61,7 @@ def reference_updates(hf_dir: str) -> tuple[dict[str, torch.Tensor], list[float]
     """The same minibatches in plain torch on HF's model; returns its weights and gradient norms."""
     from transformers import AutoModelForCausalLM
 
-    seqs, plens, adv, minibatches = _batch()
+    seqs, plens, adv, minibatches = gspo_batch()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
@@ -96,7 +74,7 @@ def reference_updates(hf_dir: str) -> tuple[dict[str, torch.Tensor], list[float]
         return torch.stack(out)
 
     width = max(s.shape[0] for s in seqs) - 1
-    mask = _mask(seqs, plens, width)
+    mask = completion_mask(seqs, plens, width)
     with torch.no_grad():
         old = logp(list(range(len(seqs))))
     norms = []
@@ -131,7 +109,7 @@ def test_batch_feeds_the_pad_token(tiny_hf_dir):
     for f in tiny_hf_dir.glob("*.safetensors"):
         weights |= load_file(f)
     assert float(weights["model.embed_tokens.weight"][PAD].abs().max()) == 0.0
-    seqs, plens, adv, _ = _batch()
+    seqs, plens, adv, _ = gspo_batch()
     fed = [i for i, (s, p) in enumerate(zip(seqs, plens)) if PAD in s[p:-1].tolist()]
     assert fed and all(adv[i] != 0 for i in fed)
 
