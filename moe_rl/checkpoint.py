@@ -52,15 +52,19 @@ def save_checkpoint(recipe: Any, out: Path, step: int, keep_last: int) -> Path:
 
 def latest_checkpoint(out: Path) -> Path | None:
     """The newest finished checkpoint (its meta.json written), intact or not."""
-    done = sorted(p for p in (out / CHECKPOINTS).glob("step_*") if (p / "meta.json").is_file())
+    done = _finished(out)
     return done[-1] if done else None
+
+
+def _finished(out: Path) -> list[Path]:
+    """The checkpoints whose meta.json was written (a finished save), oldest first."""
+    return sorted(p for p in (out / CHECKPOINTS).glob("step_*") if (p / "meta.json").is_file())
 
 
 def intact_checkpoint(out: Path, rank: int, log: Any) -> Path | None:
     """The newest finished checkpoint whose files all match their records (collective: every
     rank checks its own file and they agree); damaged ones are named and skipped."""
-    done = sorted((p for p in (out / CHECKPOINTS).glob("step_*") if (p / "meta.json").is_file()), reverse=True)
-    for path in done:
+    for path in reversed(_finished(out)):
         problem = _agreed_problem(path, rank)
         if not problem:
             return path

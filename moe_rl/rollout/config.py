@@ -160,20 +160,20 @@ def check_rollout(cfg: Any) -> Iterator[str]:
         yield (f"rollout.sglang_args: --pp-size {sizes['pp']} is not allowed with rollout.weight_sync=nccl: each "
                "server rank joins the update group as rank_offset + tp_rank, so pipeline stages would take the "
                "same ranks; use tensor parallelism (rollout.tp_size), or rollout.weight_sync=disk")
-    if r.weight_sync not in engine_kind(r).weight_syncs and r.weight_sync == "tensor":
-        yield ("rollout.weight_sync: 'tensor' copies into an engine in the trainer's own process, but a run's "
-               "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl, or "
-               "rollout.engine=inprocess")
-    yield from _check_inprocess(r)
-
-
-def _check_inprocess(r: RolloutConfig) -> Iterator[str]:
-    """rollout.engine=inprocess: the engine lives in trainer rank 0, so there are no servers to reach."""
-    if engine_kind(r).runs_as_servers:
-        return
-    if r.urls:
-        yield ("rollout.urls: set, but rollout.engine=inprocess generates inside the trainer; "
+    kind = engine_kind(r)
+    if r.weight_sync not in kind.weight_syncs:
+        yield _UNREACHABLE.get(r.weight_sync, f"rollout.weight_sync: {r.weight_sync!r} cannot reach {kind.what}: "
+                               f"use {' or '.join(kind.weight_syncs)}")
+    if r.urls and not kind.runs_as_servers:
+        yield (f"rollout.urls: set, but rollout.engine={r.engine} generates inside the trainer; "
                "empty rollout.urls, or use rollout.engine=local/sglang to reach running servers")
-    if r.weight_sync not in engine_kind(r).weight_syncs:
-        yield ("rollout.weight_sync: 'nccl' broadcasts to server processes; rollout.engine=inprocess has none: "
-               "use rollout.weight_sync=tensor (or disk)")
+
+
+# Why a weight sync cannot reach an engine that lacks it in its `weight_syncs` (rollout/engines.py).
+_UNREACHABLE = {
+    "tensor": ("rollout.weight_sync: 'tensor' copies into an engine in the trainer's own process, but a run's "
+               "rollout servers (SGLang or `moe-rl serve`) are other processes: use disk or nccl, or "
+               "rollout.engine=inprocess"),
+    "nccl": ("rollout.weight_sync: 'nccl' broadcasts to server processes; rollout.engine=inprocess has none: "
+             "use rollout.weight_sync=tensor (or disk)"),
+}
