@@ -7,7 +7,9 @@ assembles them into `RunConfig`, loads and validates it.
 Conventions for the sections:
 - Each field is followed by a docstring: what it means, and why the default.
 - Fields with a fixed set of values are `str` fields declared with `choice(...)`;
-  the allowed values live in that one call and appear in error messages.
+  the allowed values live in that one call and appear in error messages. Where a
+  registry owns the values (the losses, advantage estimators, ... of `moe_rl.algo`),
+  the call names the registry with `registry_names(...)`, so adding an entry is one place.
   (omegaconf cannot type a field as `Literal`, and a plain string reads better
   in YAML and in errors than an Enum.)
 - Numeric ranges are declared with `ranged(...)` next to the field; rules that
@@ -15,8 +17,9 @@ Conventions for the sections:
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 
 class ConfigError(ValueError):
@@ -55,7 +58,30 @@ class _Range:
         return f"<= {self.le}" if self.le is not None else f"< {self.lt}"
 
 
-def choice(default: str | None, options: tuple[str, ...]) -> Any:
+@dataclass(frozen=True)
+class registry_names:
+    """The names of a registry, `module.attr` (a dict or tuple), read when a value is checked.
+
+    Read late because the registries live beside their torch code: `moe_rl.config` stays
+    importable without torch, and a validated run loads the registry once (it loads torch anyway).
+    """
+
+    module: str
+    attr: str
+    extra: tuple[str, ...] = ()
+    """Values the config accepts beside the registry's (say in a comment who handles them)."""
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(self.module), self.attr)) + self.extra
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._names()
+
+
+def choice(default: str | None, options: tuple[str, ...] | registry_names) -> Any:
     """A string field that must be one of `options` (None allowed only if it is the default)."""
     return field(default=default, metadata={"choices": options})
 

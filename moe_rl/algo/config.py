@@ -9,18 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from moe_rl.configurable import choice, ranged
+from moe_rl.configurable import choice, ranged, registry_names
 
-
-LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "sapo", "cispo", "gmpo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-ADVANTAGES = ("grpo", "drgrpo", "rloo", "gae")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-TIS_LEVELS = ("token", "sequence")
-CORRECTION_MODES = ("tis", "token_mask", "icepop", "seq_mask")
+# Allowed values owned by the algo modules that implement them (read when a config is checked).
+LOSSES = registry_names("moe_rl.algo.losses", "LOSSES")
+AGGREGATIONS = registry_names("moe_rl.algo.aggregation", "AGG_MODES")
+# gae: per-token advantages from the critic (compute_gae), not a group estimator
+ADVANTAGES = registry_names("moe_rl.algo.advantages", "ADVANTAGE_ESTIMATORS", extra=("gae",))
+KL_ESTIMATORS = registry_names("moe_rl.algo.kl", "KL_ESTIMATORS")
+TIS_LEVELS = registry_names("moe_rl.algo.tis", "TIS_LEVELS")
+CORRECTION_MODES = registry_names("moe_rl.algo.correction", "CORRECTION_MODES")
+DPO_LOSSES = registry_names("moe_rl.algo.losses", "DPO_KINDS")
+# Values of the config alone: the policy and the trainer read them.
 REPLAYS = ("off", "r2", "r3", "auto")
 CRITIC_REPLAYS = ("off", "r2")
-DPO_LOSSES = ("sigmoid", "ipo")
 
 
 @dataclass

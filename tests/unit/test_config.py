@@ -1,6 +1,7 @@
 """RunConfig: shipped YAMLs load, overrides apply, every class of mistake is reported clearly."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -95,6 +96,24 @@ def test_bad_enum_lists_allowed_values():
     msg = error_of(["algo.loss=gspox"])
     assert "algo.loss: 'gspox' is not one of grpo, dapo, gspo, gspo_token, sapo" in msg
     assert "did you mean 'gspo'" in msg
+
+
+def test_allowed_values_are_the_registries(monkeypatch):
+    # adding a loss is one place: a registered loss is a valid algo.loss, with no list to edit in config
+    from moe_rl.algo import losses
+
+    assert "algo.loss: 'my_pg' is not one of" in error_of(["algo.loss=my_pg"])
+    monkeypatch.setitem(losses.LOSSES, "my_pg", losses.LOSSES["grpo"])
+    assert load_config(None, ["algo.loss=my_pg"]).algo.loss == "my_pg"
+    from moe_rl.algo import advantages, aggregation, kl
+    assert tuple(get_field_choices("algo", "advantage")) == (*advantages.ADVANTAGE_ESTIMATORS, "gae")
+    assert tuple(get_field_choices("algo", "aggregation")) == aggregation.AGG_MODES
+    assert tuple(get_field_choices("algo", "kl_estimator")) == kl.KL_ESTIMATORS
+
+
+def get_field_choices(section, name):
+    cls = type(getattr(RunConfig(), section))
+    return next(f.metadata["choices"] for f in dataclasses.fields(cls) if f.name == name)
 
 
 def test_negative_int():
