@@ -14,7 +14,7 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("moe_rl.trainer", "run RL training from a config file (YAML + key=value overrides)"),
+    "train": ("moe_rl.train.driver", "run RL training from a config file (YAML + key=value overrides)"),
     "serve": ("moe_rl.rollout.server", "serve a HF model over SGLang's native HTTP API (CPU rollout engine)"),
     "check-parity": ("moe_rl.policy.parity", "compare megatron log-probs under parallel layouts against HF transformers"),
     "drift": ("moe_rl.drift.offline", "routing volatility between two HF checkpoints on a JSONL data file"),

@@ -102,12 +102,12 @@ class TrainConfig:
     have a timeout of their own (handoff_timeout_s)."""
     handoff_timeout_s: float | None = ranged(None, gt=0.0)
     """How long the other ranks wait for rank 0 in a hand-off (its rollout, starting servers, loading
-    weights into them) before failing, on a gloo group of their own (moe_rl/collectives.py). None = the
+    weights into them) before failing, on a gloo group of their own (moe_rl/dist/collectives.py). None = the
     rollout budget plus 10 minutes (`handoff_budget_s`): a lost server then ends in rank 0's checkpoint
     and exit 3, never in a timeout of the waiting ranks. Set it only above that budget."""
     device_guard: bool = False
     """CPU only, for CI and debugging: fail when one of moe_rl's collectives gets a host tensor,
-    which NCCL would refuse on a GPU (moe_rl.device_guard). The CPU rehearsal runs with it."""
+    which NCCL would refuse on a GPU (moe_rl.dist.device_guard). The CPU rehearsal runs with it."""
     mode: str = choice("rl", MODES)
     """rl = RL steps on rollouts (`algo`, `rollout`, `reward`); dpo = DPO steps on preference pairs
     (`dpo`; data.train / data.eval name preference data; no rollout servers)."""

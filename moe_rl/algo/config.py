@@ -135,7 +135,7 @@ class CriticConfig:
 
 @dataclass
 class DPOConfig:
-    """Direct preference optimisation, used when train.mode=dpo (moe_rl/dpo.py)."""
+    """Direct preference optimisation, used when train.mode=dpo (moe_rl/recipes/dpo/step.py)."""
 
     loss: str = choice("sigmoid", DPO_LOSSES)
     """sigmoid = DPO, −log σ(β·h) (conservative DPO with label_smoothing > 0); ipo = IPO's (h − 1/(2β))²."""

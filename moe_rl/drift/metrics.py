@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from moe_rl.devices import to_compute
+from moe_rl.dist.devices import to_compute
 
 VOLATILITY = "drift/volatility"
 ROLLOUT_MISMATCH = "drift/rollout_mismatch"

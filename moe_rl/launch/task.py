@@ -137,7 +137,7 @@ def wait_healthy(urls: Sequence[str], timeout: float, watch: Sequence[int] = (),
 
 def last_checkpoint_step(run_dir: str | Path) -> int:
     """Step of the newest complete checkpoint in `run_dir` (0 when there is none)."""
-    from moe_rl.checkpoint import latest_checkpoint  # one definition of what "complete" means
+    from moe_rl.train.checkpoint import latest_checkpoint  # one definition of what "complete" means
 
     path = latest_checkpoint(Path(run_dir))
     if path is None:
@@ -154,7 +154,7 @@ def prepare_model(config: str, overrides: Sequence[str], run_dir: str) -> Path:
     exactly as trainer rank 0 would write it (the trainer then finds and reuses it)."""
     from moe_rl.config import load_config
     from moe_rl.data.dataset import load_dataset
-    from moe_rl.build import initial_model
+    from moe_rl.recipes.build import initial_model
 
     cfg = load_config(config, list(overrides))
     if cfg.model.hf_path:

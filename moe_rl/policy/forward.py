@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.data.balance import pack_bins
-from moe_rl.devices import compute_device
+from moe_rl.dist.devices import compute_device
 from moe_rl.policy import compat
 from moe_rl.policy.packing import PackedRow, model_kwargs, pack_row, unpack
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from moe_rl.devices import compute_device
+from moe_rl.dist.devices import compute_device
 from moe_rl.policy.packing import use_position_ids_for_rope
 from moe_rl.policy.parallel import ParallelLayout
 from moe_rl.policy.perf import PerfSettings

@@ -184,8 +184,8 @@ def check_layouts(hf_dir: str | Path, layouts: list[str], num_tokens: int = 24, 
 
     `pack_tokens`: also score the sequences packed into rows of this many tokens.
     """
+    from moe_rl.dist.spawn import run_ranks
     from moe_rl.policy.model import read_hf_config
-    from moe_rl.spawn import run_ranks
 
     arch = read_hf_config(hf_dir)
     sequences = sample_sequences(arch.vocab_size, num=num_sequences, max_len=num_tokens)

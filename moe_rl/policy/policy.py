@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from moe_rl.devices import compute_device
+from moe_rl.dist.devices import compute_device
 from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
 from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from moe_rl.devices import compute_device
+from moe_rl.dist.devices import compute_device
 from moe_rl.drift.metrics import route_dtype  # smallest int type for ids; one definition for all routes
 from moe_rl.policy.forward import Microbatch
 from moe_rl.policy.model import MoEArch

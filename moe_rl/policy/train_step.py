@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_rl.devices import compute_device
+from moe_rl.dist.devices import compute_device
 from moe_rl.policy import compat
 from moe_rl.policy.forward import LossFn, Microbatch, Routing, run_schedule
 

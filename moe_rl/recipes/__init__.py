@@ -1,5 +1,5 @@
 """Training methods as recipes: what one method does per step, apart from the driver
-(`moe_rl.trainer`), which runs any recipe the same way (resume, step, eval, sinks,
+(`moe_rl.train.driver`), which runs any recipe the same way (resume, step, eval, sinks,
 checkpoint, stop). `train.mode` picks one, once, here.
 
     recipe = build_recipe(cfg, run_dir, rank)     # RLRecipe or DPORecipe
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from moe_rl.config import RunConfig
 from moe_rl.recipes.base import Recipe
-from moe_rl.recipes.dpo import DPORecipe
-from moe_rl.recipes.rl import RLRecipe
+from moe_rl.recipes.dpo.recipe import DPORecipe
+from moe_rl.recipes.rl.recipe import RLRecipe
 
 RECIPES: dict[str, type[Recipe]] = {"rl": RLRecipe, "dpo": DPORecipe}  # by train.mode
 

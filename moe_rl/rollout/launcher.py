@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from moe_rl.ports import free_ports
+from moe_rl.dist.ports import free_ports
 from moe_rl.rollout.auth import RunKeys, needs_keys, redact, write_key_file
 from moe_rl.rollout.engines import engine_kind
 

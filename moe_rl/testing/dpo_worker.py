@@ -24,13 +24,13 @@ def dpo_layout_worker(layout_name: str, hf_dir: str, pairs: list[PreferencePair]
     tokens). Also reports whether every micro-batch held whole pairs, chosen before rejected.
     """
     from moe_rl.config import RunConfig
-    from moe_rl.dpo import pair_batch, pair_logps, pair_loss
-    from moe_rl.rollout_batch import share_indices
     from moe_rl.policy.forward import build_microbatches, microbatch_logprobs
     from moe_rl.policy.parallel import ParallelLayout
     from moe_rl.policy.parity import hf_gradients
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
+    from moe_rl.recipes.dpo.step import pair_batch, pair_logps, pair_loss
+    from moe_rl.recipes.rl.batch import share_indices
 
     layout = ParallelLayout.parse(layout_name)
     policy = Policy(PolicySpec(hf_dir, layout, OptimConfig(), micro_batch_size=micro_batch_size))

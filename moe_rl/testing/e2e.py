@@ -27,8 +27,8 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
     """For each (loss, replay) pair: one RL step; returns metrics, whether weights moved, and
     what the updates replayed (`replay_check`: "ok" or what differed)."""
     from moe_rl.config import RunConfig
-    from moe_rl.loop import rl_step
-    from moe_rl.build import build_run
+    from moe_rl.recipes.build import build_run
+    from moe_rl.recipes.rl.step import rl_step
 
     cfg = RunConfig.from_dict(cfg_dict)
     rank = int(os.environ["RANK"])
@@ -71,7 +71,7 @@ class _ReplaySpy:
     """Records the old pass and the routes each policy update replays, to check the replay mode."""
 
     def __init__(self, run: Any) -> None:
-        import moe_rl.loop as loop
+        import moe_rl.recipes.rl.step as loop
 
         self.loop, self.old_pass, self.mine, self.updates = loop, None, None, []
         real_old, real_update = loop.old_logprobs, run.policy.update
@@ -139,8 +139,8 @@ def critic_steps_worker(cfg_dict: dict[str, Any], run_dir: str, critic_replays: 
     step per critic replay mode. Returns per step the metrics and how much policy and critic moved,
     and whether the policy's weights stayed bit for bit."""
     from moe_rl.config import RunConfig
-    from moe_rl.loop import rl_step
-    from moe_rl.build import build_run
+    from moe_rl.recipes.build import build_run
+    from moe_rl.recipes.rl.step import rl_step
 
     cfg = RunConfig.from_dict(cfg_dict)
     built = build_run(cfg, Path(run_dir), int(os.environ["RANK"]))

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from moe_rl.ports import free_port
+from moe_rl.dist.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

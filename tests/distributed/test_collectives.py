@@ -1,4 +1,4 @@
-"""moe_rl/collectives.py on 4 gloo ranks: `share_out` gives every rank its group's payload and nothing
+"""moe_rl/dist/collectives.py on 4 gloo ranks: `share_out` gives every rank its group's payload and nothing
 else, and a failure of rank 0 in a hand-off reaches every rank (nobody is left waiting)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ GROUPS = [[0, 1], [2, 3]]  # model-parallel groups: their ranks train on the sam
 def _share_out_worker() -> dict:
     import torch.distributed as dist
 
-    from moe_rl import collectives
+    from moe_rl.dist import collectives
     from moe_rl.rollout.engine import RolloutError
     from moe_rl.rollout.outage import RankZeroFailed, RolloutLost, attempt, unwrap
 

@@ -15,11 +15,11 @@ from moe_rl.testing import run_ranks
 
 
 def _step(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], guard: bool) -> dict:
-    from moe_rl.devices import compute_device
+    from moe_rl.dist.devices import compute_device
 
     installed = None
     if guard:
-        from moe_rl.device_guard import install_device_guard
+        from moe_rl.dist.device_guard import install_device_guard
 
         installed = install_device_guard()  # first, as the trainer does: the model is built under it
     from moe_rl.drift.metrics import route_stats

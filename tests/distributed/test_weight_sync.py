@@ -181,7 +181,7 @@ def _slow_consumer(pause: float) -> dict:
 
     import torch.distributed as dist
 
-    from moe_rl.collectives import init_control_group
+    from moe_rl.dist.collectives import init_control_group
     from moe_rl.rollout.weight_sync import collect_to_rank0
 
     init_control_group(120.0)  # what the trainer makes: the hand-offs wait as long as rank 0 needs

@@ -66,7 +66,7 @@ def test_resume_gives_the_uninterrupted_run(full, tmp_path):
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
-    from moe_rl.checkpoint import latest_checkpoint
+    from moe_rl.train.checkpoint import latest_checkpoint
 
     code, out = sigterm_after_first_step(_args(tmp_path, "train.steps=2000", "train.save_every=0"), tmp_path)
     assert code == 0, out[-3000:]

@@ -118,7 +118,7 @@ def test_stop_signals(tmp_path, signals):
                                           f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"], tmp_path,
                                          signals=tuple(signals), gap_s=0.02)
     assert "Traceback" not in out, out[-3000:]
-    from moe_rl.checkpoint import latest_checkpoint
+    from moe_rl.train.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(tmp_path)
     if len(signals) == 2:
@@ -134,7 +134,7 @@ def test_stop_signals(tmp_path, signals):
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):
-    from moe_rl.checkpoint import latest_checkpoint
+    from moe_rl.train.checkpoint import latest_checkpoint
 
     good = tmp_path / "checkpoints" / "step_000002"
     good.mkdir(parents=True)

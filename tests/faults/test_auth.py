@@ -118,7 +118,7 @@ def test_keyed_server_refuses_strangers(tiny_hf_dir, tmp_path):
 
 def test_unreadable_or_malformed_key_file_is_refused_before_any_work(tmp_path):
     from moe_rl.config import load_config
-    from moe_rl.preflight import preflight
+    from moe_rl.train.preflight import preflight
 
     bad = tmp_path / "auth.yaml"
     bad.write_text("apikey = x\n")

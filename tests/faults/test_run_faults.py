@@ -101,7 +101,7 @@ def test_no_server_back_within_the_timeout_checkpoints_and_exits(reference, tmp_
     code, out = _finish(proc)
     assert code == 3, out[-3000:]
     assert "no rollout server answered within rollout.timeout_s=15" in (tmp_path / "train.log").read_text()
-    from moe_rl.checkpoint import latest_checkpoint
+    from moe_rl.train.checkpoint import latest_checkpoint
 
     done = max(_metrics(tmp_path))
     assert latest_checkpoint(tmp_path).name == f"step_{done:06d}"  # every finished step is kept

@@ -67,8 +67,8 @@ def write_model(root: str | Path, shape: Shape, seed: int = 0) -> str:
     """Write a randomly initialised model of `shape` under `root`; returns the HF directory."""
     from transformers.utils import logging
 
-    from moe_rl.testing import make_tiny_qwen3_moe
     from moe_rl.policy.tiny import TinyMoEConfig
+    from moe_rl.testing import make_tiny_qwen3_moe
 
     logging.disable_progress_bar()  # transformers may have been imported before the variable was set
     name = "-".join(str(v) for v in asdict(shape).values())
@@ -311,11 +311,11 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[Any]], align: str | No
 def trainer_run(cfg_dict: dict[str, Any], out: str) -> Iterator[Any]:
     """This rank's `loop.Run` of a config, built as `moe-rl train` builds it (`trainer.build_run`:
     policy, rollout engine or servers, weight sync); engine and servers are stopped on exit.
-    Call on every rank of a `moe_rl.spawn.run_ranks` job."""
+    Call on every rank of a `moe_rl.dist.spawn.run_ranks` job."""
     import torch.distributed as dist
 
     from moe_rl.config import RunConfig
-    from moe_rl.build import build_run
+    from moe_rl.recipes.build import build_run
 
     cfg = RunConfig.from_dict(cfg_dict)
     rank = dist.get_rank()

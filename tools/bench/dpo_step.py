@@ -41,8 +41,8 @@ def _worker(hf_dir: str, batch: int, seq: int, micro: int, rounds: int) -> dict[
     from moe_rl.algo.losses import compute_loss
     from moe_rl.config import RunConfig
     from moe_rl.data.preference import PreferencePair
-    from moe_rl.dpo import combine, pair_batch, pair_loss
-    from moe_rl.step_common import combine_loss_metrics
+    from moe_rl.recipes.common import combine_loss_metrics
+    from moe_rl.recipes.dpo.step import combine, pair_batch, pair_loss
 
     layout = common.layout_for(LAYOUT_OF_WORLD[int(os.environ.get("WORLD_SIZE", "1"))])
     common.setup(layout)

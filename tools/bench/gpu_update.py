@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shape, dtype = GPU_SHAPE, "bf16"
     if "MASTER_PORT" not in os.environ:  # one process: its own group on a free local port
-        from moe_rl.ports import free_port
+        from moe_rl.dist.ports import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,9 +6,9 @@ engine routes in the engine's uint8 ids), the layout shrunk to 2 data-parallel g
 model-parallel group (TP2 x DP2):
 
 - `broadcast` (before): the whole step's samples, pickled once, broadcast to every rank
-  (`moe_rl.collectives.broadcast_object`, what the trainer did);
-- `share_out` (now): rank 0 plans each data-parallel rank's share (`moe_rl.rollout_batch.my_share`)
-  and `moe_rl.collectives.share_out` sends each share once to its model-parallel group, which
+  (`moe_rl.dist.collectives.broadcast_object`, what the trainer did);
+- `share_out` (now): rank 0 plans each data-parallel rank's share (`moe_rl.recipes.rl.batch.my_share`)
+  and `moe_rl.dist.collectives.share_out` sends each share once to its model-parallel group, which
   broadcasts it among itself: every rank receives 1/DP of the step.
 
 Measured per rank: the pickled bytes it received. Rank 0: the growth of its peak RSS during the
@@ -53,7 +53,7 @@ def _samples(n: int, t: int, r: int, layers: int, k: int, experts: int) -> Any:
     import torch
 
     from moe_rl.data.dataset import Prompt
-    from moe_rl.rollout_batch import Samples
+    from moe_rl.recipes.rl.batch import Samples
 
     g = torch.Generator().manual_seed(0)
     prompt = Prompt(uid="p", prompt_ids=list(range(t - r)), prompt_text="", answer="")
@@ -68,9 +68,9 @@ def _rank(variant: str, n: int, t: int, r: int, layers: int, k: int, experts: in
 
     import torch.distributed as dist
 
-    from moe_rl import collectives
     from moe_rl.config import load_config
-    from moe_rl.rollout_batch import StepBatch, my_share
+    from moe_rl.dist import collectives
+    from moe_rl.recipes.rl.batch import StepBatch, my_share
 
     me = dist.get_rank()
     collectives.init_control_group(600.0)

@@ -41,7 +41,7 @@ def profile_rank(cfg_dict: dict[str, Any], out: str, warmup: int, steps: int, to
     import torch.distributed as dist
 
     from common import trainer_run
-    from moe_rl.loop import rl_step
+    from moe_rl.recipes.rl.step import rl_step
 
     with trainer_run(cfg_dict, out) as run:
         for step in range(1, warmup + 1):
@@ -90,7 +90,7 @@ def format_report(results: list[dict[str, Any]], top: int) -> str:
 def run(config: str = str(DEMO), overrides: list[str] | None = None, warmup: int = 2, steps: int = 3,
         top: int = 25) -> str:
     from moe_rl.config import load_config
-    from moe_rl.spawn import run_ranks
+    from moe_rl.dist.spawn import run_ranks
 
     quiet = ["log.progress=false", "log.tensorboard=false", "train.eval_every=0", "train.save_every=0"]
     cfg = load_config(config, quiet + list(overrides or []))

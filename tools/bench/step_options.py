@@ -1,6 +1,6 @@
 """Step-time cost of the RL step's stability options, as ratios measured side by side.
 
-Whole RL steps (`moe_rl.loop.rl_step`: rollout from `moe-rl serve`, rewards, old pass,
+Whole RL steps (`moe_rl.recipes.rl.step.rl_step`: rollout from `moe-rl serve`, rewards, old pass,
 updates, weight sync, drift) on the demo config, one run for all variants: each round
 runs one step of every variant, in an order rotated from round to round, switching only
 the config, so machine noise and the policy's progress hit them alike. Both options act
@@ -41,8 +41,8 @@ def _variants(cfg: Any) -> dict[str, Any]:
 
 def _worker(cfg_dict: dict[str, Any], run_dir: str, rounds: int) -> dict[str, dict[str, list[float]]]:
     from moe_rl.config import RunConfig
-    from moe_rl.loop import rl_step
-    from moe_rl.build import build_run
+    from moe_rl.recipes.build import build_run
+    from moe_rl.recipes.rl.step import rl_step
 
     cfg = RunConfig.from_dict(cfg_dict)
     built = build_run(cfg, Path(run_dir), int(os.environ["RANK"]))

@@ -131,7 +131,7 @@ def write_initial_model(out: Path, seed: int, setting: Setting = Setting()) -> P
     """The fresh tiny Qwen3-MoE both sides start from (the checkpoint `moe-rl train` would write)."""
     from moe_rl.config import load_config
     from moe_rl.data.dataset import load_dataset
-    from moe_rl.build import initial_model
+    from moe_rl.recipes.build import initial_model
 
     cfg = load_config(str(DEMO), common(setting, seed))
     return initial_model(cfg, out, 0, load_dataset(cfg.data.train, None))
@@ -144,7 +144,7 @@ def moe_rl_rank(cfg_dict: dict[str, Any], out: str, target: float, max_steps: in
     """One rank: RL steps until the batch success rate reaches `target` (every rank sees the same
     metrics, so all stop together); per step: success rate and seconds."""
     from common import trainer_run
-    from moe_rl.loop import rl_step
+    from moe_rl.recipes.rl.step import rl_step
 
     if train_pad_row:  # ablation: megatron's embedding as it is, every row trained
         import moe_rl.policy.policy as policy_module
@@ -163,7 +163,7 @@ def moe_rl_rank(cfg_dict: dict[str, Any], out: str, target: float, max_steps: in
 def run_moe_rl(variant: str, setting: Setting, model_dir: str, out: str, target: float, seed: int,
                overrides: list[str], train_pad_row: bool = False) -> dict[str, Any]:
     from moe_rl.config import load_config
-    from moe_rl.spawn import run_ranks
+    from moe_rl.dist.spawn import run_ranks
 
     cfg = load_config(str(DEMO), common(setting, seed) + VARIANTS[variant][1] + list(overrides)
                       + [f"model.hf_path={model_dir}", f"log.run_dir={out}"])

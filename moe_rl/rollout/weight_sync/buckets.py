@@ -8,8 +8,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_rl.collectives import all_gather_objects, rank
-from moe_rl.devices import compute_device
+from moe_rl.dist.collectives import all_gather_objects, rank
+from moe_rl.dist.devices import compute_device
 from moe_rl.rollout.weight_sync.common import NamedTensors, WeightSyncError, _from_rank0, _global_rank
 
 @dataclass(frozen=True)

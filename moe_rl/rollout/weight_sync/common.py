@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_ch
 import torch
 import torch.distributed as dist
 
-from moe_rl.collectives import all_errors, broadcast_object, rank
+from moe_rl.dist.collectives import all_errors, broadcast_object, rank
 
 log = logging.getLogger(__name__)
 

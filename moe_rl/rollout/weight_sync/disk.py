@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from moe_rl.collectives import rank
+from moe_rl.dist.collectives import rank
 from moe_rl.rollout.weight_sync.common import (ExportFn, WeightsArg, WeightSyncError, _all_errors, _describe,
                                                _engine_name, _export_fn, _from_rank0)
 

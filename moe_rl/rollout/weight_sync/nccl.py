@@ -35,8 +35,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_rl.collectives import rank
-from moe_rl.devices import compute_device
+from moe_rl.dist.collectives import rank
+from moe_rl.dist.devices import compute_device
 from moe_rl.rollout.weight_sync.buckets import Bucket, TensorMeta, collect_to_rank0, flatten_bucket
 from moe_rl.rollout.weight_sync.common import WeightsArg, WeightSyncError, _describe, _from_rank0, _named_tensors
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.collectives import rank
+from moe_rl.dist.collectives import rank
 from moe_rl.rollout.weight_sync.buckets import collect_to_rank0
 from moe_rl.rollout.weight_sync.common import (WeightsArg, WeightSyncError, _describe, _engine_name, _from_rank0,
                                                _named_tensors)

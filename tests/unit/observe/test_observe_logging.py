@@ -36,7 +36,7 @@ def test_rank0_logs_to_console_and_file(tmp_path, capsys):
 
 def test_other_ranks_show_only_warnings(tmp_path, capsys):
     setup_logging("info", rank=2, log_file=tmp_path / "train.log")
-    log = get_logger("moe_rl.loop")
+    log = get_logger("moe_rl.recipes.rl.step")
     log.info("chatty")
     log.warning("slow rank")
     log.error("broken")

@@ -69,7 +69,7 @@ def test_a_tp_size_in_sglang_args_sizes_the_placement_and_the_update_group():
     servers, _ = plan_servers(cfg, "/ckpt", gpus=gpus)
     assert all(list(s.argv).count("--tp-size") == 2 and s.argv[-1] == "4" for s in servers)
     from moe_rl.config import load_config
-    from moe_rl.build import update_group
+    from moe_rl.recipes.build import update_group
 
     run = load_config(None, ["rollout.engine=sglang", "rollout.weight_sync=nccl", "rollout.urls=[http://a:1]",
                              "rollout.sglang_args=[--tp-size=4]", "rollout.weight_sync_port=31999"])
@@ -78,7 +78,7 @@ def test_a_tp_size_in_sglang_args_sizes_the_placement_and_the_update_group():
 
 def test_preflight_checks_the_gpu_plan_before_anything_starts():
     from moe_rl.config import load_config
-    from moe_rl.preflight import _devices
+    from moe_rl.train.preflight import _devices
 
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.num_servers=2", "rollout.tp_size=2",
                              "train.world_size=4"])

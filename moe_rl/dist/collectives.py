@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_rl.devices import compute_device
+from moe_rl.dist.devices import compute_device
 
 _control: Any = None  # the control group once made
 _timeout = timedelta(minutes=30)  # its timeout, for the groups share_out makes beside it

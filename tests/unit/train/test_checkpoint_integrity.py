@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
-from moe_rl.checkpoint import intact_checkpoint, resume, save_checkpoint
 from moe_rl.recipes import RLRecipe
+from moe_rl.train.checkpoint import intact_checkpoint, resume, save_checkpoint
 
 
 class _State:

@@ -7,7 +7,7 @@
 `rl_step` is the algorithm; the helpers under it each do one stage. Every function
 runs on every trainer rank: rank 0 talks to the rollout engine, scores and plans the
 step, and each data-parallel rank receives and trains on its share of the samples
-(moe_rl/rollout_batch.py).
+(moe_rl/recipes/rl/batch.py).
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ import torch
 from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.losses import compute_loss, ntp_loss
 from moe_rl.config import RunConfig, replay_mode
-from moe_rl.critic_step import critic_step
 from moe_rl.data.dataset import PromptDataset
 from moe_rl.data.sampler import PromptSampler
 from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, logprob_mismatch, route_stats)
 from moe_rl.policy.policy import Policy
-from moe_rl.reward.runner import RewardRunner
-from moe_rl.rollout_batch import Samples, Share, rollout_batch, wait_for_prefetch
-from moe_rl.step_common import (Stopwatch, combine_loss_metrics, mean_metrics, probe_routes, probe_volatility,
+from moe_rl.recipes.common import (Stopwatch, combine_loss_metrics, mean_metrics, probe_routes, probe_volatility,
                                 response_mask)
+from moe_rl.recipes.rl.batch import Samples, Share, rollout_batch, wait_for_prefetch
+from moe_rl.recipes.rl.critic import critic_step
+from moe_rl.reward.runner import RewardRunner
 
 
 @dataclass
@@ -60,7 +60,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         return metrics | clock.metrics()
     old = old_logprobs(run, share.samples, step)                  # routes recorded (R2) or the engine's (R3)
     clock.lap("old_logprobs")
-    if run.critic is not None:                                    # algo.advantage=gae (moe_rl/critic_step.py):
+    if run.critic is not None:                                    # algo.advantage=gae (moe_rl/recipes/rl/critic.py):
         metrics |= critic_step(run, share, old, step)             # values, GAE advantages, critic updates
         clock.lap("critic")
         if metrics["critic/warmup"]:                              # value pretraining: the policy waits

@@ -1,4 +1,4 @@
-"""The critic's stage of a step (moe_rl/critic_step.py) with a stand-in critic: which λ feeds
+"""The critic's stage of a step (moe_rl/recipes/rl/critic.py) with a stand-in critic: which λ feeds
 which GAE, what the value updates receive, warm-up flag and metrics."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 
 from moe_rl.algo.advantages import compute_gae, length_adaptive_lambda, token_rewards
 from moe_rl.config import load_config
-from moe_rl.critic_step import critic_step
-from moe_rl.loop import OldPass
-from moe_rl.step_common import response_mask
-from moe_rl.rollout_batch import Samples, Share
+from moe_rl.recipes.common import response_mask
+from moe_rl.recipes.rl.batch import Samples, Share
+from moe_rl.recipes.rl.critic import critic_step
+from moe_rl.recipes.rl.step import OldPass
 
 
 class StandInCritic:

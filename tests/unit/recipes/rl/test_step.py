@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_rl.rollout_batch import usable_groups
+from moe_rl.recipes.rl.batch import usable_groups
 
 
 @pytest.mark.parametrize("kept,g,unit,expected", [
@@ -21,7 +21,7 @@ def test_usable_groups_keeps_the_most_whole_groups_that_split_evenly(kept, g, un
 def test_share_indices_same_minibatches_either_way_and_balanced_by_tokens(dp, m):
     import random
 
-    from moe_rl.rollout_batch import share_indices
+    from moe_rl.recipes.rl.batch import share_indices
 
     rng = random.Random(dp * 10 + m)
     lengths = [rng.randint(16, 1024) for _ in range(32)]
@@ -44,7 +44,7 @@ def _share(shuffle: bool, step: int, dp: int = 2, rank: int = 0) -> list[list[in
 
     import torch
 
-    from moe_rl.rollout_batch import Samples, my_share
+    from moe_rl.recipes.rl.batch import Samples, my_share
 
     n = 16
     samples = Samples(prompts=list(range(n)), sequences=[torch.tensor([i, i]) for i in range(n)],
@@ -71,7 +71,7 @@ def test_my_share_shuffles_the_samples_into_minibatches_per_step():
 
 
 def test_share_indices_refuses_uneven_split():
-    from moe_rl.rollout_batch import share_indices
+    from moe_rl.recipes.rl.batch import share_indices
 
     with pytest.raises(ValueError, match="2 data-parallel ranks x 2 minibatches.*multiple of 4"):
         share_indices([5] * 6, 2, 0, 2, by_tokens=False)
@@ -81,7 +81,7 @@ def test_share_indices_by_tokens_lowers_the_busiest_rank():
     """Over many batches with lengths 16..1024 the busiest rank holds fewer tokens on average."""
     import random
 
-    from moe_rl.rollout_batch import share_indices
+    from moe_rl.recipes.rl.batch import share_indices
 
     rng = random.Random(0)
     busiest = {False: 0, True: 0}
@@ -106,7 +106,7 @@ class _OneRank:
 
 
 def test_combine_loss_metrics_over_microbatches():
-    from moe_rl.step_common import combine_loss_metrics
+    from moe_rl.recipes.common import combine_loss_metrics
 
     mbs = [
         {"loss/pg_loss": 0.25, "loss/num_tokens": 10.0, "loss/ratio_mean": 1.0, "loss/ratio_min": 0.9,
@@ -126,7 +126,7 @@ def test_combine_loss_metrics_over_microbatches():
 
 
 def test_combine_loss_metrics_rank_without_metrics_contributes_nothing():
-    from moe_rl.step_common import combine_loss_metrics
+    from moe_rl.recipes.common import combine_loss_metrics
 
     class Stage(_OneRank):
         reports_loss = False
@@ -169,7 +169,7 @@ def _scripted_run(informative: list[int], *overrides: str):
     from moe_rl.config import load_config
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
-    from moe_rl.loop import Run
+    from moe_rl.recipes.rl.step import Run
     from moe_rl.reward.runner import RewardRunner
 
     cfg = load_config(None, ["data.prompts_per_step=4", "rollout.n_samples=4", "algo.num_minibatches=2",
@@ -181,7 +181,7 @@ def _scripted_run(informative: list[int], *overrides: str):
 
 
 def test_dynamic_sampling_refills_until_the_step_has_its_groups():
-    from moe_rl.rollout_batch import advantages_and_filters, dynamic_sampling_rounds, generate, next_prompts, score
+    from moe_rl.recipes.rl.batch import advantages_and_filters, dynamic_sampling_rounds, generate, next_prompts, score
 
     run = _scripted_run([1, 2, 4], "algo.overlong_max_len=2")
     first = generate(run, next_prompts(run), 1)
@@ -198,7 +198,7 @@ def test_dynamic_sampling_refills_until_the_step_has_its_groups():
 
 
 def test_dynamic_sampling_filters_on_task_reward_not_on_shaped_reward():
-    from moe_rl.rollout_batch import dynamic_sampling_rounds, generate, next_prompts, score
+    from moe_rl.recipes.rl.batch import dynamic_sampling_rounds, generate, next_prompts, score
 
     run = _scripted_run([0], "algo.overlong_max_len=2", "algo.dynamic_sampling_max_rounds=1")
     samples = generate(run, next_prompts(run), 1)
@@ -209,7 +209,7 @@ def test_dynamic_sampling_filters_on_task_reward_not_on_shaped_reward():
 
 
 def test_dynamic_sampling_reports_what_is_trained_on():
-    from moe_rl.rollout_batch import dynamic_sampling_rounds, generate, next_prompts, score
+    from moe_rl.recipes.rl.batch import dynamic_sampling_rounds, generate, next_prompts, score
 
     run = _scripted_run([3, 0], "algo.dynamic_sampling_max_rounds=2")
     samples = generate(run, next_prompts(run), 1)
@@ -220,7 +220,7 @@ def test_dynamic_sampling_reports_what_is_trained_on():
 
 
 def test_rewards_get_completion_ids():
-    from moe_rl.rollout_batch import generate, next_prompts, score
+    from moe_rl.recipes.rl.batch import generate, next_prompts, score
 
     run = _scripted_run([4], "algo.dynamic_sampling=false")
     samples = generate(run, next_prompts(run), 1)
@@ -234,7 +234,7 @@ def test_text_only_reward_without_a_tokenizer_is_refused_before_any_work(tmp_pat
     import json
 
     from moe_rl.config import ConfigError, load_config
-    from moe_rl.build import build_run
+    from moe_rl.recipes.build import build_run
 
     data = tmp_path / "ids.jsonl"
     data.write_text("\n".join(json.dumps({"input_ids": [5, 6, 7], "answer": "3"}) for _ in range(4)) + "\n")
@@ -250,8 +250,8 @@ def test_a_stop_token_ends_the_completion_and_is_trained():
     from types import SimpleNamespace
 
     from moe_rl.data.toy import ToyTokenizer
-    from moe_rl.rollout_batch import _samples
-    from moe_rl.step_common import response_mask
+    from moe_rl.recipes.common import response_mask
+    from moe_rl.recipes.rl.batch import _samples
 
     tok = ToyTokenizer()
     run = SimpleNamespace(dataset=SimpleNamespace(tokenizer=tok), eos_id=tok.eos_token_id)

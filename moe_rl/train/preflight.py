@@ -12,8 +12,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from moe_rl.build import hf_tokenizer
 from moe_rl.config import RunConfig
+from moe_rl.recipes.build import hf_tokenizer
 
 
 def preflight(cfg: RunConfig, world_size: int) -> str | None:
@@ -107,7 +107,7 @@ def _keys(cfg: RunConfig) -> str | None:
 
 def _devices(cfg: RunConfig, device_count: int | None = None) -> str | None:
     """Servers the trainer launches here must fit this machine's GPUs beside the trainer ranks'."""
-    from moe_rl.devices import gpu_count, local_trainer_ranks
+    from moe_rl.dist.devices import gpu_count, local_trainer_ranks
     from moe_rl.rollout.placement import server_gpus
 
     if cfg.train.mode == "dpo":

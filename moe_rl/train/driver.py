@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from moe_rl.checkpoint import latest_checkpoint, resume, save_checkpoint
-from moe_rl.collectives import agree
 from moe_rl.config import ConfigError, RunConfig, load_config
+from moe_rl.dist.collectives import agree
 from moe_rl.recipes import build_recipe
 from moe_rl.rollout.outage import EXIT_NO_SERVER, RolloutLost
+from moe_rl.train.checkpoint import latest_checkpoint, resume, save_checkpoint
 
 
 # ---------------------------------------------------------------- CLI
@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _preflight(cfg: RunConfig, launched: bool) -> str | None:
-    """`moe_rl.preflight` for the world this run will have (the launcher's, or train.world_size)."""
+    """`moe_rl.train.preflight` for the world this run will have (the launcher's, or train.world_size)."""
     from moe_rl.policy.parallel import read_dist_env
-    from moe_rl.preflight import preflight
+    from moe_rl.train.preflight import preflight
 
     return preflight(cfg, read_dist_env().world_size if launched else cfg.train.world_size)
 
@@ -78,7 +78,7 @@ def resolve_run_dir(cfg: RunConfig) -> Path:
 
 
 def _single(cfg: RunConfig, run_dir: str) -> int:
-    from moe_rl.ports import free_port
+    from moe_rl.dist.ports import free_port
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
@@ -89,7 +89,7 @@ def spawn(cfg: RunConfig, run_dir: str) -> int:
     """Start `train.world_size` local ranks; a rank's failure ends the run with its traceback."""
     import torch.multiprocessing as mp
 
-    from moe_rl.ports import free_port
+    from moe_rl.dist.ports import free_port
 
     port = free_port()
     ctx = mp.start_processes(_spawned, args=(cfg.to_dict(), run_dir, cfg.train.world_size, port),
@@ -189,7 +189,7 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
         (out / "config.yaml").write_text(cfg.to_yaml())  # the resolved config, overrides applied
     _Stop.install(spawned)
     if cfg.train.device_guard:  # CPU rehearsal: a host tensor in a collective fails here, not on a GPU
-        from moe_rl.device_guard import install_device_guard
+        from moe_rl.dist.device_guard import install_device_guard
 
         install_device_guard()
     recipe = build_recipe(cfg, out, rank)  # train.mode: RL or DPO (moe_rl/recipes/)

@@ -5,7 +5,7 @@ moe_rl hands to `torch.distributed` (all-reduces of counts and metrics, route
 buffers, pipeline broadcasts, weight-sync sends) must sit on the compute device.
 On a CPU machine the compute device is the CPU and gloo takes the same tensors.
 
-Under the device guard (`moe_rl.device_guard`, CPU only) the compute
+Under the device guard (`moe_rl.dist.device_guard`, CPU only) the compute
 device is a *simulated accelerator*, `cuda:0`: `moe_rl.policy.compat` maps every
 cuda device argument to the CPU, so the maths is unchanged, while the guard
 tracks which tensors were put on the device and rejects a host tensor in one of

@@ -1,4 +1,4 @@
-"""moe_rl.dpo without megatron: the reference cache (computed once, reused, invalidated), the
+"""moe_rl.recipes.dpo.step without megatron: the reference cache (computed once, reused, invalidated), the
 summed response log-probs it stores, and micro-batches that keep pairs together."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from moe_rl.config import RunConfig
 from moe_rl.data.preference import PreferenceDataset, PreferencePair
-from moe_rl.dpo import REF_CACHE, reference_logps
 from moe_rl.policy.forward import make_microbatches, make_packed_microbatches
+from moe_rl.recipes.dpo.step import REF_CACHE, reference_logps
 
 
 class FakePolicy:

@@ -1,4 +1,4 @@
-"""The DPO recipe: `dpo_step` (moe_rl/dpo.py) over preference pairs and their reference
+"""The DPO recipe: `dpo_step` (moe_rl/recipes/dpo/step.py) over preference pairs and their reference
 log-probs; no rollout servers, rewards, critic or weight sync."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.config import RunConfig
-from moe_rl.dpo import build_dpo_run, dpo_step, evaluate
 from moe_rl.recipes.base import Recipe
+from moe_rl.recipes.dpo.step import build_dpo_run, dpo_step, evaluate
 
 
 class DPORecipe(Recipe):

@@ -1,4 +1,4 @@
-"""The RL recipe: `rl_step` (moe_rl/loop.py) over a run of policy, rollout engine, rewards,
+"""The RL recipe: `rl_step` (moe_rl/recipes/rl/step.py) over a run of policy, rollout engine, rewards,
 weight sync and, for GAE, a critic."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from moe_rl.build import build_run
 from moe_rl.config import RunConfig, replay_mode
-from moe_rl.loop import rl_step, sync_weights
 from moe_rl.recipes.base import Recipe
-from moe_rl.rollout_batch import evaluate
+from moe_rl.recipes.build import build_run
+from moe_rl.recipes.rl.batch import evaluate
+from moe_rl.recipes.rl.step import rl_step, sync_weights
 
 log = logging.getLogger("moe_rl")
 

@@ -15,7 +15,7 @@ from moe_rl.testing import run_ranks
 
 def _raises(fn, *args) -> str:
     """The HostTensorInCollective message of `fn(*args)`, or "" when it passes."""
-    from moe_rl.device_guard import HostTensorInCollective
+    from moe_rl.dist.device_guard import HostTensorInCollective
 
     try:
         fn(*args)
@@ -30,8 +30,8 @@ def _reduce_here(t: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------ (a) (b) (c): the guard itself
 def _guard_basics() -> dict:
-    from moe_rl.devices import compute_device
-    from moe_rl.device_guard import device_guard
+    from moe_rl.dist.device_guard import device_guard
+    from moe_rl.dist.devices import compute_device
 
     rank = dist.get_rank()
     original_all_reduce = dist.all_reduce
@@ -129,17 +129,17 @@ def _probe(module_name: str):
 
 
 def _default_scope() -> dict:
-    from moe_rl.device_guard import device_guard
+    from moe_rl.dist.device_guard import device_guard
 
     with device_guard():
         return {name: bool(_raises(_probe(name), torch.ones(1)))
-                for name in ("moe_rl.loop", "moe_rl.policy.replay", "moe_rl", "moe_rl.testing.e2e",
+                for name in ("moe_rl.recipes.rl.step", "moe_rl.policy.replay", "moe_rl", "moe_rl.testing.e2e",
                              "moe_rlx", "megatron.core.tensor_parallel.mappings", "__main__")}
 
 
 def test_default_guard_checks_moe_rl_code_only():
     (checked,) = run_ranks(_default_scope, 1)
-    assert checked == {"moe_rl.loop": True, "moe_rl.policy.replay": True, "moe_rl": True,
+    assert checked == {"moe_rl.recipes.rl.step": True, "moe_rl.policy.replay": True, "moe_rl": True,
                        "moe_rl.testing.e2e": False, "moe_rlx": False,
                        "megatron.core.tensor_parallel.mappings": False, "__main__": False}
 
@@ -183,7 +183,7 @@ def _stats(rank: int) -> dict:
 
 
 def _offenders() -> dict:
-    from moe_rl.device_guard import device_guard
+    from moe_rl.dist.device_guard import device_guard
 
     rank = dist.get_rank()
     out = {"plain": _stats(rank)}
@@ -221,8 +221,8 @@ def test_fixed_drift_reductions_pass_under_guard_and_old_patterns_fail():
 
 
 def _agree_under_guard() -> list:
-    from moe_rl.device_guard import device_guard
-    from moe_rl.collectives import agree as _agree
+    from moe_rl.dist.collectives import agree as _agree
+    from moe_rl.dist.device_guard import device_guard
 
     with device_guard():
         return [_agree(dist.get_rank() == 1), _agree(False)]
@@ -233,7 +233,7 @@ def test_trainer_agree_passes_under_guard():
 
 
 def test_guard_refuses_a_cuda_machine(monkeypatch):
-    from moe_rl.device_guard import DeviceGuardError, device_guard
+    from moe_rl.dist.device_guard import DeviceGuardError, device_guard
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(DeviceGuardError, match="CPU machines"):

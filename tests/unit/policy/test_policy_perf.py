@@ -66,7 +66,7 @@ def test_each_setting_reaches_megatrons_transformer_config(monkeypatch):
 
 
 def test_the_config_fields_reach_the_policy_request():
-    from moe_rl.build import perf_request
+    from moe_rl.recipes.build import perf_request
 
     cfg = load_config(None, ["model.apply_rope_fusion=false", "model.bias_dropout_fusion=true",
                              "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true",

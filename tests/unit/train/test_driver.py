@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.build import optim_config
+from moe_rl.recipes.build import optim_config
 
-DEMO = Path(__file__).resolve().parents[2] / "launch" / "configs" / "tiny_cpu.yaml"
+DEMO = Path(__file__).resolve().parents[3] / "launch" / "configs" / "tiny_cpu.yaml"
 
 
 def test_warmup_and_run_length_count_rl_steps():

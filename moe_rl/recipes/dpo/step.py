@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from moe_rl.algo.losses import dpo_loss
-from moe_rl.build import hf_tokenizer, initial_model, make_policy
-from moe_rl.collectives import broadcast_object as broadcast, rank
 from moe_rl.config import RunConfig
 from moe_rl.data.preference import PreferenceDataset, PreferencePair, load_preference_dataset
 from moe_rl.data.sampler import PromptSampler
+from moe_rl.dist.collectives import broadcast_object as broadcast, rank
 from moe_rl.policy.policy import Policy
-from moe_rl.rollout_batch import share_indices
-from moe_rl.step_common import Stopwatch, all_keys, probe_volatility
+from moe_rl.recipes.build import hf_tokenizer, initial_model, make_policy
+from moe_rl.recipes.common import Stopwatch, all_keys, probe_volatility
+from moe_rl.recipes.rl.batch import share_indices
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ data-parallel rank's share.
 All of it runs on trainer rank 0, which alone talks to the rollout engine: the reward functions
 run once, where the samples are, and no other rank holds the whole step. Rank 0 then plans every
 data-parallel rank's share (its minibatch rows) and hands each share out (`rollout_batch`, over
-`moe_rl.collectives.share_out`): a share goes once to the first rank of its model-parallel
+`moe_rl.dist.collectives.share_out`): a share goes once to the first rank of its model-parallel
 group, which passes it on to its TP x PP peers, so each rank receives 1/DP of the step's
 samples and routes, and rank 0 pickles each share once. A failure on rank 0 (no server answered,
 a reward that raised) reaches every rank in the same hand-off, and every rank stops there.
@@ -20,10 +20,10 @@ import torch
 
 from moe_rl.algo.advantages import compute_advantages
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
-from moe_rl.collectives import broadcast_object, share_out
 from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import seeded_shuffle
+from moe_rl.dist.collectives import broadcast_object, share_out
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
 from moe_rl.rollout.outage import attempt, unwrap
 

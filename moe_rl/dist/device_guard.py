@@ -5,7 +5,7 @@ host tensor fails there, and nowhere else. On a CPU machine the compute device *
 the CPU, so a host tensor and a device tensor look the same and gloo takes both. The
 guard makes them differ again:
 
-- `moe_rl.devices.compute_device()` returns a simulated accelerator, `cuda:0`, which
+- `moe_rl.dist.devices.compute_device()` returns a simulated accelerator, `cuda:0`, which
   `moe_rl.policy.compat` maps to the CPU in every tensor op (the maths is unchanged);
   so does `torch.cuda.current_device()`, where megatron allocates its buffers.
 - A `TorchFunctionMode`, pushed on top of compat's so it sees the device arguments
@@ -56,7 +56,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from moe_rl import devices
+from moe_rl.dist import devices
 
 # The tensor collectives of torch.distributed (point-to-point included). Object
 # collectives are left out on purpose (see the module docstring).
@@ -215,7 +215,7 @@ def _wrap(fn: Callable, guard: "DeviceGuard") -> Callable:
                     raise HostTensorInCollective(
                         f"{qualname} called at {where} with a host tensor as `{name}` (shape "
                         f"{list(t.shape)}, dtype {t.dtype}): under NCCL this fails on a GPU: move it to "
-                        f"moe_rl.devices.compute_device()")
+                        f"moe_rl.dist.devices.compute_device()")
         _calls.inside = True
         try:
             return fn(*args, **kwargs)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from moe_rl.ports import free_port
+from moe_rl.dist.ports import free_port
 
 
 class RankFailed(RuntimeError):

@@ -1,6 +1,6 @@
 """Everything a run is built from, in order: the initial model checkpoint, the megatron policy
 (layout, optimizer, LR schedule, fused kernels), the critic, the rollout engine and its servers,
-the weight sync and its update group. `moe_rl.trainer` builds a run with `build_run`; the DPO
+the weight sync and its update group. `moe_rl.train.driver` builds a run with `build_run`; the DPO
 recipe takes the policy, model and tokenizer builders from here too."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_rl.collectives import barrier, broadcast_object, init_control_group
 from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
+from moe_rl.dist.collectives import barrier, broadcast_object, init_control_group
 from moe_rl.rollout.engines import engine_kind
 
 
@@ -22,7 +22,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     """Model checkpoint, policy, data, rewards, rollout engine and weight sync for this rank."""
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
-    from moe_rl.loop import Run
+    from moe_rl.recipes.rl.step import Run
     from moe_rl.reward.registry import get_reward
     from moe_rl.reward.runner import RewardRunner
     from moe_rl.rollout.weight_sync import make_weight_sync
@@ -176,7 +176,7 @@ def _free_port(avoid: int) -> int:
 
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
     """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
-    from moe_rl.devices import gpu_count, local_trainer_ranks
+    from moe_rl.dist.devices import gpu_count, local_trainer_ranks
     from moe_rl.rollout.auth import read_key_file
     from moe_rl.rollout.launcher import RunIdentity, ServerGroup
     from moe_rl.rollout.placement import server_gpus

@@ -1,6 +1,6 @@
 """Checkpoints of a run: every rank's state in `checkpoints/step_N/`, written atomically (a
 `.tmp` directory renamed once all ranks are done) with each file's size and SHA-256 in
-`meta.json` (`moe_rl.integrity`), so a crash leaves nothing half-saved and damage is named on
+`meta.json` (`moe_rl.train.integrity`), so a crash leaves nothing half-saved and damage is named on
 resume. The launchers read `latest_checkpoint` from here."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_rl.collectives import all_gather_objects, barrier, world_size
 from moe_rl.config import RunConfig
-from moe_rl.integrity import check_file, file_record, read_meta
+from moe_rl.dist.collectives import all_gather_objects, barrier, world_size
+from moe_rl.train.integrity import check_file, file_record, read_meta
 
 CHECKPOINTS = "checkpoints"
 
@@ -26,7 +26,7 @@ def save_checkpoint(recipe: Any, out: Path, step: int, keep_last: int) -> Path:
     `step_N.tmp/`; rank 0 renames it to `step_N/` once all are done.
 
     A crash while writing leaves only a `.tmp` directory, which resume ignores. `meta.json`
-    records every file's size and SHA-256 (`moe_rl.integrity`), so damage is found on resume.
+    records every file's size and SHA-256 (`moe_rl.train.integrity`), so damage is found on resume.
     """
     root = out / CHECKPOINTS
     final = root / f"step_{step:06d}"
