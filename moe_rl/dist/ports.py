@@ -5,11 +5,14 @@ import random
 import socket
 
 
-def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
+    """A TCP port free right now on `host` ("" = every interface: for peers on other nodes), never `avoid`."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port != avoid:
+            return port
 
 
 def free_ports(n: int = 1, low: int = 20000, high: int = 32000) -> int:

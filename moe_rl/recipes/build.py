@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
 from moe_rl.dist.collectives import barrier, broadcast_object, init_control_group
-from moe_rl.rollout.engines import engine_kind
+from moe_rl.dist.ports import free_port
+from moe_rl.rollout.engines import engine_kind, weight_sync_kind
 
 
 def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
     engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=getattr(engine, "keys", None),
-                            **(update_group(cfg, servers, out) if cfg.rollout.weight_sync == "nccl" else {}))
+                            **(update_group(cfg, servers, out) if weight_sync_kind(cfg.rollout).update_group else {}))
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
               critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None)
@@ -154,24 +155,12 @@ def update_group(cfg: RunConfig, servers: Any, out: Path | None = None) -> dict[
         admin = list(r.admin_urls) or list(r.urls) or (servers.admin_urls if servers is not None else [])
         found = {"admin_urls": admin,
                  "master_address": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                 "master_port": r.weight_sync_port or _free_port(avoid=int(os.environ.get("MASTER_PORT", "0"))),
+                 "master_port": r.weight_sync_port or free_port("", avoid=int(os.environ.get("MASTER_PORT", "0"))),
                  "server_tp_sizes": engine_kind(r).server_tp(r),
                  # the group joined last, left by a trainer that died without leaving it
                  "state_file": None if out is None else str(out / "servers" / "update_group.json"),
                  "backend": "nccl" if torch.cuda.is_available() else "gloo"}
     return broadcast_object(found)  # the others wait while rank 0 starts the servers
-
-
-def _free_port(avoid: int) -> int:
-    """A TCP port free on every interface of this host (the servers connect from other nodes)."""
-    import socket
-
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        if port != avoid:
-            return port
 
 
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
@@ -197,7 +186,7 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
         identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights", hf_dir])
         gpus = server_gpus(r, local_trainer_ranks(cfg.train.world_size), gpu_count())  # after the trainer's GPUs
         servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity, gpus=gpus).start()
-        if r.weight_sync == "nccl":  # a restarted server could not rejoin the update group: it would serve stale weights
+        if weight_sync_kind(r).update_group:  # a restarted server could not rejoin it: it would serve stale weights
             servers.max_restarts = 0
         servers.wait_healthy(timeout=r.timeout_s)
         servers.watch()

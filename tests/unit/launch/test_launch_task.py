@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from moe_rl.dist.ports import free_port
 from moe_rl.launch.task import (NOT_FINISHED, TaskError, main, prepare_model, rank_env, tasks_on_node,
                                 wait_healthy)
 
@@ -76,14 +77,6 @@ def health_server():
     server.shutdown()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_launch_wait_healthy_returns_when_every_server_answers(health_server):
     said = []
     wait_healthy([health_server, health_server + "/"], timeout=5, say=said.append)
@@ -99,7 +92,7 @@ def test_launch_wait_healthy_polls_the_given_path(health_server):
 
 
 def test_launch_wait_healthy_times_out_naming_the_missing_server(health_server):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(TaskError) as e:
         wait_healthy([health_server, dead], timeout=0.5, interval=0.1, log_hint="/logs/job-1-0", say=lambda s: None)
     assert f"not healthy after 0.5 s: {dead}" in str(e.value) and "logs: /logs/job-1-0" in str(e.value)
@@ -109,7 +102,7 @@ def test_launch_wait_healthy_times_out_naming_the_missing_server(health_server):
 def test_launch_wait_healthy_fails_fast_when_a_watched_step_dies():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(TaskError, match=f"pid {proc.pid}"):
         wait_healthy([dead], timeout=60, watch=[proc.pid], interval=0.1, say=lambda s: None)
 
