@@ -100,7 +100,8 @@ class ParallelConfig:
     etp: int = ranged(1, ge=1)
     """Tensor parallel size inside experts; 1 because EP scales MoE better than splitting experts."""
     sp: bool | None = None
-    """Sequence parallel; None = auto (on when tp > 1, which megatron MoE requires)."""
+    """Sequence parallel; None = auto (on when tp > 1, which megatron MoE requires): the rule is
+    `ParallelLayout.sequence_parallel`'s (moe_rl/policy/parallel.py), for the layout it makes of this section."""
     micro_batch_size: int = ranged(4, ge=1)
     """Sequences per forward/backward micro-batch; tiny models fit 4, long-context runs use 1."""
     overlap_grad_reduce: bool | None = None
@@ -114,12 +115,6 @@ class ParallelConfig:
     compute) and spread over data-parallel ranks by tokens rather than by count; null = padded
     micro-batches of micro_batch_size sequences. Must hold the longest sequence
     (data.max_prompt_len + rollout.max_new_tokens)."""
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """`sp` with the auto rule applied (`ParallelLayout.sequence_parallel`'s, for the layout
-        `ParallelLayout.of` makes of this section)."""
-        return self.tp > 1 if self.sp is None else self.sp
 
 
 # Keys of a HF config.json that give the shapes the parallel layout must divide.

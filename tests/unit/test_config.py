@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import ConfigError, RunConfig, load_config
+from moe_rl.policy.parallel import ParallelLayout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 SHIPPED = ["tiny_cpu.yaml", "qwen3_30b_a3b_gspo.yaml", "tiny_cpu_vapo.yaml", "qwen3_30b_a3b_vapo.yaml"]
@@ -41,7 +42,7 @@ def test_qwen3_config_layout():
     cfg = load_config(CONFIGS / "qwen3_30b_a3b_gspo.yaml")
     p = cfg.parallel
     assert (p.tp, p.pp, p.ep, p.etp) == (2, 4, 8, 1)
-    assert p.sequence_parallel
+    assert ParallelLayout.of(p, 64).sequence_parallel
     assert cfg.model.dtype == "bf16" and cfg.model.recompute
     assert cfg.rollout.engine == "sglang" and cfg.algo.replay == "r3"
     assert cfg.train.distributed_optimizer and cfg.train.lr == pytest.approx(1e-6)
@@ -52,7 +53,7 @@ def test_defaults_validate_without_a_file():
     cfg = load_config(None)
     assert cfg == RunConfig()
     assert cfg.algo.loss == "gspo" and cfg.parallel.sp is None
-    assert not cfg.parallel.sequence_parallel
+    assert not ParallelLayout.of(cfg.parallel, 1).sequence_parallel
 
 
 # -- overrides -----------------------------------------------------------------
@@ -62,7 +63,7 @@ def test_overrides_change_values():
                                                   "model.tiny.num_experts=8", "data.eval=null",
                                                   "train.eval_every=0"])
     assert cfg.algo.loss == "sapo"
-    assert cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel
+    assert cfg.parallel.tp == 2 and ParallelLayout.of(cfg.parallel, 2).sequence_parallel
     assert cfg.train.lr == pytest.approx(3e-6)
     assert cfg.model.tiny.num_experts == 8
     assert cfg.data.eval is None
