@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from moe_rl.rollout.config import SGLANG_TP_FLAGS, sglang_flag
-from moe_rl.rollout.engines import engine_kind
+from moe_rl.rollout.engines import engine_kind, weight_sync_kind
 
 DEFAULT_BASE_PORT = 30000  # servers of a SLURM job listen from here (SGLang's usual range)
 TP_FLAGS = SGLANG_TP_FLAGS  # flags of `sglang.launch_server` that set its tensor-parallel size
@@ -233,9 +233,9 @@ def check_weight_sync(rollout: Any, shape: NodeShape) -> None:
     communicator, and NCCL refuses two ranks on one GPU. The trainer's config check
     refuses `rollout.colocated=true` with nccl too; this message names the launch's fix.
     """
-    if shape.colocated and str(rollout.engine) == "sglang" and str(rollout.weight_sync) == "nccl":
-        raise LaunchError("rollout.weight_sync=nccl cannot work in the colocated shape (--rollout-nodes 0): the "
-                          "SGLang servers share the trainer's GPUs and NCCL refuses two ranks on one GPU in a "
+    if shape.colocated and engine_kind(rollout).gpu_only and weight_sync_kind(rollout).update_group:
+        raise LaunchError(f"rollout.weight_sync={rollout.weight_sync} cannot work in the colocated shape "
+                          "(--rollout-nodes 0): the SGLang servers share the trainer's GPUs and NCCL refuses two ranks on one GPU in a "
                           "communicator; use rollout.weight_sync=disk when colocated, or give the servers nodes "
                           "of their own with --rollout-nodes N")
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from moe_rl.configurable import choice, ranged
-from moe_rl.rollout.engines import ENGINE_KINDS, engine_kind
+from moe_rl.rollout.engines import ENGINE_KINDS, WEIGHT_SYNC_KINDS, engine_kind, weight_sync_kind
 
 
 ENGINES = tuple(ENGINE_KINDS)  # local, sglang, inprocess (moe_rl/rollout/engines.py)
-WEIGHT_SYNCS = ("disk", "tensor", "nccl")
+WEIGHT_SYNCS = tuple(WEIGHT_SYNC_KINDS)  # disk, tensor, nccl (moe_rl/rollout/engines.py)
 # SGLang 0.5.23's names of its parallel sizes (sglang/srt/arg_groups/fields/parallel.py; argparse
 # also takes an unambiguous prefix such as --tp).
 SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
@@ -130,8 +130,9 @@ def check_rollout(cfg: Any) -> Iterator[str]:
     for i, url in enumerate(r.urls):
         if not url.startswith(("http://", "https://")):
             yield f"rollout.urls[{i}]: {url!r} must start with http:// or https://"
-    if r.colocated and r.weight_sync == "nccl":
-        yield ("rollout.weight_sync: 'nccl' is not allowed with rollout.colocated=true: trainer rank 0 and "
+    sync = weight_sync_kind(r)
+    if r.colocated and sync.update_group:
+        yield (f"rollout.weight_sync: {sync.name!r} is not allowed with rollout.colocated=true: trainer rank 0 and "
                "server 0 share GPU 0, and NCCL refuses two ranks on one GPU in a communicator; use "
                "rollout.weight_sync=disk (colocated runs elsewhere send tensors by CUDA IPC, "
                "update_weights_from_tensor, which moe_rl does not do yet)")
@@ -152,12 +153,12 @@ def check_rollout(cfg: Any) -> Iterator[str]:
     if tp % r.ep_size:
         yield f"rollout.ep_size: {r.ep_size} must divide the servers' tensor-parallel size {tp} (rollout.tp_size " \
               "or a --tp-size in rollout.sglang_args)"
-    if r.weight_sync == "nccl" and sizes["dp"] > 1:
-        yield (f"rollout.sglang_args: --dp-size {sizes['dp']} is not allowed with rollout.weight_sync=nccl: SGLang "
+    if sync.update_group and sizes["dp"] > 1:
+        yield (f"rollout.sglang_args: --dp-size {sizes['dp']} is not allowed with rollout.weight_sync={sync.name}: SGLang "
                "refuses distributed weight updates to data-parallel replicas (it asserts dp_size == 1); run "
                "that many servers instead (rollout.num_servers), or use rollout.weight_sync=disk")
-    if r.weight_sync == "nccl" and sizes["pp"] > 1:
-        yield (f"rollout.sglang_args: --pp-size {sizes['pp']} is not allowed with rollout.weight_sync=nccl: each "
+    if sync.update_group and sizes["pp"] > 1:
+        yield (f"rollout.sglang_args: --pp-size {sizes['pp']} is not allowed with rollout.weight_sync={sync.name}: each "
                "server rank joins the update group as rank_offset + tp_rank, so pipeline stages would take the "
                "same ranks; use tensor parallelism (rollout.tp_size), or rollout.weight_sync=disk")
     kind = engine_kind(r)

@@ -1,9 +1,12 @@
-"""The rollout engines a run can use (`rollout.engine`), and what each one is.
+"""The rollout engines a run can use (`rollout.engine`) and the weight syncs that reach them
+(`rollout.weight_sync`), and what each one is.
 
 Code that depends on the engine asks its `EngineKind` (does it run as server processes,
 on GPUs only, sharded over a tensor-parallel group, which weight syncs reach it, does a
 router go in front of several) instead of comparing engine names; adding an engine is an
-entry here plus its server command (`moe_rl.rollout.launcher.SERVER_COMMANDS`).
+entry here plus its server command (`moe_rl.rollout.launcher.SERVER_COMMANDS`). Code that
+depends on the weight sync asks its `WeightSyncKind` the same way; the strategies themselves
+are `moe_rl.rollout.weight_sync` (one module each, picked once by `make_weight_sync`).
 """
 from __future__ import annotations
 
@@ -44,4 +47,31 @@ def engine_kind(rollout: Any) -> EngineKind:
     kind = ENGINE_KINDS.get(name)
     if kind is None:
         raise ValueError(f"rollout.engine must be one of {', '.join(ENGINE_KINDS)}, got {name!r}")
+    return kind
+
+
+@dataclass(frozen=True)
+class WeightSyncKind:
+    name: str
+    # Joins one process group with every server rank (trainer rank 0 + rank_offset + tp_rank):
+    # NCCL refuses two of its ranks on one GPU (no colocation, no server on rank 0's GPU), a
+    # restarted server cannot rejoin (no restarts), and data-parallel or pipeline replicas
+    # inside a server would take the same ranks (SGLang asserts dp_size == 1).
+    update_group: bool
+    what: str                   # for messages
+
+
+WEIGHT_SYNC_KINDS: dict[str, WeightSyncKind] = {
+    "disk": WeightSyncKind("disk", update_group=False, what="HF checkpoints on a shared filesystem"),
+    "tensor": WeightSyncKind("tensor", update_group=False, what="tensors copied into an engine in this process"),
+    "nccl": WeightSyncKind("nccl", update_group=True, what="a broadcast to the servers over an update group"),
+}
+
+
+def weight_sync_kind(rollout: Any) -> WeightSyncKind:
+    """The kind of `rollout.weight_sync` (`rollout`: a RolloutConfig or anything with `.weight_sync`)."""
+    name = str(rollout.weight_sync)
+    kind = WEIGHT_SYNC_KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"rollout.weight_sync must be one of {', '.join(WEIGHT_SYNC_KINDS)}, got {name!r}")
     return kind

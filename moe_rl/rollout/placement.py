@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_rl.rollout.engines import ENGINE_KINDS, engine_kind
+from moe_rl.rollout.engines import ENGINE_KINDS, WEIGHT_SYNC_KINDS, engine_kind
 
 
 def plan_devices(engine: str, num_servers: int, tp: int, *, trainer_gpus: int, device_count: int,
@@ -31,8 +31,8 @@ def plan_devices(engine: str, num_servers: int, tp: int, *, trainer_gpus: int, d
             return [None] * num_servers
         first = 0 if colocated else trainer_gpus
         gpus: list[int | None] = [(first + i) % device_count for i in range(num_servers)]
-        if weight_sync == "nccl" and 0 in gpus:
-            raise ValueError(f"rollout.weight_sync=nccl: {num_servers} `moe-rl serve` server(s) on a machine with "
+        if WEIGHT_SYNC_KINDS[weight_sync].update_group and 0 in gpus:
+            raise ValueError(f"rollout.weight_sync={weight_sync}: {num_servers} `moe-rl serve` server(s) on a machine with "
                              f"{device_count} GPU(s) and train.world_size={trainer_gpus} trainer rank(s) put a server "
                              "on trainer rank 0's GPU 0, and NCCL refuses two ranks of the update group on one GPU; "
                              "use rollout.weight_sync=disk, fewer trainer ranks or servers, or a machine with more GPUs")

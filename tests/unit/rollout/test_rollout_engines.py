@@ -5,12 +5,27 @@ from __future__ import annotations
 import pytest
 
 from moe_rl.config import ENGINES, WEIGHT_SYNCS, ConfigError, load_config
-from moe_rl.rollout.engines import ENGINE_KINDS, engine_kind
+from moe_rl.rollout.engines import ENGINE_KINDS, WEIGHT_SYNC_KINDS, engine_kind, weight_sync_kind
 from moe_rl.rollout.launcher import SERVER_COMMANDS, plan_servers
 
 
-def test_the_config_allows_the_engines_of_the_table():
-    assert ENGINES == tuple(ENGINE_KINDS)
+def test_the_config_allows_the_engines_and_weight_syncs_of_the_table():
+    assert ENGINES == tuple(ENGINE_KINDS) and WEIGHT_SYNCS == tuple(WEIGHT_SYNC_KINDS)
+
+
+@pytest.mark.parametrize("sync", ["disk", "nccl"])  # the syncs that reach servers
+@pytest.mark.parametrize("extra, refused", [("rollout.colocated=true", "not allowed with rollout.colocated=true"),
+                                            ("rollout.sglang_args=[--dp-size,2]", "--dp-size 2 is not allowed"),
+                                            ("rollout.sglang_args=[--pp-size,2]", "--pp-size 2 is not allowed")])
+def test_the_update_group_rules_follow_the_weight_sync_kind(sync, extra, refused):
+    # a sync that joins one process group with the servers is refused colocated and with dp / pp replicas
+    assert WEIGHT_SYNC_KINDS[sync].update_group == (sync == "nccl")
+    overrides = ["rollout.engine=sglang", f"rollout.weight_sync={sync}", extra]
+    if WEIGHT_SYNC_KINDS[sync].update_group:
+        with pytest.raises(ConfigError, match=refused):
+            load_config(None, overrides)
+    else:
+        assert weight_sync_kind(load_config(None, overrides).rollout).name == sync
 
 
 @pytest.mark.parametrize("engine", list(ENGINE_KINDS))
