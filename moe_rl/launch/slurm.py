@@ -227,19 +227,18 @@ def _model_setup(cfg: Any, base_overrides: Sequence[str]) -> str:
 
 
 def _server_argv(cfg: Any, servers: ServerLayout, index: int, host: str, colocated: bool) -> list[str]:
-    from moe_rl.rollout.launcher import local_server_command, sglang_server_command
+    """Server `index`'s command: the launcher's for the engine (`SERVER_COMMANDS`), with the job's
+    placeholders for what the script fills in (model, python, keys, served name)."""
+    from moe_rl.rollout.launcher import SERVER_COMMANDS
 
-    port = servers.ports[index]
-    own = list(SERVER_IDENTITY)
-    if not engine_kind(servers).tensor_parallel:  # moe-rl serve; colocated: released between phases
-        return local_server_command("@@MODEL@@", host=host, port=port, python="@@PYTHON@@",
-                                    extra_args=own + (["--enable-memory-saver"] if colocated else []))
-    extra = _without_tp_flags([str(a) for a in cfg.rollout.sglang_args])  # folded into servers.tp
-    if colocated and "--enable-memory-saver" not in extra:
-        extra.append("--enable-memory-saver")  # lets the trainer release SGLang's memory between phases
-    return sglang_server_command("@@MODEL@@", host=host, port=port, tp_size=servers.tp,
-                                 ep_size=int(cfg.rollout.ep_size), mem_fraction=float(cfg.rollout.mem_fraction),
-                                 base_gpu_id=index * servers.tp, python="@@PYTHON@@", extra_args=own + extra)
+    kind = engine_kind(servers)
+    # --tp-size is folded into servers.tp (plan.server_tp read the last one)
+    rollout = dataclasses.replace(cfg.rollout, sglang_args=_without_tp_flags(list(map(str, cfg.rollout.sglang_args))))
+    argv, _ = SERVER_COMMANDS[kind.name](
+        rollout, "@@MODEL@@", host=host, port=servers.ports[index], python="@@PYTHON@@", own=list(SERVER_IDENTITY),
+        identity=None, saver=["--enable-memory-saver"] if colocated else [],  # colocated: released between phases
+        gpu=index * servers.tp if kind.tensor_parallel else None, tp=servers.tp, ep=int(cfg.rollout.ep_size))
+    return argv
 
 
 # Every server reads the job's keys from a mode-600 file (SGLang's --config) and serves under the
