@@ -22,12 +22,18 @@ class RankFailed(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
-           kwargs: dict, queue: Any, pg_timeout: float | None = None) -> None:
+def set_local_rank_env(rank: int, world_size: int, port: int) -> None:
+    """The torchrun environment of rank `rank` of `world_size` processes on this machine, meeting on `port`
+    (the variables megatron and `torch.distributed`'s env:// read; `moe-rl train` and `run_ranks` set them)."""
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
+           kwargs: dict, queue: Any, pg_timeout: float | None = None) -> None:
+    set_local_rank_env(rank, world_size, port)
     # One intra-op thread per rank: ranks share the machine's cores.
     import torch
     import torch.distributed as dist

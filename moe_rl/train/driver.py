@@ -23,6 +23,8 @@ import torch
 
 from moe_rl.config import ConfigError, RunConfig, load_config
 from moe_rl.dist.collectives import agree
+from moe_rl.dist.ports import free_port
+from moe_rl.dist.spawn import set_local_rank_env
 from moe_rl.recipes import build_recipe
 from moe_rl.rollout.outage import EXIT_NO_SERVER, RolloutLost
 from moe_rl.train.checkpoint import latest_checkpoint, resume, save_checkpoint
@@ -78,18 +80,13 @@ def resolve_run_dir(cfg: RunConfig) -> Path:
 
 
 def _single(cfg: RunConfig, run_dir: str) -> int:
-    from moe_rl.dist.ports import free_port
-
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    set_local_rank_env(0, 1, free_port())
     return train_rank(cfg, run_dir)
 
 
 def spawn(cfg: RunConfig, run_dir: str) -> int:
     """Start `train.world_size` local ranks; a rank's failure ends the run with its traceback."""
     import torch.multiprocessing as mp
-
-    from moe_rl.dist.ports import free_port
 
     port = free_port()
     ctx = mp.start_processes(_spawned, args=(cfg.to_dict(), run_dir, cfg.train.world_size, port),
@@ -133,8 +130,7 @@ def spawn(cfg: RunConfig, run_dir: str) -> int:
 
 
 def _spawned(rank: int, cfg_dict: dict[str, Any], run_dir: str, world: int, port: int) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    set_local_rank_env(rank, world, port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     code = train_rank(RunConfig.from_dict(cfg_dict), run_dir, spawned=True)
     # Python restores SIGUSR2's default (death) while it shuts down: a second Ctrl-C that lands
