@@ -216,9 +216,12 @@ def gspo_token(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, eps_low: float =
     per-sequence advantages the loss and gradient equal GSPO's.
     """
     _check_clip("gspo_token", eps_low, eps_high, dual_clip, max_log_ratio)
-    seq_ratio = torch.exp(_seq_log_ratio(log_ratio, mask, max_log_ratio)).detach()
-    # exp(x − sg[x]) is 1 in value and has the gradient of exp(x)
-    token_ratio = seq_ratio * torch.exp(log_ratio - log_ratio.detach())
+    seq_log_ratio = masked_seq_mean(log_ratio, mask)
+    seq_ratio = torch.exp(seq_log_ratio.clamp(-max_log_ratio, max_log_ratio)).detach()
+    # exp(x − sg[x]) is 1 in value and has the gradient of exp(x); a row past the clamp has
+    # none, as in GSPO, where the clamp stops it (else: s_i·∇log π per token, e^10 of it)
+    inside = (seq_log_ratio.abs() <= max_log_ratio).detach()
+    token_ratio = seq_ratio * torch.exp(torch.where(inside, log_ratio - log_ratio.detach(), 0.0))
     out = _clipped(token_ratio, adv, eps_low, eps_high, dual_clip)
     out.extra |= _seq_out_of_band(seq_ratio, log_ratio, eps_low, eps_high)
     return out

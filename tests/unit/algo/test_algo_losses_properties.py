@@ -66,6 +66,23 @@ def test_gspo_token_equals_gspo_for_sequence_advantages(spread, kw):
         assert m_t == pytest.approx(m_s)
 
 
+@pytest.mark.parametrize("shift", [11.0, -11.0, 10.5])
+def test_gspo_token_equals_gspo_past_the_sequence_clamp(shift):
+    # rows whose mean log-ratio is beyond max_log_ratio (10): GSPO's clamp stops their gradient,
+    # and GSPO-token's must stop too (it had the token ratio's gradient there: 688 per token)
+    logp, old, adv, mask = batch(seed=3, b=8, spread=0.3)
+    far = torch.tensor([True, False, True, False, False, True, False, False])
+    with torch.no_grad():
+        logp[far] += shift
+    adv = -adv.abs()  # Â < 0: the unclipped branch, where a wrong gradient shows
+    for agg in AGG_MODES:
+        loss_s, grad_s, _ = grad_of("gspo", logp, old, adv, mask, agg=agg)
+        loss_t, grad_t, _ = grad_of("gspo_token", logp, old, adv, mask, agg=agg)
+        assert grad_s[far].abs().max() == 0.0
+        torch.testing.assert_close(loss_t, loss_s, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(grad_t, grad_s, rtol=1e-10, atol=1e-14)
+
+
 # --- SAPO's soft gate -------------------------------------------------------------
 
 
