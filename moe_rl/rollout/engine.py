@@ -162,6 +162,35 @@ class GenerateRequest:
                 for j in range(sp.n)]
 
 
+def version_spans(token_versions: Sequence[str], current: str) -> tuple[tuple[str, int, int], ...]:
+    """Per-token weight versions as SGLang's spans (compute_weight_version_spans): for no tokens
+    one empty span [0, 0) of the `current` version, as SGLang reports."""
+    if not token_versions:
+        return ((str(current), 0, 0),)
+    spans: list[list[Any]] = []
+    for i, v in enumerate(token_versions):
+        if spans and spans[-1][0] == v:
+            spans[-1][2] = i + 1
+        else:
+            spans.append([v, i, i + 1])
+    return tuple((str(v), a, b) for v, a, b in spans)
+
+
+def check_version_spans(spans: Sequence[tuple[str, int, int]], num_tokens: int) -> None:
+    """Spans must cover the output tokens [0, num_tokens) in order, each non-empty (but a single
+    [0, 0) for no tokens); ValueError otherwise."""
+    if num_tokens == 0 and len(spans) == 1 and tuple(spans[0][1:]) == (0, 0):
+        return
+    at = 0
+    for version, start, end in spans:
+        if not isinstance(version, str) or start != at or end <= start:
+            raise ValueError(f"weight_versions {list(spans)[:4]} do not cover the {num_tokens} output tokens in "
+                             "order ({version, start, end} spans, each starting where the last ended)")
+        at = end
+    if at != num_tokens:
+        raise ValueError(f"weight_versions end at token {at}, the sample has {num_tokens} output tokens")
+
+
 @dataclass
 class GenerateResult:
     """One completion. Shapes: output_logprobs [T_out] float32;
@@ -174,11 +203,22 @@ class GenerateResult:
     routed_experts: np.ndarray | None = None
     weight_version: str | None = None
     server: str | None = None  # the URL that produced it (SGLangClient), or None
+    # SGLang's meta_info["weight_versions"]: (version, start, end) over the output tokens, in order;
+    # more than one when the weights changed while the sample was generated (an in-place pause)
+    weight_versions: tuple[tuple[str, int, int], ...] | None = None
+
+    def token_versions(self) -> list[str] | None:
+        """The weight version of each output token (None when the engine did not say)."""
+        if self.weight_versions is None:
+            return None if self.weight_version is None else [self.weight_version] * len(self.output_ids)
+        return [v for v, start, end in self.weight_versions for _ in range(start, end)]
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         self.output_logprobs = np.asarray(self.output_logprobs, dtype=np.float32)
+        if self.weight_versions is not None:
+            check_version_spans(self.weight_versions, len(self.output_ids))
         if self.output_logprobs.shape != (len(self.output_ids),):
             raise ValueError(f"output_logprobs has shape {self.output_logprobs.shape}, "
                              f"expected ({len(self.output_ids)},)")

@@ -33,7 +33,7 @@ import torch
 
 from moe_rl.drift.routes import RouteCaptureError, router_modules, router_topk
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, SamplingParams,
-                                   WeightsSource, to_route_dtype)
+                                   WeightsSource, to_route_dtype, version_spans)
 from moe_rl.rollout.memory import MEMORY_TAGS, MemoryRegions
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -103,7 +103,7 @@ class _Row:
     """One sample being generated."""
 
     __slots__ = ("req", "sample", "prompt", "sp", "gen", "out", "lps", "routes", "finish", "want_routes",
-                 "version")
+                 "version", "versions")
 
     def __init__(self, req: int, sample: int, prompt: list[int], sp: SamplingParams, seed: int,
                  want_routes: bool):
@@ -115,6 +115,7 @@ class _Row:
         self.finish: str | None = None
         self.want_routes = want_routes
         self.version: str | None = None  # weight version of the forward that produced the last token
+        self.versions: list[str] = []    # ... of each output token
 
 
 class LocalEngine:
@@ -274,7 +275,8 @@ class LocalEngine:
         return GenerateResult(prompt_ids=list(row.prompt), output_ids=list(row.out),
                               output_logprobs=np.asarray(row.lps, dtype=np.float32),
                               finish_reason=row.finish or "length", routed_experts=routes,
-                              weight_version=row.version or self.weight_version)
+                              weight_version=row.version or self.weight_version,
+                              weight_versions=version_spans(row.versions, self.weight_version))
 
     # ------------------------------------------------------------- the sampler
     @torch.no_grad()
@@ -335,6 +337,7 @@ class LocalEngine:
                 r.out.append(t)
                 r.lps.append(lps[b])
                 r.version = version
+                r.versions.append(version)
                 if not r.sp.ignore_eos and (t in eos or t in r.sp.stop_token_ids):
                     r.finish = "stop"  # SGLang checks stop tokens before the length cap
                 elif len(r.out) >= r.sp.max_new_tokens or \

@@ -247,8 +247,10 @@ class SGLangClient(ServerPool):
         want = self._target_weights[1] if self._target_weights is not None else None
         if want is None:
             return None
-        return next((r.weight_version for r in results
-                     if r.weight_version is not None and r.weight_version != want), None)
+        # every span of a sample's tokens (SGLang's weight_versions), else the version it reports
+        return next((v for r in results
+                     for v in ([s[0] for s in r.weight_versions] if r.weight_versions else [r.weight_version])
+                     if v is not None and v != want), None)
 
     async def _resync(self, server: Server) -> None:
         """After a sample from stale weights: a server we update directly goes out of rotation

@@ -6,7 +6,7 @@ sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
 "return_routed_experts": bool} and get one dict (n == 1) or a list of n dicts
 {"output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
 "output_token_logprobs": [[logprob, token_id, text_or_None], ...], "prompt_tokens",
-"weight_version", "routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
+"weight_version", "weight_versions": [{"version", "start", "end"}, ...] over the output tokens, "routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
 The routes are decoded as `extract_routed_experts_from_meta_info` does
 (sglang/srt/state_capturer/routed_experts.py: frombuffer int32), shape-checked,
 restricted to the MoE layers and stored in the smallest integer dtype. Every problem is a
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_rl.rollout.engine import GenerateRequest, GenerateResult, RolloutError, to_route_dtype
+from moe_rl.rollout.engine import GenerateRequest, GenerateResult, RolloutError, check_version_spans, to_route_dtype
 
 
 @dataclass
@@ -85,7 +85,21 @@ def parse_reply(url: str, req: GenerateRequest, data: Any, geo: Geometry | None)
         out.append(GenerateResult(prompt_ids=list(req.prompt_ids), output_ids=output_ids,
                                   output_logprobs=np.asarray(vals, dtype=np.float32), finish_reason=ftype,
                                   routed_experts=routes, weight_version=None if wv is None else str(wv),
-                                  server=url))
+                                  server=url, weight_versions=parse_version_spans(where, meta, T)))
+    return out
+
+
+def parse_version_spans(where: str, meta: dict[str, Any], num_tokens: int) -> tuple[tuple[str, int, int], ...] | None:
+    """meta_info["weight_versions"]: [{"version", "start", "end"}, ...] over the output tokens (SGLang's
+    add_weight_versions_to_meta_info), or None when the server sent none."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return None
+    try:
+        out = tuple((str(s["version"]), int(s["start"]), int(s["end"])) for s in spans)
+        check_version_spans(out, num_tokens)
+    except (TypeError, KeyError, ValueError) as e:
+        raise RolloutError(f"{where}: meta_info.weight_versions {str(spans)[:200]}: {e}") from None
     return out
 
 

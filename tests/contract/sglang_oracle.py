@@ -17,6 +17,10 @@ Requests:
   body validated as FastAPI does for `Annotated[cls, Body()]`.
 - {"op": "server_args", "argv": [...]}: `sglang.launch_server`'s flags through
   ServerArgs.add_cli_args + from_cli_args (a --config YAML merged first, as SGLang does).
+- {"op": "weight_versions", "events": [[old_version, num_output_tokens], ...], "current": v,
+  "num_tokens": n}: meta_info's weight_version(s) for a sample whose weights changed after
+  those many output tokens (scheduler: record_weight_version_events; output streamer:
+  compute_weight_version_spans; tokenizer manager: add_weight_versions_to_meta_info).
 Replies: {"ok": true, ...} or {"ok": false, "error": "<type>: <message>"}.
 """
 from __future__ import annotations
@@ -172,6 +176,17 @@ def _server_args(sg: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     return {"fields": _jsonable(msgspec.structs.asdict(args))}
 
 
+def _weight_versions(events: list[list[Any]], current: str, num_tokens: int) -> dict[str, Any]:
+    from sglang.srt.utils import weight_versions as wv
+
+    spans = wv.compute_weight_version_spans([wv.WeightVersionEvent(old_version=str(v), num_output_tokens=int(n))
+                                             for v, n in events], current_version=str(current),
+                                            num_output_tokens=num_tokens)
+    meta: dict[str, Any] = {}
+    wv.add_weight_versions_to_meta_info(meta, spans, num_output_tokens=num_tokens)
+    return {"meta_info": meta}
+
+
 def main() -> int:
     out = sys.stdout  # replies only: whatever sglang prints goes to stderr
     sys.stdout = sys.stderr
@@ -193,6 +208,8 @@ def main() -> int:
                 result = _request(sg, req["cls"], req["body"])
             elif req["op"] == "server_args":
                 result = _server_args(sg, req["argv"])
+            elif req["op"] == "weight_versions":
+                result = _weight_versions(req["events"], req["current"], int(req["num_tokens"]))
             else:
                 raise ValueError(f"unknown op {req['op']!r}")
             reply = {"ok": True, **result}

@@ -448,3 +448,26 @@ def test_every_endpoint_we_call_is_served_by_moe_rl_serve():
     served = {(r.method, r.resource.canonical) for r in app.router.routes()}
     missing = {call: who for call, who in CALLS.items() if call not in served}
     assert not missing, f"moe-rl serve has no route for {missing}"
+
+
+@pytest.mark.parametrize("versions", [["3"] * 5, ["3", "3", "4", "4", "4"], ["1", "2", "2", "5"], []])
+def test_weight_version_spans_are_sglangs(oracle, versions):
+    """moe-rl serve's meta_info weight_version(s) for a sample whose tokens came from these versions
+    equal SGLang's, built from the events its scheduler records when the weights change mid-sample."""
+    from moe_rl.rollout.engine import GenerateResult, version_spans
+    from moe_rl.rollout.server.protocol import _sample_json
+    from moe_rl.rollout.wire import parse_version_spans
+
+    current = versions[-1] if versions else "9"
+    events = [[versions[i - 1], i] for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
+    theirs = oracle.ask(op="weight_versions", events=events, current=current, num_tokens=len(versions))
+    assert theirs["ok"], theirs
+    res = GenerateResult(prompt_ids=[1], output_ids=list(range(len(versions))), output_logprobs=[0.0] * len(versions),
+                         finish_reason="length", weight_version=current,
+                         weight_versions=version_spans(versions, current))
+    req = GenerateRequest(prompt_ids=[1], sampling=SamplingParams(max_new_tokens=max(len(versions), 1)))
+    ours = _sample_json(res, req, "rid", False, SimpleNamespace(tokenizer=None))["meta_info"]
+    assert {k: ours[k] for k in ("weight_version", "weight_versions")} == theirs["meta_info"]
+    back = parse_version_spans("here", ours, len(versions))  # and the client reads them back per token
+    assert GenerateResult(prompt_ids=[1], output_ids=res.output_ids, output_logprobs=res.output_logprobs,
+                          finish_reason="length", weight_versions=back).token_versions() == versions

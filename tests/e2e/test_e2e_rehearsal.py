@@ -43,6 +43,8 @@ def test_rehearsal_of_the_flagship_wiring(tmp_path):
         assert math.isfinite(r["loss/pg_loss"]) and math.isfinite(r["perf/grad_norm"]), r["step"]
         assert r["perf/weight_version"] == r["step"]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # off-policy overlap
+    # the same per token, from the weight versions the servers report for each (behind the router, nccl sync)
+    assert [(r["rollout/staleness_mean"], r["rollout/staleness_max"]) for r in rows] == [(0.0, 0.0)] + [(1.0, 1.0)] * 3
     assert [r["step"] for r in rows if "eval/success_rate" in r] == [2, 4]
     assert {p.name for p in (tmp_path / "servers").glob("*.log")} == {"server-0.log", "server-1.log",
                                                                       "router.log"}

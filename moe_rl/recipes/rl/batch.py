@@ -35,7 +35,9 @@ class Samples:
     sequences: prompt + completion ids, each `[T_i]`; prompt_lens: `[N]`;
     engine_logp: per completion token, each `[T_i - P_i]`; routes: engine routes,
     each `[T_i - 1, L, K]` in the engine's compact id dtype (None when the engine does
-    not return them); completions: the text before EOS; rewards: the task's `[N]`.
+    not return them); completions: the text before EOS; rewards: the task's `[N]`;
+    versions: the weight version each completion token was generated with, each `[T_i - P_i]`
+    int32 (SGLang's weight_versions spans; None when the engine does not say).
     """
 
     prompts: list[Prompt]
@@ -46,13 +48,14 @@ class Samples:
     completions: list[str]
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    versions: list[torch.Tensor] | None = None
 
     def select(self, idx: list[int]) -> "Samples":
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
         return Samples([self.prompts[i] for i in idx], pick(self.sequences), self.prompt_lens[idx],
                        pick(self.engine_logp), pick(self.routes), pick(self.completions),
                        None if self.rewards is None else self.rewards[idx],
-                       None if self.advantages is None else self.advantages[idx])
+                       None if self.advantages is None else self.advantages[idx], pick(self.versions))
 
     def lengths(self) -> list[int]:
         """Each sequence's length T_i (`shape[0]`: `len()` of a tensor costs several times more)."""
@@ -68,7 +71,8 @@ class Samples:
         return Samples(self.prompts + other.prompts, self.sequences + other.sequences,
                        torch.cat([self.prompt_lens, other.prompt_lens]), self.engine_logp + other.engine_logp,
                        both(self.routes, other.routes), self.completions + other.completions,
-                       cat(self.rewards, other.rewards), cat(self.advantages, other.advantages))
+                       cat(self.rewards, other.rewards), cat(self.advantages, other.advantages),
+                       both(self.versions, other.versions))
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -132,14 +136,15 @@ def _request(run: Any, prompts: list[Prompt], step: int, greedy: bool) -> list:
     results = run.engine.generate(requests)  # resumes colocated servers released by the last call
     if run.cfg.rollout.colocated:
         run.engine.release_memory_occupation()  # training gets the GPU memory back
-    return [[(r.output_ids, r.output_logprobs, r.routed_experts) for r in per_prompt] for per_prompt in results]
+    return [[(r.output_ids, r.output_logprobs, r.routed_experts, r.token_versions()) for r in per_prompt]
+            for per_prompt in results]
 
 
 def _samples(run: Any, prompts: list[Prompt], payload: list) -> Samples:
-    seqs, plens, logps, routes, texts, owners = [], [], [], [], [], []
+    seqs, plens, logps, routes, texts, owners, versions = [], [], [], [], [], [], []
     decode = getattr(run.dataset.tokenizer, "decode", None)
     for prompt, per_prompt in zip(prompts, payload):
-        for out_ids, out_logp, rts in per_prompt:
+        for out_ids, out_logp, rts, token_versions in per_prompt:
             ids = list(out_ids)
             seqs.append(torch.tensor(list(prompt.prompt_ids) + ids, dtype=torch.long))
             plens.append(len(prompt.prompt_ids))
@@ -148,8 +153,28 @@ def _samples(run: Any, prompts: list[Prompt], payload: list) -> Samples:
             body = ids[: ids.index(run.eos_id)] if run.eos_id in ids else ids
             texts.append(decode(body) if decode else " ".join(map(str, body)))
             owners.append(prompt)
+            versions.append(None if token_versions is None else
+                            torch.tensor([version_number(v) for v in token_versions], dtype=torch.int32))
     has_routes = all(r is not None for r in routes)
-    return Samples(owners, seqs, torch.tensor(plens), logps, routes if has_routes else None, texts)
+    return Samples(owners, seqs, torch.tensor(plens), logps, routes if has_routes else None, texts,
+                   versions=versions if all(v is not None for v in versions) else None)
+
+
+def version_number(label: str) -> int:
+    """The trainer's weight version of an engine's label: our pushes are numbered (the sync's
+    version), and the weights a server starts with are version 0 (SGLang labels them "default")."""
+    return int(label) if label.isdigit() else 0
+
+
+def staleness_metrics(run: Any, samples: Samples) -> dict[str, float]:
+    """Per token, how many weight versions the weights that generated it are behind the trainer's;
+    and the share of samples whose tokens come from more than one version (partial rollouts)."""
+    if samples.versions is None or not any(v.numel() for v in samples.versions):
+        return {}
+    lag = run.weight_version - torch.cat(samples.versions)
+    partial = sum(bool(v.numel()) and bool((v != v[0]).any()) for v in samples.versions) / len(samples.versions)
+    return {"rollout/staleness_mean": float(lag.float().mean()), "rollout/staleness_max": float(lag.max()),
+            "rollout/partial_frac": float(partial)}
 
 
 # ---------------------------------------------------------------- rewards and advantages
@@ -288,7 +313,7 @@ class StepBatch:
 def plan_step(run: Any, step: int) -> dict[int, StepBatch]:
     """Rank 0: the step's samples, rewards, refills and advantages, as each DP rank's batch."""
     samples, staleness = rollout(run, step)                       # data/ -> rollout engine
-    metrics = score(run, samples) | {"rollout/staleness": float(staleness)}  # reward/
+    metrics = score(run, samples) | {"rollout/staleness": float(staleness)} | staleness_metrics(run, samples)
     samples, more = dynamic_sampling_rounds(run, samples, step)  # DAPO: refill with informative groups
     metrics |= more
     samples, more = advantages_and_filters(run, samples)          # algo/advantages.py, algo/filters.py

@@ -115,6 +115,9 @@ def _sample_json(res: GenerateResult, req: GenerateRequest, rid: str, return_log
                                          for lp, t in zip(res.output_logprobs.tolist(), res.output_ids)]
         meta["output_token_logprobs_length"] = len(res.output_ids)
     meta.update({"reasoning_tokens": 0, "completion_tokens": len(res.output_ids), "cached_tokens": 0})
+    if res.weight_versions is not None:  # add_weight_versions_to_meta_info (sglang/srt/utils/weight_versions.py)
+        meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in res.weight_versions]
+        meta["weight_version"] = res.weight_versions[-1][0]
     if req.return_routed_experts and res.routed_experts is not None:
         # rows [routed_experts_start_len, len - 1), as SGLang's get_topk(start_len=...)
         meta["routed_experts"] = encode_routes(res.routed_experts[routes_start:], engine.moe_layer_ids,

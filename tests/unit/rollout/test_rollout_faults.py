@@ -33,6 +33,7 @@ class FakeServer:
     def __init__(self, mode: str, port: int = 0):
         self.mode, self.calls, self.port = mode, 0, port
         self.version, self.updates, self.update_status = "default", [], 200
+        self.first_token_version: str | None = None
         self.wedged = False   # /health still answers 200, /health_generate does not (a stuck scheduler)
         self.old_api = False  # an SGLang before 0.5.23: /get_model_info only
         self.forward_to: "FakeServer | None" = None  # a router: samples come from this worker's weights
@@ -95,7 +96,11 @@ class FakeServer:
         n_out = body["sampling_params"]["max_new_tokens"]
         if self.mode == "ok":
             sample = _sample(prompt, n_out)
-            sample["meta_info"]["weight_version"] = (self.forward_to or self).version
+            sample["meta_info"]["weight_version"] = version = (self.forward_to or self).version
+            if self.first_token_version is not None and n_out > 1:  # the weights changed after token 1
+                sample["meta_info"]["weight_versions"] = [
+                    {"version": self.first_token_version, "start": 0, "end": 1},
+                    {"version": version, "start": 1, "end": n_out}]
             return web.json_response(sample)
         if self.mode == "500":
             return web.json_response({"error": {"message": "CUDA error: an illegal memory access"}}, status=500)
@@ -258,6 +263,18 @@ def test_server_serving_stale_weights_is_resynced_and_its_samples_retried(fake):
             c.generate(REQ)                    # probes bring b back with the weights
             time.sleep(0.05)
     assert b.version == "v1" and [u["model_path"] for u in b.updates] == ["/ckpt/step1"] * 2
+
+
+def test_a_sample_with_a_stale_span_is_retried(fake):
+    # the sample ends under the pushed weights but its first token came from others (SGLang's
+    # weight_versions spans): it is stale all the same, and only whole-version samples are kept
+    a, b = fake("ok"), fake("ok")
+    with _client([a.url, b.url], max_attempts=4) as c:
+        c.update_weights_from_disk("/ckpt/step1", version="v1")
+        b.first_token_version = "default"
+        out = c.generate(REQ * 8)
+    assert all(r[0].weight_versions in (None, (("v1", 0, len(r[0].output_ids)),)) for r in out)
+    assert {r[0].server for r in out} == {a.url}
 
 
 def test_worker_behind_a_router_serving_stale_weights_gets_them_before_the_retry(fake):

@@ -147,15 +147,15 @@ class _ScriptedEngine:
         self.calls = 0
 
     def generate(self, requests):
-        from types import SimpleNamespace
+        from moe_rl.rollout.engine import GenerateResult
 
         k = self.informative[self.calls]
         self.calls += 1
         out = []
         for i, req in enumerate(requests):
             ids = [[7] if (i < k and j == 0) else ([8] if j % 2 else [8, 8, 8]) for j in range(req.sampling.n)]
-            out.append([SimpleNamespace(output_ids=x, output_logprobs=[-1.0] * len(x), routed_experts=None)
-                        for x in ids])
+            out.append([GenerateResult(prompt_ids=list(req.prompt_ids), output_ids=x, output_logprobs=[-1.0] * len(x),
+                                       finish_reason="length") for x in ids])
         return out
 
 
@@ -251,14 +251,19 @@ def test_a_stop_token_ends_the_completion_and_is_trained():
 
     from moe_rl.data.toy import ToyTokenizer
     from moe_rl.recipes.common import response_mask
-    from moe_rl.recipes.rl.batch import _samples
+    from moe_rl.recipes.rl.batch import _samples, staleness_metrics
 
     tok = ToyTokenizer()
     run = SimpleNamespace(dataset=SimpleNamespace(tokenizer=tok), eos_id=tok.eos_token_id)
     prompt = SimpleNamespace(prompt_ids=tok.encode("<bos>123="))
-    outputs = [([2], [-2.0], None), ([4, 2], [-1.0, -0.5], None), ([4, 5], [-1.0, -3.0], None)]
+    outputs = [([2], [-2.0], None, ["3"]), ([4, 2], [-1.0, -0.5], None, ["3", "4"]),
+               ([4, 5], [-1.0, -3.0], None, ["default", "4"])]  # the engine's per-token weight versions
     s = _samples(run, [prompt], [outputs])
     assert s.completion_ids() == [[2], [4, 2], [4, 5]] and s.completions == ["", "1", "12"]
+    assert [v.tolist() for v in s.versions] == [[3], [3, 4], [0, 4]]  # "default": the starting weights
+    run.weight_version = 5  # per token: 2; 2, 1; 5, 1 versions behind
+    assert staleness_metrics(run, s) == pytest.approx({"rollout/staleness_mean": 2.2, "rollout/staleness_max": 5.0,
+                                                       "rollout/partial_frac": 2 / 3})  # two span two versions
     mask = response_mask(s, max(s.lengths()) - 1)
     p = len(prompt.prompt_ids)
     assert mask.tolist() == [[0.0] * (p - 1) + [1.0, 0.0], [0.0] * (p - 1) + [1.0, 1.0], [0.0] * (p - 1) + [1.0, 1.0]]
