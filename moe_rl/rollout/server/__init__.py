@@ -15,7 +15,8 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
                                  {"type": "length", "length": max_new_tokens} | {"type": "abort",
                                  "message", "status_code", "err_type"}: BaseFinishReason.to_json in
                                  sglang/srt/managers/schedule_batch.py), prompt_tokens,
-                                 completion_tokens, cached_tokens, weight_version, num_retractions,
+                                 completion_tokens, cached_tokens, weight_version, weight_versions
+                                 ([{"version", "start", "end"}] over the output tokens), num_retractions,
                                  output_token_logprobs [[logprob, token_id, None], ...]
                                  (detokenize_logprob_tokens), routed_experts: base64 of int32
                                  [len(prompt + output) - 1, num_hidden_layers, topk]
@@ -23,9 +24,11 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
                                  are 0, as SGLang's zero-initialised capture buffer leaves them).
   errors                         {"error": {"message": ...}} with status 400 (http_server.py
                                  _create_error_response); 413 for a body over --max-body-mb.
-  POST /update_weights_from_disk {"model_path", "weight_version"?, "abort_all_requests"?} ->
-                                 {"success", "message", "num_paused_requests"}, 200 or 400
-                                 (UpdateWeightFromDiskReqInput / ...ReqOutput).
+  POST /update_weights_from_disk {"model_path", "weight_version"?, "abort_all_requests"?,
+                                 "flush_cache"? (default true)} -> {"success", "message",
+                                 "num_paused_requests"}, 200 or 400 (UpdateWeightFromDiskReqInput /
+                                 ...ReqOutput); with flush_cache under requests paused in place the
+                                 weights load but the call fails, as SGLang's refused flush does.
   GET|POST /flush_cache          200, plain text, as SGLang.
   POST /pause_generation         {"mode": "abort" | "retract" | "in_place"} (PauseGenerationReqInput)
   POST /continue_generation      -> {"message": ..., "status": "ok"}
@@ -47,8 +50,12 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
   POST /destroy_weights_update_group  {group_name}
   POST /begin_weight_update, /end_weight_update   open / close the update session; a second begin
                                  or an end without begin is refused, as SGLang's scheduler does.
-                                 Generation goes on during a session (SGLang blocks it only while
-                                 each update call runs); each call's load is atomic between decode steps.
+                                 Generation goes on during a session; each update call (and begin,
+                                 end, /update_weights_from_disk) waits for the running /generate
+                                 requests and holds new ones until it is done, unless generation is
+                                 paused: then it loads at once and the paused samples go on under the
+                                 new weights, their tokens spanning both versions (meta_info
+                                 weight_versions). SGLang's model_update_lock: server/update_lock.py.
   POST /update_weights_from_distributed  UpdateWeightsFromDistributedReqInput {names, dtypes, shapes,
                                  group_name, flush_cache, abort_all_requests, weight_version,
                                  load_format}: receives rank 0's broadcast (one uint8 bucket for

@@ -17,9 +17,11 @@ from moe_rl.rollout.memory import MemoryReleasedError
 from moe_rl.rollout.server.batcher import _Batcher
 from moe_rl.rollout.server.common import (_MEMORY_FIELDS, BATCHER, DEFAULT_MAX_REQUEST_TOKENS, ENGINE, GROUPS,
                                           HEALTH_CHECK_TIMEOUT, HEALTH_TIMEOUT, KEYS, MAX_BODY, MAX_REQUEST_TOKENS,
-                                          SERVER_ARGS, TRUSTED, UPDATE_EXECUTOR, BadRequest, _error, _fields,
+                                          SERVER_ARGS, TRUSTED, UPDATE_EXECUTOR, UPDATE_LOCK, BadRequest, _error,
+                                          _fields,
                                           _read_json)
 from moe_rl.rollout.server.protocol import _parse_generate, _sample_json
+from moe_rl.rollout.server.update_lock import ModelUpdateLock
 from moe_rl.rollout.server.updates import (_begin_weight_update, _destroy_weights_update_group, _end_weight_update,
                                            _init_weights_update_group, _update_weight_version,
                                            _update_weights_from_distributed, _UpdateGroups)
@@ -75,7 +77,8 @@ async def _generate(request: web.Request) -> web.Response:
                          f"its prompts); the server takes at most {request.app[MAX_REQUEST_TOKENS]} per request "
                          "(--max-request-tokens): send it in smaller requests")
     try:
-        results = await request.app[BATCHER].submit(reqs)
+        async with request.app[UPDATE_LOCK].shared():  # a weight update waits for this request
+            results = await request.app[BATCHER].submit(reqs)
     except (ValueError, MemoryReleasedError) as e:  # released memory: refused loudly, as a GPU would fail
         raise BadRequest(str(e)) from None
     out = []
@@ -97,6 +100,7 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
         return web.json_response({"success": False, "message": refused, "num_paused_requests": 0}, status=403)
     version = body.get("weight_version")
     abort = bool(body.get("abort_all_requests", False))
+    flush = bool(body.get("flush_cache", True))  # SGLang's default
     loop = asyncio.get_running_loop()
 
     def work() -> None:
@@ -109,10 +113,18 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
                 engine.continue_generation()
 
     try:
-        await loop.run_in_executor(request.app[UPDATE_EXECUTOR], work)
+        async with request.app[UPDATE_LOCK].exclusive(engine):  # after the running requests, unless paused
+            await loop.run_in_executor(request.app[UPDATE_EXECUTOR], work)
     except Exception as e:  # noqa: BLE001 - refused update: old weights keep serving
         return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
                                   "num_paused_requests": 0}, status=400)
+    if flush and (engine.busy or not engine.flush_cache()):
+        # SGLang flushes only an idle scheduler, and a refused flush fails the call although the weights
+        # were loaded (flush_cache_after_weight_update): a push under requests paused in place must
+        # send flush_cache=false
+        return web.json_response({"success": False, "num_paused_requests": 0, "message": (
+            "Weights were updated, but the cache was not flushed because requests are still running or "
+            "queued. Retract or finish them, then call /flush_cache.")}, status=400)
     return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                               "num_paused_requests": 0})
 
@@ -307,6 +319,7 @@ def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0,
     app[BATCHER] = _Batcher(engine, max_batch)
     app[UPDATE_EXECUTOR] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-weights")
     app[GROUPS] = _UpdateGroups(engine, group_timeout)
+    app[UPDATE_LOCK] = ModelUpdateLock()
     app[SERVER_ARGS] = {"max_running_requests": max_batch, **(server_args or {})}
     app[HEALTH_TIMEOUT] = float(health_timeout)
     app[MAX_REQUEST_TOKENS] = int(max_request_tokens)

@@ -14,6 +14,7 @@ BATCHER: web.AppKey[Any] = web.AppKey("batcher", object)  # batcher._Batcher
 UPDATE_EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("update_executor", ThreadPoolExecutor)
 MAX_BODY: web.AppKey[int] = web.AppKey("client_max_size", int)
 GROUPS: web.AppKey[Any] = web.AppKey("update_groups", object)  # updates._UpdateGroups
+UPDATE_LOCK: web.AppKey[Any] = web.AppKey("model_update_lock", object)  # update_lock.ModelUpdateLock
 SERVER_ARGS: web.AppKey[dict] = web.AppKey("server_args", dict)
 HEALTH_TIMEOUT: web.AppKey[float] = web.AppKey("health_timeout", float)
 MAX_REQUEST_TOKENS: web.AppKey[int] = web.AppKey("max_request_tokens", int)

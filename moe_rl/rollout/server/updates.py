@@ -12,8 +12,8 @@ from aiohttp import web
 
 from moe_rl.rollout.memory import MemoryReleasedError
 from moe_rl.rollout.server.common import (_GROUP_NAME_FIELDS, _INIT_GROUP_FIELDS, _UPDATE_FIELDS, _VERSION_FIELDS,
-                                          ENGINE, GROUPS, UPDATE_EXECUTOR, BadRequest, _fields, _is_int, _outcome,
-                                          _read_json)
+                                          ENGINE, GROUPS, UPDATE_EXECUTOR, UPDATE_LOCK, BadRequest, _fields, _is_int,
+                                          _outcome, _read_json)
 from moe_rl.rollout.weight_sync import TensorMeta, new_custom_group, unflatten_bucket
 
 class _UpdateGroups:
@@ -169,20 +169,27 @@ async def _destroy_weights_update_group(request: web.Request) -> web.Response:
     return _outcome(*await _on_update_thread(request, request.app[GROUPS].destroy_group, body["group_name"]))
 
 
+async def _exclusive_update(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
+    """A weight-update call as SGLang runs it: after the running /generate requests (new ones wait),
+    unless generation is paused (moe_rl/rollout/server/update_lock.py)."""
+    async with request.app[UPDATE_LOCK].exclusive(request.app[ENGINE]):
+        return await _on_update_thread(request, fn, *args)
+
+
 async def _begin_weight_update(request: web.Request) -> web.Response:
     await _read_json(request)  # BeginWeightUpdateReqInput: only `selector`, and this server has one runner
-    return _outcome(*await _on_update_thread(request, request.app[GROUPS].begin))
+    return _outcome(*await _exclusive_update(request, request.app[GROUPS].begin))
 
 
 async def _end_weight_update(request: web.Request) -> web.Response:
     await _read_json(request)
-    return _outcome(*await _on_update_thread(request, request.app[GROUPS].end))
+    return _outcome(*await _exclusive_update(request, request.app[GROUPS].end))
 
 
 async def _update_weights_from_distributed(request: web.Request) -> web.Response:
     body = _fields(await _read_json(request), "/update_weights_from_distributed", _UPDATE_FIELDS)
     _check_update_body(body)
-    return _outcome(*await _on_update_thread(request, request.app[GROUPS].update, body))
+    return _outcome(*await _exclusive_update(request, request.app[GROUPS].update, body))
 
 
 async def _update_weight_version(request: web.Request) -> web.Response:

@@ -351,3 +351,49 @@ def test_health_generate_fails_on_a_wedged_engine(local):
             local.continue_generation()
             th.join(30)
         assert _http(srv.url, "/health_generate")[0] == 200
+
+
+def _generating(url: str) -> bool:
+    return bool(_http(url, "/server_info")[1]["internal_states"][0]["generating"])
+
+
+def _long_generate(url: str, out: dict) -> threading.Thread:
+    """A /generate of 400 tokens in a thread, returned once it is inside the engine."""
+    th = threading.Thread(target=lambda: out.update(r=_http(url, "/generate", {
+        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})), daemon=True)
+    th.start()
+    deadline = time.monotonic() + 20
+    while not _generating(url):
+        assert time.monotonic() < deadline and th.is_alive(), "the request never reached the engine"
+        time.sleep(0.01)
+    return th
+
+
+def test_a_weight_update_waits_for_running_requests_unless_paused(server, tiny_hf_dir):
+    # SGLang's model_update_lock: an update waits for the running requests, whose tokens all come from
+    # the old weights; paused (in place), it loads at once and the request's tokens span both versions
+    url = server.url
+    assert _http(url, "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "30"})[0] == 200
+    done: dict = {}
+    th = _long_generate(url, done)
+    status, reply = _http(url, "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "31"})
+    assert status == 200 and reply["success"], reply
+    assert not th.is_alive(), "the update returned while the request was still generating"
+    meta = done["r"][1]["meta_info"]
+    assert meta["weight_versions"] == [{"version": "30", "start": 0, "end": 400}] and meta["weight_version"] == "30"
+
+    done.clear()
+    th = _long_generate(url, done)
+    assert _http(url, "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:  # the cache of the parked request cannot be flushed: asking for it fails the call, as SGLang
+        status, reply = _http(url, "/update_weights_from_disk", {"model_path": str(tiny_hf_dir)})
+        assert status == 400 and "the cache was not flushed" in reply["message"]
+        status, reply = _http(url, "/update_weights_from_disk",
+                              {"model_path": str(tiny_hf_dir), "weight_version": "32", "flush_cache": False})
+        assert status == 200 and reply["success"] and th.is_alive()  # loaded under the parked request
+    finally:
+        _http(url, "/continue_generation", {})
+        th.join(60)
+    spans = done["r"][1]["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["31", "32"] and spans[0]["start"] == 0 and spans[-1]["end"] == 400
+    assert spans[0]["end"] == spans[1]["start"] > 0
