@@ -163,6 +163,13 @@ def update_group(cfg: RunConfig, servers: Any, out: Path | None = None) -> dict[
     return broadcast_object(found)  # the others wait while rank 0 starts the servers
 
 
+def inflight_client_args(rollout: Any) -> dict[str, Any]:
+    """An in-place push (rollout.inflight_update) asks for no cache flush, and its paused samples'
+    tokens span the last two pushed versions."""
+    in_place = rollout.inflight_update == "in_place"
+    return {"flush_on_update": not in_place, "version_lag": 1 if in_place else 0}
+
+
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
     """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
     from moe_rl.dist.devices import gpu_count, local_trainer_ranks
@@ -196,5 +203,5 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
                           request_timeout=cfg.rollout.timeout_s, max_attempts=cfg.rollout.retries + 1,
                           num_layers=arch.num_layers, topk=arch.moe_router_topk,
                           num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers),
-                          initial_weights=hf_dir)
+                          initial_weights=hf_dir, **inflight_client_args(cfg.rollout))
     return client, servers

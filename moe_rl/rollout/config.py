@@ -14,6 +14,7 @@ from moe_rl.rollout.engines import ENGINE_KINDS, WEIGHT_SYNC_KINDS, engine_kind,
 
 ENGINES = tuple(ENGINE_KINDS)  # local, sglang, inprocess (moe_rl/rollout/engines.py)
 WEIGHT_SYNCS = tuple(WEIGHT_SYNC_KINDS)  # disk, tensor, nccl (moe_rl/rollout/engines.py)
+INFLIGHT_UPDATES = ("wait", "in_place")
 # SGLang 0.5.23's names of its parallel sizes (sglang/srt/arg_groups/fields/parallel.py; argparse
 # also takes an unambiguous prefix such as --tp).
 SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
@@ -95,6 +96,13 @@ class RolloutConfig:
     """How new weights reach the engine: disk (safetensors; works everywhere), tensor (same
     process), nccl (trainer rank 0 broadcasts to every server over a process group it forms with
     them: NCCL on GPUs, gloo to `moe-rl serve` on CPU)."""
+    inflight_update: str = choice("wait", INFLIGHT_UPDATES)
+    """What a weight push does to the requests still generating (with algo.off_policy_overlap, the
+    next step's): wait = SGLang's default, the push waits for them to finish (so the trainer waits
+    for its prefetch first); in_place = pause them in place (/pause_generation), push without a
+    cache flush (SGLang refuses one under paused requests), continue: they finish under the new
+    weights (partial rollouts), their tokens spanning two versions (rollout/partial_frac), and
+    the trainer does not wait."""
     weight_sync_port: int | None = ranged(None, ge=1, le=65535)
     """nccl: port on trainer rank 0 (MASTER_ADDR) where the servers join the weight update group;
     None = a free port picked at start (set it when a firewall allows only fixed ports)."""
@@ -136,6 +144,9 @@ def check_rollout(cfg: Any) -> Iterator[str]:
                "server 0 share GPU 0, and NCCL refuses two ranks on one GPU in a communicator; use "
                "rollout.weight_sync=disk (colocated runs elsewhere send tensors by CUDA IPC, "
                "update_weights_from_tensor, which moe_rl does not do yet)")
+    if r.inflight_update == "in_place" and not cfg.algo.off_policy_overlap:
+        yield ("rollout.inflight_update: 'in_place' needs algo.off_policy_overlap=true: without it no request "
+               "is generating when the weights are pushed")
     if r.colocated and cfg.algo.off_policy_overlap:
         yield ("rollout.colocated: true is not allowed with algo.off_policy_overlap=true: colocated servers "
                "release their GPU memory while the trainer trains, so they cannot generate meanwhile")

@@ -71,6 +71,10 @@ class SGLangClient(ServerPool):
         server whose /server_info reports another name is not ours and is never used.
     initial_weights: the HF checkpoint the servers started from: what a colocated server
         loads again when it resumed from a release before any weight update (see above).
+    flush_on_update: ask for SGLang's cache flush with each weight update (its default); off for
+        pushes under requests paused in place, where SGLang refuses the flush and fails the call.
+    version_lag: how many pushes back a sample's tokens may have been generated: 0 = every token
+        from the last pushed weights; 1 for in-place pushes, whose paused samples span the last two.
     """
 
     def __init__(self, urls: Sequence[str] | str, *, admin_urls: Sequence[str] | None = None,
@@ -80,7 +84,7 @@ class SGLangClient(ServerPool):
                  num_layers: int | None = None, topk: int | None = None, num_experts: int | None = None,
                  moe_layer_ids: Sequence[int] | None = None, retry_aborted: bool = False,
                  keys: RunKeys | None = None, served_name: str | None = None,
-                 initial_weights: str | Path | None = None):
+                 initial_weights: str | Path | None = None, flush_on_update: bool = True, version_lag: int = 0):
         super().__init__(urls, admin_urls=admin_urls, max_concurrency=max_concurrency,
                          request_timeout=request_timeout, connect_timeout=connect_timeout,
                          max_attempts=max_attempts, backoff_base=backoff_base, backoff_max=backoff_max,
@@ -90,6 +94,8 @@ class SGLangClient(ServerPool):
         self._geo_args = (num_layers, topk, num_experts, None if moe_layer_ids is None else list(moe_layer_ids))
         self._geometry: Geometry | None = None
         self._target_weights: tuple[str, str | None] | None = None  # last (path, version) applied
+        self._pushed: list[str] = []  # the versions pushed, oldest first (the last version_lag + 1 kept)
+        self.flush_on_update, self.version_lag = bool(flush_on_update), int(version_lag)
         self._released = False  # the servers gave their memory away (release_memory_occupation)
         self._weights_lost = False  # resumed from a release with no weight load since
         self._initial_weights = None if initial_weights is None else str(initial_weights)
@@ -243,14 +249,16 @@ class SGLangClient(ServerPool):
         raise RolloutError(f"generate failed after {self.max_attempts} attempts: " + " | ".join(errors[-4:]))
 
     def _stale_version(self, results: list[GenerateResult]) -> str | None:
-        """The weight version a sample reports when it is not the one last pushed (else None)."""
+        """A weight version a sample's tokens report that is not among the last `version_lag` + 1
+        pushed (else None)."""
         want = self._target_weights[1] if self._target_weights is not None else None
         if want is None:
             return None
+        want = set(self._pushed[-(self.version_lag + 1):]) | {want}
         # every span of a sample's tokens (SGLang's weight_versions), else the version it reports
         return next((v for r in results
                      for v in ([s[0] for s in r.weight_versions] if r.weight_versions else [r.weight_version])
-                     if v is not None and v != want), None)
+                     if v is not None and v not in want), None)
 
     async def _resync(self, server: Server) -> None:
         """After a sample from stale weights: a server we update directly goes out of rotation
@@ -275,7 +283,7 @@ class SGLangClient(ServerPool):
 
     async def _update_one(self, server: Server, path: str, version: str | None) -> None:
         await self._check_identity(server)  # never push this run's weights into a stranger
-        payload = disk_update_payload(path, version)
+        payload = disk_update_payload(path, version, flush_cache=self.flush_on_update)
         d = await self._json(server, "POST", "/update_weights_from_disk", payload, ok_statuses=(200, 400))
         if not isinstance(d, dict) or not d.get("success"):
             msg = d.get("message") if isinstance(d, dict) else d
@@ -298,6 +306,8 @@ class SGLangClient(ServerPool):
         # them serves again before a probe has applied them, and the next call waits for one
         # (`_pick`, up to no_server_timeout), so nothing generates from stale weights.
         self._target_weights = (path, version)
+        if version is not None:
+            self._pushed = (self._pushed + [version])[-(self.version_lag + 1):]
         self._weights_lost = False
         for s, r in failed:  # stale now: kept out of rotation until a probe re-applies the update
             self._mark_unhealthy(s, f"missed weight update {version}: {r}")

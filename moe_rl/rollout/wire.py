@@ -127,11 +127,13 @@ def decode_routes(where: str, b64: Any, rows: int, geo: Geometry) -> np.ndarray:
         raise RolloutError(f"{where}: routed_experts: {e}") from None
 
 
-def disk_update_payload(path: str, version: str | None) -> dict[str, Any]:
-    # SGLang UpdateWeightFromDiskReqInput (sglang/srt/managers/io_struct.py)
+def disk_update_payload(path: str, version: str | None, flush_cache: bool = True) -> dict[str, Any]:
+    # SGLang UpdateWeightFromDiskReqInput (sglang/srt/managers/io_struct.py); flush_cache defaults to true
     payload: dict[str, Any] = {"model_path": path}
     if version is not None:
         payload["weight_version"] = version
+    if not flush_cache:
+        payload["flush_cache"] = False
     return payload
 
 

@@ -27,7 +27,7 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
     """For each (loss, replay) pair: one RL step; returns metrics, whether weights moved, and
     what the updates replayed (`replay_check`: "ok" or what differed)."""
     from moe_rl.config import RunConfig
-    from moe_rl.recipes.build import build_run
+    from moe_rl.recipes.build import build_run, inflight_client_args
     from moe_rl.recipes.rl.step import rl_step
 
     cfg = RunConfig.from_dict(cfg_dict)
@@ -50,10 +50,19 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
         for step in range(len(combos) + 1, len(combos) + 4):
             out.append({"loss": cfg.algo.loss, "replay": cfg.algo.replay, "overlap": True,
                         "metrics": rl_step(run, step), "weight_change": float("nan")})
+        # ... with in-place pushes: the prefetched requests are paused, not waited for
+        run.cfg = dataclasses.replace(run.cfg, rollout=dataclasses.replace(cfg.rollout, inflight_update="in_place"))
+        if run.engine is not None:
+            for key, value in inflight_client_args(run.cfg.rollout).items():
+                setattr(run.engine, key, value)
+        for step in range(len(combos) + 4, len(combos) + 6):
+            out.append({"loss": cfg.algo.loss, "replay": cfg.algo.replay, "overlap": True, "in_place": True,
+                        "metrics": rl_step(run, step), "weight_change": float("nan")})
+        run.cfg = dataclasses.replace(run.cfg, rollout=cfg.rollout)
         # Packed micro-batches with token-balanced DP shares, under both replay modes.
         packed = dataclasses.replace(cfg.parallel, max_tokens_per_microbatch=PACK_TOKENS)
         run.policy.spec = dataclasses.replace(run.policy.spec, max_tokens_per_microbatch=PACK_TOKENS)
-        for step, replay in enumerate(["r2", "r3"], start=len(combos) + 4):
+        for step, replay in enumerate(["r2", "r3"], start=len(combos) + 6):
             run.cfg = dataclasses.replace(cfg, parallel=packed, algo=dataclasses.replace(cfg.algo, replay=replay))
             before = _weights_fingerprint(run.policy)
             spy.reset()

@@ -53,7 +53,12 @@ def test_every_objective_and_replay_mode(tmp_path):
     results = run_ranks(objective_matrix_worker, 2, cfg.to_dict(), str(tmp_path), combos, timeout=900)
     assert sum(1 for r in results[0] if r.get("packed")) == 2  # then two packed steps (r2, r3) with DP balancing
     overlap = [r["metrics"]["rollout/staleness"] for r in results[0] if r.get("overlap")]
-    assert overlap == [0.0, 1.0, 1.0], overlap  # with overlap every step after the first trains one version behind
+    # with overlap every step after the first trains one version behind; in place (the last two) too,
+    # and no token is older than that, whether its sample spans two versions or one
+    assert overlap == [0.0, 1.0, 1.0, 1.0, 1.0], overlap
+    in_place = [r["metrics"] for r in results[0] if r.get("in_place")]
+    assert len(in_place) == 2 and all(m["rollout/staleness_max"] <= 1.0 for m in in_place)
+    assert all(0.0 <= m["rollout/partial_frac"] <= 1.0 for m in in_place)
     for r in results[0]:
         if r.get("overlap"):
             assert math.isfinite(r["metrics"]["loss/pg_loss"])

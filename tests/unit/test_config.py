@@ -407,3 +407,16 @@ def test_the_handoff_timeout_covers_rank0s_whole_rollout_budget():
         load_config(None, ["rollout.timeout_s=1800", "rollout.retries=3", "train.handoff_timeout_s=3600"])
     assert "train.handoff_timeout_s: 3600 s is shorter than rank 0's rollout budget of 16200 s" in str(e.value)
     assert handoff_timeout_s(load_config(None, ["train.handoff_timeout_s=20000", "rollout.timeout_s=1800"])) == 20000
+
+
+def test_an_in_place_push_needs_requests_in_flight():
+    assert "rollout.inflight_update: 'in_place' needs algo.off_policy_overlap=true" in error_of(
+        ["rollout.inflight_update=in_place"])
+    cfg = load_config(None, ["rollout.inflight_update=in_place", "algo.off_policy_overlap=true"])
+    from moe_rl.recipes.build import inflight_client_args
+    from moe_rl.rollout.weight_sync import make_weight_sync
+
+    assert inflight_client_args(cfg.rollout) == {"flush_on_update": False, "version_lag": 1}
+    nccl = dataclasses.replace(cfg.rollout, weight_sync="nccl", engine="sglang")
+    sync = make_weight_sync(nccl, admin_urls=["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
+    assert sync.flush_cache is False  # SGLang refuses a flush under paused requests

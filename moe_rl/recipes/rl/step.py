@@ -188,10 +188,18 @@ def loss_params(a: Any) -> dict[str, Any]:
 
 def sync_weights(run: Run) -> None:
     """Push the updated weights to the rollout engine (collective)."""
-    wait_for_prefetch(run)  # it finishes on the weights it started with
+    in_place = run.cfg.rollout.inflight_update == "in_place" and run.rank == 0
+    if not in_place:
+        wait_for_prefetch(run)  # it finishes on the weights it started with
     if run.cfg.rollout.colocated and run.rank == 0:
         run.engine.resume_memory_occupation()  # the servers load the new weights into their memory
-    run.weight_sync.sync(run.weight_version, run.policy, run.engine if run.rank == 0 else None)
+    if in_place:  # the prefetched requests finish under the new weights (partial rollouts)
+        run.engine.pause_generation("in_place")
+    try:
+        run.weight_sync.sync(run.weight_version, run.policy, run.engine if run.rank == 0 else None)
+    finally:
+        if in_place:
+            run.engine.continue_generation()
 
 
 # ---------------------------------------------------------------- drift

@@ -72,5 +72,7 @@ def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Se
         return NcclSync(admin_urls, master_address=master_address, master_port=master_port,
                         server_tp_sizes=server_tp_sizes, bucket_bytes=bucket_bytes or (1 << 30), backend=backend,
                         http_timeout=max(600.0, float(getattr(rollout, "timeout_s", 0.0))), group=group, keys=keys,
-                        state_file=state_file)
+                        state_file=state_file,
+                        # SGLang refuses a flush under requests paused in place (rollout.inflight_update)
+                        flush_cache=getattr(rollout, "inflight_update", "wait") != "in_place")
     raise ValueError(f"rollout.weight_sync must be disk, tensor or nccl, got {kind!r}")

@@ -397,3 +397,33 @@ def test_a_weight_update_waits_for_running_requests_unless_paused(server, tiny_h
     spans = done["r"][1]["meta_info"]["weight_versions"]
     assert [s["version"] for s in spans] == ["31", "32"] and spans[0]["start"] == 0 and spans[-1]["end"] == 400
     assert spans[0]["end"] == spans[1]["start"] > 0
+
+
+@pytest.mark.parametrize("lag", [1, 0])
+def test_an_in_place_push_keeps_the_paused_sample_across_two_versions(server, tiny_hf_dir, lag):
+    # rollout.inflight_update=in_place: pause in place, push without a flush, continue. The sample
+    # finishes under the new weights; the client keeps it when the previous version may appear
+    # (version_lag 1), and generates it again from the new weights when not (0)
+    from moe_rl.rollout.sglang_client import SGLangClient
+
+    with SGLangClient([server.url], flush_on_update=False, version_lag=lag, probe_interval=0.2) as client:
+        client.update_weights_from_disk(tiny_hf_dir, f"4{lag}0")
+        out: dict = {}
+        req = GenerateRequest(PROMPT, SamplingParams(max_new_tokens=400, ignore_eos=True))
+        th = threading.Thread(target=lambda: out.update(r=client.generate([req])), daemon=True)
+        th.start()
+        deadline = time.monotonic() + 20
+        while not _generating(server.url):
+            assert time.monotonic() < deadline and th.is_alive(), "the request never reached the engine"
+            time.sleep(0.01)
+        client.pause_generation("in_place")
+        try:
+            client.update_weights_from_disk(tiny_hf_dir, f"4{lag}1")  # no flush asked: it passes
+        finally:
+            client.continue_generation()
+        th.join(60)
+    spans = out["r"][0][0].weight_versions
+    if lag:
+        assert [v for v, _, _ in spans] == [f"4{lag}0", f"4{lag}1"] and spans[-1][2] == 400
+    else:
+        assert spans == ((f"4{lag}1", 0, 400),)
