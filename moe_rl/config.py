@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import types
 import typing
@@ -37,7 +38,8 @@ from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseExceptio
 
 from moe_rl.algo.config import (ADVANTAGES, AGGREGATIONS, CORRECTION_MODES, CRITIC_REPLAYS, DPO_LOSSES,
                                 KL_ESTIMATORS, LOSSES, REPLAYS, TIS_LEVELS, AlgoConfig, CriticConfig, DPOConfig,
-                                RolloutCorrectionConfig, check_algo, check_critic, check_dpo, replay_mode)
+                                RolloutCorrectionConfig, check_algo, check_critic, check_dpo, replay_mode,
+                                staleness_bound)
 from moe_rl.configurable import ConfigError, choice, ranged
 from moe_rl.data.config import DATA_SUFFIXES, DataConfig, check_data
 from moe_rl.drift.config import DriftConfig
@@ -181,6 +183,9 @@ def _build(layers: list[tuple[dict[str, Any], str]]) -> RunConfig:
         cfg = OmegaConf.to_object(merged)  # resolves ${...} interpolations
     except OmegaConfBaseException as e:
         raise ConfigError(_from_omegaconf(e, "while resolving interpolations")) from None
+    if cfg.algo.off_policy_overlap:
+        logging.getLogger("moe_rl").warning("algo.off_policy_overlap is deprecated: it means algo.max_staleness=1 "
+                                            "(at least); set that instead")
     return cfg.validate()
 
 
@@ -371,12 +376,13 @@ def handoff_budget_s(cfg: RunConfig) -> float:
 
     One rollout call gives each of its `rollout.retries + 1` attempts up to `rollout.timeout_s` to
     find a healthy server and as much for the answer, and may first load weights into the
-    servers (a colocated resume: up to `rollout.timeout_s`). With `algo.off_policy_overlap` a
-    hand-off can wait for the prefetched rollout first and then for a refill round: twice that.
+    servers (a colocated resume: up to `rollout.timeout_s`). With `algo.max_staleness` = K a
+    hand-off can wait for a batch asked for K steps before, behind the K - 1 after it, and
+    then for a refill round: 1 + K times that.
     """
     r = cfg.rollout
     one = (r.retries + 1) * 2 * r.timeout_s + r.timeout_s
-    return one * (2 if cfg.algo.off_policy_overlap else 1)
+    return one * (1 + staleness_bound(cfg.algo))
 
 
 def handoff_timeout_s(cfg: RunConfig) -> float:
@@ -392,7 +398,7 @@ def check_train(cfg: RunConfig) -> Iterator[str]:
         r = cfg.rollout
         yield (f"train.handoff_timeout_s: {t.handoff_timeout_s:g} s is shorter than rank 0's rollout budget of "
                f"{budget:g} s ((rollout.retries={r.retries} + 1) x 2 x rollout.timeout_s={r.timeout_s:g} + "
-               f"rollout.timeout_s{', x 2 with algo.off_policy_overlap' if cfg.algo.off_policy_overlap else ''}): "
+               f"rollout.timeout_s{', x (1 + algo.max_staleness)' if staleness_bound(cfg.algo) else ''}): "
                "the other ranks would time out before rank 0 gives up on its servers; raise it, leave it "
                "null (derived), or lower rollout.timeout_s / rollout.retries")
     if t.min_lr > t.lr:

@@ -93,10 +93,16 @@ class AlgoConfig:
     replay: str = choice("r2", REPLAYS)
     """Routing replay: r2 replays the old policy's routes, r3 the rollout engine's; r2 needs no engine
     support. auto: r2 while a step's updates are mildly off-policy (at most 2 optimizer updates per
-    rollout batch, counting off_policy_overlap's stale version as one), r3 beyond that, following the
+    rollout batch, counting each version of algo.max_staleness as one), r3 beyond that, following the
     Qwen team's analysis of routing replay (R2 biases less when close to on-policy, R3 holds up far off it)."""
+    max_staleness: int = ranged(0, ge=0)
+    """Asynchronous RL: the servers keep generating the next K steps' batches while the trainer
+    trains, and no token more than K weight versions old is trained on (moe_rl/recipes/rl/
+    pipeline.py); 0 = each step generates, then trains, on-policy. Pair K >= 1 with a rollout
+    correction (algo.tis_cap) and, to let the servers generate through weight pushes,
+    rollout.inflight_update=in_place."""
     off_policy_overlap: bool = False
-    """Generate step t+1 while training step t (one step stale); off so steps are on-policy."""
+    """Deprecated: algo.max_staleness=1 says it (true is taken as max_staleness >= 1)."""
     gamma: float = ranged(1.0, ge=0.0, le=1.0)
     """GAE discount (advantage=gae); 1.0: the reward comes once, at the end of the response."""
     lam: float | int | str = 0.95
@@ -158,8 +164,13 @@ def replay_mode(a: AlgoConfig) -> str:
     """The replay a step uses: `algo.replay`, with auto resolved (see AlgoConfig.replay)."""
     if a.replay != "auto":
         return a.replay
-    updates_per_batch = a.num_minibatches + (1 if a.off_policy_overlap else 0)
+    updates_per_batch = a.num_minibatches + staleness_bound(a)
     return "r2" if updates_per_batch <= 2 else "r3"
+
+
+def staleness_bound(a: Any) -> int:
+    """K of `algo.max_staleness`, with the deprecated `algo.off_policy_overlap=true` as K >= 1."""
+    return max(int(a.max_staleness), 1 if a.off_policy_overlap else 0)
 
 
 def check_algo(cfg: Any) -> Iterator[str]:

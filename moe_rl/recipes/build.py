@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_rl.algo.config import staleness_bound
 from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
 from moe_rl.dist.collectives import barrier, broadcast_object, init_control_group
 from moe_rl.dist.ports import free_port
@@ -23,6 +24,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     """Model checkpoint, policy, data, rewards, rollout engine and weight sync for this rank."""
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
+    from moe_rl.recipes.rl.pipeline import RolloutPipeline
     from moe_rl.recipes.rl.step import Run
     from moe_rl.reward.registry import get_reward
     from moe_rl.reward.runner import RewardRunner
@@ -46,9 +48,11 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=getattr(engine, "keys", None),
                             **(update_group(cfg, servers, out) if weight_sync_kind(cfg.rollout).update_group else {}))
+    depth = staleness_bound(cfg.algo)
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
-              critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None)
+              critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None,
+              pipeline=RolloutPipeline(depth) if depth and rank == 0 else None)
     eval_set = load_dataset(cfg.data.eval, hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                             cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None
     return {"run": run, "eval": eval_set, "servers": servers}
@@ -163,11 +167,11 @@ def update_group(cfg: RunConfig, servers: Any, out: Path | None = None) -> dict[
     return broadcast_object(found)  # the others wait while rank 0 starts the servers
 
 
-def inflight_client_args(rollout: Any) -> dict[str, Any]:
-    """An in-place push (rollout.inflight_update) asks for no cache flush, and its paused samples'
-    tokens span the last two pushed versions."""
-    in_place = rollout.inflight_update == "in_place"
-    return {"flush_on_update": not in_place, "version_lag": 1 if in_place else 0}
+def inflight_client_args(cfg: RunConfig) -> dict[str, Any]:
+    """An in-place push (rollout.inflight_update) asks for no cache flush, and the samples it
+    pauses may hold tokens of the last algo.max_staleness + 1 pushed versions."""
+    in_place = cfg.rollout.inflight_update == "in_place"
+    return {"flush_on_update": not in_place, "version_lag": staleness_bound(cfg.algo) if in_place else 0}
 
 
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
@@ -203,5 +207,5 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
                           request_timeout=cfg.rollout.timeout_s, max_attempts=cfg.rollout.retries + 1,
                           num_layers=arch.num_layers, topk=arch.moe_router_topk,
                           num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers),
-                          initial_weights=hf_dir, **inflight_client_args(cfg.rollout))
+                          initial_weights=hf_dir, **inflight_client_args(cfg))
     return client, servers

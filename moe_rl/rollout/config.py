@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+from moe_rl.algo.config import staleness_bound
 from moe_rl.configurable import choice, ranged
 from moe_rl.rollout.engines import ENGINE_KINDS, WEIGHT_SYNC_KINDS, engine_kind, weight_sync_kind
 
@@ -97,8 +98,8 @@ class RolloutConfig:
     process), nccl (trainer rank 0 broadcasts to every server over a process group it forms with
     them: NCCL on GPUs, gloo to `moe-rl serve` on CPU)."""
     inflight_update: str = choice("wait", INFLIGHT_UPDATES)
-    """What a weight push does to the requests still generating (with algo.off_policy_overlap, the
-    next step's): wait = SGLang's default, the push waits for them to finish (so the trainer waits
+    """What a weight push does to the requests still generating (with algo.max_staleness >= 1, the
+    next steps'): wait = SGLang's default, the push waits for them to finish (so the trainer waits
     for its prefetch first); in_place = pause them in place (/pause_generation), push without a
     cache flush (SGLang refuses one under paused requests), continue: they finish under the new
     weights (partial rollouts), their tokens spanning two versions (rollout/partial_frac), and
@@ -144,12 +145,14 @@ def check_rollout(cfg: Any) -> Iterator[str]:
                "server 0 share GPU 0, and NCCL refuses two ranks on one GPU in a communicator; use "
                "rollout.weight_sync=disk (colocated runs elsewhere send tensors by CUDA IPC, "
                "update_weights_from_tensor, which moe_rl does not do yet)")
-    if r.inflight_update == "in_place" and not cfg.algo.off_policy_overlap:
-        yield ("rollout.inflight_update: 'in_place' needs algo.off_policy_overlap=true: without it no request "
+    k = staleness_bound(cfg.algo)
+    if r.inflight_update == "in_place" and not k:
+        yield ("rollout.inflight_update: 'in_place' needs algo.max_staleness >= 1: without it no request "
                "is generating when the weights are pushed")
-    if r.colocated and cfg.algo.off_policy_overlap:
-        yield ("rollout.colocated: true is not allowed with algo.off_policy_overlap=true: colocated servers "
-               "release their GPU memory while the trainer trains, so they cannot generate meanwhile")
+    if r.colocated and k:
+        yield (f"rollout.colocated: true is not allowed with algo.max_staleness={k} (or algo.off_policy_overlap="
+               "true): colocated servers release their GPU memory while the trainer trains, so they cannot "
+               "generate meanwhile")
     if r.router and r.urls:
         yield ("rollout.router: true starts a router in front of launched servers; rollout.urls is set (servers "
                "already run): put the router's URL in rollout.urls and its workers in rollout.admin_urls")

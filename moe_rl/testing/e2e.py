@@ -28,6 +28,7 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
     what the updates replayed (`replay_check`: "ok" or what differed)."""
     from moe_rl.config import RunConfig
     from moe_rl.recipes.build import build_run, inflight_client_args
+    from moe_rl.recipes.rl.pipeline import RolloutPipeline
     from moe_rl.recipes.rl.step import rl_step
 
     cfg = RunConfig.from_dict(cfg_dict)
@@ -46,19 +47,25 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
             out.append({"loss": loss, "replay": replay, "metrics": metrics, "weight_change": float(moved.abs().sum()),
                         "replay_check": spy.check(replay)})
         # One-step off-policy overlap: the next rollout runs while this step trains.
-        run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, off_policy_overlap=True, tis_cap=2.0))
+        run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, max_staleness=1, tis_cap=2.0))
+        if rank == 0:
+            run.pipeline = RolloutPipeline(1)
         for step in range(len(combos) + 1, len(combos) + 4):
             out.append({"loss": cfg.algo.loss, "replay": cfg.algo.replay, "overlap": True,
                         "metrics": rl_step(run, step), "weight_change": float("nan")})
         # ... with in-place pushes: the prefetched requests are paused, not waited for
         run.cfg = dataclasses.replace(run.cfg, rollout=dataclasses.replace(cfg.rollout, inflight_update="in_place"))
         if run.engine is not None:
-            for key, value in inflight_client_args(run.cfg.rollout).items():
+            for key, value in inflight_client_args(run.cfg).items():
                 setattr(run.engine, key, value)
         for step in range(len(combos) + 4, len(combos) + 6):
             out.append({"loss": cfg.algo.loss, "replay": cfg.algo.replay, "overlap": True, "in_place": True,
                         "metrics": rl_step(run, step), "weight_change": float("nan")})
         run.cfg = dataclasses.replace(run.cfg, rollout=cfg.rollout)
+        if run.pipeline is not None:  # synchronous again: the batch asked for ahead is not used
+            run.pipeline.reset(run.sampler)
+            run.pipeline.close()
+            run.pipeline = None
         # Packed micro-batches with token-balanced DP shares, under both replay modes.
         packed = dataclasses.replace(cfg.parallel, max_tokens_per_microbatch=PACK_TOKENS)
         run.policy.spec = dataclasses.replace(run.policy.spec, max_tokens_per_microbatch=PACK_TOKENS)

@@ -79,7 +79,7 @@ def test_colocated_rehearsal_resumes_before_every_rollout(tmp_path):
 def test_rehearsal_weights_reach_the_servers_exactly(tmp_path):
     """Without overlap, step 2 samples from the weights step 1 broadcast over the update group:
     the servers' log-probs equal the trainer's on the same tokens and routes."""
-    proc = _train("launch/configs/rehearsal_cpu.yaml", tmp_path, "algo.off_policy_overlap=false",
+    proc = _train("launch/configs/rehearsal_cpu.yaml", tmp_path, "algo.max_staleness=0",
                   "train.steps=2", "train.eval_every=0")
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = _metrics(tmp_path)[-1]

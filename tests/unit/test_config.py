@@ -410,13 +410,26 @@ def test_the_handoff_timeout_covers_rank0s_whole_rollout_budget():
 
 
 def test_an_in_place_push_needs_requests_in_flight():
-    assert "rollout.inflight_update: 'in_place' needs algo.off_policy_overlap=true" in error_of(
+    assert "rollout.inflight_update: 'in_place' needs algo.max_staleness >= 1" in error_of(
         ["rollout.inflight_update=in_place"])
-    cfg = load_config(None, ["rollout.inflight_update=in_place", "algo.off_policy_overlap=true"])
+    cfg = load_config(None, ["rollout.inflight_update=in_place", "algo.max_staleness=3"])
     from moe_rl.recipes.build import inflight_client_args
     from moe_rl.rollout.weight_sync import make_weight_sync
 
-    assert inflight_client_args(cfg.rollout) == {"flush_on_update": False, "version_lag": 1}
+    assert inflight_client_args(cfg) == {"flush_on_update": False, "version_lag": 3}
     nccl = dataclasses.replace(cfg.rollout, weight_sync="nccl", engine="sglang")
     sync = make_weight_sync(nccl, admin_urls=["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
     assert sync.flush_cache is False  # SGLang refuses a flush under paused requests
+
+
+def test_off_policy_overlap_is_the_deprecated_name_of_max_staleness_1(caplog):
+    from moe_rl.algo.config import staleness_bound
+    from moe_rl.config import handoff_budget_s
+
+    with caplog.at_level("WARNING", logger="moe_rl"):
+        old = load_config(None, ["algo.off_policy_overlap=true"])
+    assert "algo.off_policy_overlap is deprecated: it means algo.max_staleness=1" in caplog.text
+    new = load_config(None, ["algo.max_staleness=1"])
+    assert staleness_bound(old.algo) == staleness_bound(new.algo) == 1
+    assert handoff_budget_s(old) == handoff_budget_s(new) == 2 * handoff_budget_s(load_config(None))
+    assert handoff_budget_s(load_config(None, ["algo.max_staleness=3"])) == 4 * handoff_budget_s(load_config(None))

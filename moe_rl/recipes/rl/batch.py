@@ -12,18 +12,19 @@ a reward that raised) reaches every rank in the same hand-off, and every rank st
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moe_rl.algo.advantages import compute_advantages
+from moe_rl.algo.config import staleness_bound
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
 from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import seeded_shuffle
 from moe_rl.dist.collectives import broadcast_object, share_out
+from moe_rl.recipes.rl.pipeline import check_staleness
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
 from moe_rl.rollout.outage import attempt, unwrap
 
@@ -93,32 +94,18 @@ def sampling_params(run: Any, seed: int | None, greedy: bool = False) -> Samplin
                           n=1 if greedy else r.n_samples, seed=seed)
 
 
-def rollout(run: Any, step: int) -> tuple[Samples, int]:
-    """The step's samples and their staleness (weight versions behind the trainer).
+def rollout(run: Any, step: int) -> tuple[Samples, int, dict[str, float]]:
+    """The step's samples, how many weight versions behind the trainer they were asked for, and
+    the rollout pipeline's metrics.
 
-    With `algo.off_policy_overlap` the engine generates the next step's samples while
-    this step trains (on rank 0, in a background thread), so each step trains on
-    samples from the weights one update old; the trainer's recomputed old log-probs
+    With `algo.max_staleness` = K >= 1 the engine generates the next K steps' samples while
+    this step trains (rank 0's `run.pipeline`, moe_rl/recipes/rl/pipeline.py), so a step
+    trains on samples from weights up to K updates old; the trainer's recomputed old log-probs
     and the truncated IS correction (`algo.tis_cap`) account for the difference.
     """
-    if not run.cfg.algo.off_policy_overlap:
-        return generate(run, next_prompts(run), step), 0
-    if run.pending is None:  # first step (or after a resume): nothing was prefetched
-        run.pending = _prefetch(run, next_prompts(run), step)
-        run.pending_version = run.weight_version
-    prompts, future = run.pending
-    samples = _samples(run, prompts, future.result())
-    staleness = run.weight_version - run.pending_version
-    run.pending = _prefetch(run, next_prompts(run), step + 1)
-    run.pending_version = run.weight_version
-    return samples, staleness
-
-
-def _prefetch(run: Any, prompts: list[Prompt], step: int) -> tuple[list[Prompt], Any]:
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
-    future = pool.submit(_request, run, prompts, step, False)
-    pool.shutdown(wait=False)
-    return prompts, future
+    if run.pipeline is None:
+        return generate(run, next_prompts(run), step), 0, {}
+    return run.pipeline.take(run, step, _request, _samples, next_prompts)
 
 
 def generate(run: Any, prompts: list[Prompt], step: int, greedy: bool = False) -> Samples:
@@ -293,9 +280,9 @@ def share_indices(lengths: list[int], dp: int, rank: int, num_minibatches: int,
 
 
 def wait_for_prefetch(run: Any) -> None:
-    """Let a prefetched rollout (off-policy overlap) finish before the engine is used otherwise."""
-    if run.pending is not None and run.pending[1] is not None:
-        run.pending[1].result()
+    """Let the rollouts asked for ahead (algo.max_staleness) finish before the engine is used otherwise."""
+    if run.pipeline is not None:
+        run.pipeline.drain()
 
 
 # ---------------------------------------------------------------- the hand-off
@@ -312,8 +299,9 @@ class StepBatch:
 
 def plan_step(run: Any, step: int) -> dict[int, StepBatch]:
     """Rank 0: the step's samples, rewards, refills and advantages, as each DP rank's batch."""
-    samples, staleness = rollout(run, step)                       # data/ -> rollout engine
-    metrics = score(run, samples) | {"rollout/staleness": float(staleness)} | staleness_metrics(run, samples)
+    samples, staleness, metrics = rollout(run, step)              # data/ -> rollout engine
+    metrics |= score(run, samples) | {"rollout/staleness": float(staleness)} | staleness_metrics(run, samples)
+    check_staleness(metrics, staleness_bound(run.cfg.algo))
     samples, more = dynamic_sampling_rounds(run, samples, step)  # DAPO: refill with informative groups
     metrics |= more
     samples, more = advantages_and_filters(run, samples)          # algo/advantages.py, algo/filters.py

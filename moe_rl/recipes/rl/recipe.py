@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from moe_rl.algo.config import staleness_bound
 from moe_rl.config import RunConfig, replay_mode
 from moe_rl.recipes.base import Recipe
 from moe_rl.recipes.build import build_run
@@ -25,7 +26,8 @@ class RLRecipe(Recipe):
     def build(cls, cfg: RunConfig, out: Path, rank: int) -> RLRecipe:
         if cfg.algo.replay == "auto":
             log.info("algo.replay=auto: %s (%d optimizer updates per rollout batch%s)", replay_mode(cfg.algo),
-                     cfg.algo.num_minibatches, ", one weight version stale" if cfg.algo.off_policy_overlap else "")
+                     cfg.algo.num_minibatches,
+                     f", up to {staleness_bound(cfg.algo)} weight versions stale" if staleness_bound(cfg.algo) else "")
         built = build_run(cfg, out, rank)
         return cls(built["run"], built["eval"], built["servers"])
 
@@ -37,8 +39,12 @@ class RLRecipe(Recipe):
 
     def state_dict(self) -> dict[str, Any]:
         r = self.run
-        return super().state_dict() | {"critic": r.critic.state_dict() if r.critic is not None else None,
-                                       "rewards": r.rewards.state_dict()}
+        state = super().state_dict() | {"critic": r.critic.state_dict() if r.critic is not None else None,
+                                        "rewards": r.rewards.state_dict()}
+        ahead = r.pipeline.sampler_state() if r.pipeline is not None else None
+        if ahead is not None:  # batches asked for but not trained: a resumed run asks for them again
+            state["sampler"] = ahead
+        return state
 
     def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
         r = self.run
@@ -58,9 +64,13 @@ class RLRecipe(Recipe):
     def undo_draws(self, before: dict[str, Any]) -> None:
         super().undo_draws(before)
         self.run.rewards.load_state_dict(before["rewards"])
+        if self.run.pipeline is not None:  # the failed step's batch and those after it are asked for again
+            self.run.pipeline.reset(self.run.sampler)
 
     def close(self) -> None:
         r = self.run
+        if r.pipeline is not None:
+            r.pipeline.close()
         if r.weight_sync is not None:
             r.weight_sync.close()  # leave the nccl update group before its servers stop
         if r.engine is not None:

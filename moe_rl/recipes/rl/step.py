@@ -45,8 +45,7 @@ class Run:
     rank: int = 0
     weight_version: int = 0
     drift_state: dict[str, Any] = field(default_factory=dict)
-    pending: Any = None  # (prompts, future) of a prefetched rollout (off-policy overlap)
-    pending_version: int = 0  # weight version the prefetched rollout was generated with
+    pipeline: Any = None  # rank 0's RolloutPipeline when algo.max_staleness >= 1 (recipes/rl/pipeline.py)
     critic: Any = None  # moe_rl.policy.critic.Critic when algo.advantage=gae
 
 

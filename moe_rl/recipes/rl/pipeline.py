@@ -1,0 +1,116 @@
+"""The rollouts of an asynchronous RL run (`algo.max_staleness` = K >= 1): rank 0 keeps the
+batches of the next K steps generating while the trainer trains, and no token older than K
+weight versions is trained on.
+
+    step s takes its batch (asked for at step s - K, or now after a start or a resume),
+    then asks for step s + K's, so the servers always hold K steps of work.
+
+A batch asked for at weight version v and taken at version w has tokens from versions v..w-1
+(newer ones when a push lands while it generates: `rollout.inflight_update=in_place`), so at
+most w - v = K behind. Where the engine reports each token's version, a group with a token
+more than K versions old (a server that fell behind) is dropped and generated again from the
+current weights, counted in `rollout/dropped_stale_groups`; `rollout/staleness_max` above K
+after that is a bug, and raises.
+
+Resuming trains every prompt once: the data order a checkpoint saves is the sampler's as of the
+oldest batch not yet trained (`sampler_state`), and a resumed run asks for that batch again.
+"""
+from __future__ import annotations
+
+import copy
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class _Ask:
+    step: int
+    prompts: list[Any]
+    future: Future
+    version: int                 # the trainer's weight version when it was asked for
+    sampler_before: dict[str, Any]  # the data order before its prompts were drawn
+
+
+class RolloutPipeline:
+    """Rank 0's batches in flight, oldest first (`depth` = K of them between steps)."""
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"a rollout pipeline needs algo.max_staleness >= 1, got {depth}")
+        self.depth = depth
+        self.asked: deque[_Ask] = deque()
+        self.current: _Ask | None = None  # the batch of the step in progress (until the next take)
+        self._pool = ThreadPoolExecutor(max_workers=depth + 1, thread_name_prefix="rollout-pipeline")
+
+    def take(self, run: Any, step: int, request: Any, samples_of: Any, next_prompts: Any
+             ) -> tuple[Any, int, dict[str, float]]:
+        """Step `step`'s samples, how many versions behind they were asked for, and the drop metrics.
+
+        `request(run, prompts, step)` asks the engine (in a worker thread), `samples_of(run,
+        prompts, payload)` makes Samples of its answer, `next_prompts(run)` draws a batch."""
+        if not self.asked:  # the first step, or after a resume or a failed step: nothing in flight
+            self._ask(run, step, request, next_prompts)
+        head = self.current = self.asked.popleft()
+        if head.step != step:
+            raise RuntimeError(f"internal: the rollout pipeline holds step {head.step}'s batch at step {step}")
+        while len(self.asked) < self.depth:  # keep K steps of work on the servers while this one trains
+            self._ask(run, step + len(self.asked) + 1, request, next_prompts)
+        samples = samples_of(run, head.prompts, head.future.result())
+        samples, dropped = self._fresh(run, samples, head, request, samples_of)
+        return samples, run.weight_version - head.version, {"rollout/dropped_stale_groups": float(dropped)}
+
+    def _ask(self, run: Any, step: int, request: Any, next_prompts: Any) -> None:
+        before = copy.deepcopy(run.sampler.state_dict())
+        prompts = next_prompts(run)
+        future = self._pool.submit(request, run, prompts, step, False)
+        self.asked.append(_Ask(step, prompts, future, run.weight_version, before))
+
+    def _fresh(self, run: Any, samples: Any, head: _Ask, request: Any, samples_of: Any) -> tuple[Any, int]:
+        """`samples` with every group that has a token more than K versions old generated again."""
+        if samples.versions is None:
+            return samples, 0
+        g = run.cfg.rollout.n_samples
+        stale = [i for i in range(len(head.prompts))
+                 if any(v.numel() and run.weight_version - int(v.min()) > self.depth
+                        for v in samples.versions[i * g:(i + 1) * g])]
+        if not stale:
+            return samples, 0
+        again = samples_of(run, [head.prompts[i] for i in stale],
+                           request(run, [head.prompts[i] for i in stale], head.step, False))
+        parts = {i: again.select(list(range(k * g, (k + 1) * g))) for k, i in enumerate(stale)}
+        out = None
+        for i in range(len(head.prompts)):
+            part = parts.get(i) or samples.select(list(range(i * g, (i + 1) * g)))
+            out = part if out is None else out + part
+        return out, len(stale)
+
+    def drain(self) -> None:
+        """Wait until every batch asked for has its answer (they stay queued for their steps)."""
+        for ask in self.asked:
+            ask.future.exception()
+
+    def sampler_state(self) -> dict[str, Any] | None:
+        """The data order as of the oldest batch not trained yet (None: nothing in flight)."""
+        return self.asked[0].sampler_before if self.asked else None
+
+    def reset(self, sampler: Any) -> None:
+        """After a failed step: forget what is in flight and rewind the data order to the failed
+        step's batch, so it and the ones after it are drawn again."""
+        state = self.current.sampler_before if self.current is not None else self.sampler_state()
+        self.current = None
+        self.drain()
+        self.asked.clear()
+        if state is not None:
+            sampler.load_state_dict(state)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_staleness(metrics: dict[str, float], bound: int) -> None:
+    """No trained token is more than `bound` versions old: anything else is a bug, not a setting."""
+    worst = metrics.get("rollout/staleness_max")
+    if worst is not None and worst > bound:
+        raise RuntimeError(f"a trained token is {worst:g} weight versions old, beyond algo.max_staleness={bound}")
