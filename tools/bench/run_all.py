@@ -28,6 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import async_rl
 import dpo_step
 import critic
 import handoff_bytes
@@ -93,6 +94,8 @@ def sections() -> list[Section]:
                                                 else dpo_step.bench_rows())))
     if (HERE / "packing.py").is_file():
         out.append(("packing", "Packing: packed vs padded tokens/s", _packing))
+    out.append(("async", "Asynchronous RL: samples/s with algo.max_staleness K = 0, 1, 2, 4 (1 trainer + 1 server)",
+                lambda q: async_rl.compare([0, 1] if q else [0, 1, 2, 4], 3 if q else 12, 1, 8)))
     out.append(("trl", "Time to reward against TRL's GRPOTrainer (same model, task, batch, GSPO; TRL optional)",
                 lambda q: _trl("demo", q)))
     out.append(("trl_extended", "Generations to reward against TRL on many prompts, 2-token answers, 4 updates "

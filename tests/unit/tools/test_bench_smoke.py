@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "tools" / "bench"
 MODULES = ("common", "overhead", "scaling", "weight_sync", "memory", "gpu_update", "step_options", "run_all",
-           "handoff_bytes")
+           "handoff_bytes", "async_rl")
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m != "common"])
@@ -80,3 +80,12 @@ def test_gpu_update_dry_run(tmp_path):
     text = out.read_text()
     assert "update (moe_rl Policy.update)" in text and "update (bare megatron-core)" in text
     assert "MFU" in text and "moe_rl update / bare megatron-core update" in text
+
+
+def test_async_summary_counts_the_steps_after_the_pipeline_filled(bench):
+    rows = [{"step": s, "perf/step_s": 2.0 if s < 4 else 1.0, "perf/rollout_s": 0.5, "perf/weight_sync_s": 0.25,
+             "rollout/staleness_mean": 1.5, "rollout/staleness_max": 2.0, "rollout/partial_frac": 0.1}
+            for s in range(1, 7)]
+    m = bench["async_rl"].summarize(2, rows, samples_per_step=10)  # K=2: from step 4, 3 steps of 1 s
+    assert m["samples_per_s"] == 10.0 and m["wait_rollout"] == 0.5 and m["wait_push"] == 0.25
+    assert (m["staleness_max"], m["partial_frac"]) == (2.0, pytest.approx(0.1))
