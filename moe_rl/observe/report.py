@@ -461,6 +461,42 @@ def _critic_figure(m: Metrics) -> Figure:
     return fig
 
 
+_BY_STALENESS = re.compile(r"^drift/rollout_mismatch_by_staleness/(\d+)$")
+
+
+def staleness_curve(m: Metrics) -> dict[int, tuple[float, float, float]]:
+    """k -> (route mismatch, mean |Δ log p|, tokens), each a token-weighted mean over the steps that
+    measured it (`drift/rollout_mismatch_by_staleness/k`, `drift/logp_by_staleness/k/abs_diff`)."""
+    out = {}
+    for k in sorted(int(g.group(1)) for g in map(_BY_STALENESS.match, m.keys) if g):
+        route, n = (f"drift/rollout_mismatch_by_staleness/{k}", f"drift/rollout_mismatch_by_staleness/{k}/num_tokens")
+        rows = [(r[route], r.get(f"drift/logp_by_staleness/{k}/abs_diff"), r[n]) for r in m.records
+                if _is_number(r.get(route)) and _is_number(r.get(n)) and math.isfinite(r[route]) and r[n] > 0]
+        total = sum(w for _, _, w in rows)
+        if total:
+            logp = [(v, w) for _, v, w in rows if _is_number(v) and math.isfinite(v)]
+            out[k] = (sum(v * w for v, _, w in rows) / total,
+                      sum(v * w for v, w in logp) / sum(w for _, w in logp) if logp else math.nan, total)
+    return out
+
+
+def _staleness_figure(m: Metrics) -> Figure:
+    """How far the routes and log-probs of the trained tokens moved, by versions of staleness."""
+    curve = staleness_curve(m)
+    if not curve:
+        raise _Skip(f"no drift/rollout_mismatch_by_staleness/k metrics in {METRICS_FILE} (algo.max_staleness=0, "
+                    "or no engine routes)")
+    ks = list(curve)
+    fig, axes = _new_figure(2, ncols=2, width=9.0, height=3.2)
+    for ax, i, ylabel, title in ((axes[0], 0, "mismatch (1 − overlap / k)", "Route mismatch, engine vs trainer"),
+                                 (axes[1], 1, "mean |Δ log p|", "Log-prob mismatch")):
+        ax.plot(ks, [curve[k][i] for k in ks], marker="o")
+        ax.set_xticks(ks)
+        ax.set_xlabel("staleness: versions behind the trained weights")
+        _decorate(ax, ylabel, title)
+    return fig
+
+
 @dataclass(frozen=True)
 class _FigureSpec:
     name: str
@@ -494,6 +530,11 @@ _FIGURES = (
                 "routes over steps (mean volatility, rollout route mismatch, exact-match rate); log-prob "
                 "mismatch (k3 KL, mean |Δ log p|, share of ratios outside [1/2, 2]); expert load change.",
                 _drift_figure),
+    _FigureSpec("staleness.png", "drift by staleness",
+                "route and log-prob mismatch between the engine and the trainer on the trained tokens, by how "
+                "many weight versions older than the trained ones the weights that generated them were "
+                "(algo.max_staleness >= 1), token-weighted over the run.",
+                _staleness_figure),
     _FigureSpec("loss.png", "loss",
                 "clip fractions, each loss/* term (e.g. pg_loss) and the gradient norm over steps.",
                 _loss_figure),

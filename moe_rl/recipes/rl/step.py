@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.algo.config import staleness_bound
 from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.losses import compute_loss, ntp_loss
 from moe_rl.config import RunConfig, replay_mode
@@ -267,15 +268,48 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
     conf = flat(passed.route_confidence).double()  # [N, L, 2]
     sums = run.policy.all_reduce_sum(torch.cat([conf.sum(0).flatten(), torch.tensor([float(conf.shape[0])])]))
     out |= confidence_summary(sums[:-1].view(-1, 2), float(sums[-1]), layer_ids)
+    resp = response_mask(mine, width).bool()
     if mine.routes is not None:
         engine = engine_routes(mine)
         engine = torch.nn.functional.pad(engine, (0, 0, 0, 0, 0, max(width - engine.shape[1], 0)))
         out |= route_stats(flat(engine), flat(old.free_routes)).all_reduce(run.policy.dp_group).summary(
             "drift/rollout_mismatch", layer_ids)
-    resp = response_mask(mine, width).bool()
+        if mine.versions is not None and staleness_bound(run.cfg.algo):
+            out |= drift_by_staleness(run, mine, old, flat(engine), flat(old.free_routes), tokens, resp)
     out |= logprob_mismatch(old.logp[resp], engine_logp_tokens(mine, width)[resp]).all_reduce(run.policy.dp_group).summary()
     load = run.policy.all_reduce_sum(expert_load(flat(after), arch.num_moe_experts).to(torch.float64))
     if "load" in run.drift_state:
         out |= load_change(run.drift_state["load"], load, layer_ids)
     run.drift_state["load"] = load
+    return out
+
+
+def position_lags(mine: Samples, width: int, version: int) -> torch.Tensor:
+    """`[B, width]`: how many versions behind `version` the weights were that computed each position.
+    Position t >= P - 1 is the forward that produced completion token t - P + 1 (its route and the
+    log-prob of that token); the prompt's positions, the prefill, go with the first; -1 past the sample."""
+    out = torch.full((len(mine), width), -1, dtype=torch.long)
+    for i, (p, v) in enumerate(zip(mine.prompt_lens.tolist(), mine.versions)):
+        if v.numel():
+            lag = version - v.long()
+            end = min(p - 1 + lag.numel(), width)
+            out[i, :max(p - 1, 0)] = lag[0]
+            out[i, p - 1:end] = lag[: end - (p - 1)]
+    return out
+
+
+def drift_by_staleness(run: Run, mine: Samples, old: OldPass, engine: torch.Tensor, trainer: torch.Tensor,
+                       tokens: torch.Tensor, resp: torch.Tensor) -> dict[str, float]:
+    """Engine-vs-trainer routes (`engine`, `trainer`: [N, L, K] of the routed `tokens`) and log-probs of the
+    step's tokens by k = 0..algo.max_staleness, how many versions older than the old pass's (this step's
+    weights before its updates) the weights that generated them were: how far an MoE's routing moves
+    per version of staleness."""
+    lags = position_lags(mine, resp.shape[1], run.weight_version - 1)
+    engine_logp, out = engine_logp_tokens(mine, resp.shape[1]), {}
+    for k in range(staleness_bound(run.cfg.algo) + 1):
+        out |= route_stats(engine, trainer, mask=lags[tokens] == k).all_reduce(run.policy.dp_group).summary(
+            f"drift/rollout_mismatch_by_staleness/{k}", list(run.policy.arch.moe_layers))
+        at = resp & (lags == k)
+        logp = logprob_mismatch(old.logp[at], engine_logp[at]).all_reduce(run.policy.dp_group).summary("x")
+        out |= {f"drift/logp_by_staleness/{k}/{name[2:]}": v for name, v in logp.items()}
     return out

@@ -126,3 +126,23 @@ def test_report_of_a_dpo_run(tmp_path):
     assert "reward.png" not in names and "volatility_heatmap.png" not in names
     index = (tmp_path / "report" / "index.md").read_text()
     assert "reward.png" in index  # listed as skipped, with its reason
+
+
+def test_drift_by_staleness_is_token_weighted_over_the_run(tmp_path):
+    from moe_rl.observe.report import staleness_curve
+
+    def row(step, k, mismatch, logp, n):
+        return {f"drift/rollout_mismatch_by_staleness/{k}": mismatch, f"drift/logp_by_staleness/{k}/abs_diff": logp,
+                f"drift/rollout_mismatch_by_staleness/{k}/num_tokens": n}
+
+    records = [{"step": 1, **row(1, 0, 0.0, 0.0, 100), **row(1, 1, float("nan"), float("nan"), 0)},
+               {"step": 2, **row(2, 0, 0.1, 0.2, 100), **row(2, 1, 0.3, 0.4, 300)},
+               {"step": 3, **row(3, 1, 0.5, 0.6, 100)}]
+    curve = staleness_curve(Metrics(records))
+    assert curve[0] == pytest.approx((0.05, 0.1, 200)) and curve[1] == pytest.approx((0.35, 0.45, 400))
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for r in records:
+        sink.log(r["step"], {k: v for k, v in r.items() if k != "step"})
+    sink.close()
+    written = {p.name for p in write_report(tmp_path)}
+    assert "staleness.png" in written

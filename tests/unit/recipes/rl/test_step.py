@@ -267,3 +267,17 @@ def test_a_stop_token_ends_the_completion_and_is_trained():
     mask = response_mask(s, max(s.lengths()) - 1)
     p = len(prompt.prompt_ids)
     assert mask.tolist() == [[0.0] * (p - 1) + [1.0, 0.0], [0.0] * (p - 1) + [1.0, 1.0], [0.0] * (p - 1) + [1.0, 1.0]]
+
+
+def test_each_position_is_lagged_by_the_weights_that_computed_it():
+    # prompt of 3 then completion tokens from versions 4, 4, 5: positions 0, 1 (prefill) go with the
+    # first token, position 2 produced token 0, 3 token 1, 4 token 2; the old pass is at version 5
+    import torch
+
+    from moe_rl.recipes.rl.batch import Samples
+    from moe_rl.recipes.rl.step import position_lags
+
+    s = Samples(prompts=[0, 1], sequences=[torch.arange(6), torch.arange(4)], prompt_lens=torch.tensor([3, 3]),
+                engine_logp=[torch.zeros(3), torch.zeros(1)], routes=None, completions=["", ""],
+                versions=[torch.tensor([4, 4, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)])
+    assert position_lags(s, 6, 5).tolist() == [[1, 1, 1, 1, 0, -1], [0, 0, 0, -1, -1, -1]]
