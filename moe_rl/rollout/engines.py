@@ -43,11 +43,14 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 
 def engine_kind(rollout: Any) -> EngineKind:
     """The kind of `rollout.engine` (`rollout`: a RolloutConfig or anything with `.engine`)."""
-    name = str(rollout.engine)
-    kind = ENGINE_KINDS.get(name)
-    if kind is None:
-        raise ValueError(f"rollout.engine must be one of {', '.join(ENGINE_KINDS)}, got {name!r}")
-    return kind
+    return _kind_of(rollout, "engine", ENGINE_KINDS)
+
+
+def _kind_of(rollout: Any, key: str, table: dict[str, Any]) -> Any:
+    name = str(getattr(rollout, key))
+    if name not in table:
+        raise ValueError(f"rollout.{key} must be one of {', '.join(table)}, got {name!r}")
+    return table[name]
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,4 @@ WEIGHT_SYNC_KINDS: dict[str, WeightSyncKind] = {
 
 def weight_sync_kind(rollout: Any) -> WeightSyncKind:
     """The kind of `rollout.weight_sync` (`rollout`: a RolloutConfig or anything with `.weight_sync`)."""
-    name = str(rollout.weight_sync)
-    kind = WEIGHT_SYNC_KINDS.get(name)
-    if kind is None:
-        raise ValueError(f"rollout.weight_sync must be one of {', '.join(WEIGHT_SYNC_KINDS)}, got {name!r}")
-    return kind
+    return _kind_of(rollout, "weight_sync", WEIGHT_SYNC_KINDS)
