@@ -103,7 +103,7 @@ class _Row:
     """One sample being generated."""
 
     __slots__ = ("req", "sample", "prompt", "sp", "gen", "out", "lps", "routes", "finish", "want_routes",
-                 "version", "versions")
+                 "versions")
 
     def __init__(self, req: int, sample: int, prompt: list[int], sp: SamplingParams, seed: int,
                  want_routes: bool):
@@ -114,8 +114,7 @@ class _Row:
         self.routes: list[torch.Tensor] = []
         self.finish: str | None = None
         self.want_routes = want_routes
-        self.version: str | None = None  # weight version of the forward that produced the last token
-        self.versions: list[str] = []    # ... of each output token
+        self.versions: list[str] = []  # weight version of the forward that produced each output token
 
 
 class LocalEngine:
@@ -275,7 +274,7 @@ class LocalEngine:
         return GenerateResult(prompt_ids=list(row.prompt), output_ids=list(row.out),
                               output_logprobs=np.asarray(row.lps, dtype=np.float32),
                               finish_reason=row.finish or "length", routed_experts=routes,
-                              weight_version=row.version or self.weight_version,
+                              weight_version=row.versions[-1] if row.versions else self.weight_version,
                               weight_versions=version_spans(row.versions, self.weight_version))
 
     # ------------------------------------------------------------- the sampler
@@ -336,7 +335,6 @@ class LocalEngine:
                 t = toks[b]
                 r.out.append(t)
                 r.lps.append(lps[b])
-                r.version = version
                 r.versions.append(version)
                 if not r.sp.ignore_eos and (t in eos or t in r.sp.stop_token_ids):
                     r.finish = "stop"  # SGLang checks stop tokens before the length cap

@@ -251,14 +251,13 @@ class SGLangClient(ServerPool):
     def _stale_version(self, results: list[GenerateResult]) -> str | None:
         """A weight version a sample's tokens report that is not among the last `version_lag` + 1
         pushed (else None)."""
-        want = self._target_weights[1] if self._target_weights is not None else None
-        if want is None:
+        if self._target_weights is None or self._target_weights[1] is None:
             return None
-        want = set(self._pushed[-(self.version_lag + 1):]) | {want}
+        accepted = set(self._pushed)  # the last version_lag + 1 pushes, the target among them
         # every span of a sample's tokens (SGLang's weight_versions), else the version it reports
         return next((v for r in results
                      for v in ([s[0] for s in r.weight_versions] if r.weight_versions else [r.weight_version])
-                     if v is not None and v not in want), None)
+                     if v is not None and v not in accepted), None)
 
     async def _resync(self, server: Server) -> None:
         """After a sample from stale weights: a server we update directly goes out of rotation

@@ -18,7 +18,7 @@ from moe_rl.rollout.server.batcher import _Batcher
 from moe_rl.rollout.server.common import (_MEMORY_FIELDS, BATCHER, DEFAULT_MAX_REQUEST_TOKENS, ENGINE, GROUPS,
                                           HEALTH_CHECK_TIMEOUT, HEALTH_TIMEOUT, KEYS, MAX_BODY, MAX_REQUEST_TOKENS,
                                           SERVER_ARGS, TRUSTED, UPDATE_EXECUTOR, UPDATE_LOCK, BadRequest, _error,
-                                          _fields,
+                                          _fields, refused_flush,
                                           _read_json)
 from moe_rl.rollout.server.protocol import _parse_generate, _sample_json
 from moe_rl.rollout.server.update_lock import ModelUpdateLock
@@ -118,13 +118,9 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
     except Exception as e:  # noqa: BLE001 - refused update: old weights keep serving
         return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
                                   "num_paused_requests": 0}, status=400)
-    if flush and (engine.busy or not engine.flush_cache()):
-        # SGLang flushes only an idle scheduler, and a refused flush fails the call although the weights
-        # were loaded (flush_cache_after_weight_update): a push under requests paused in place must
-        # send flush_cache=false
-        return web.json_response({"success": False, "num_paused_requests": 0, "message": (
-            "Weights were updated, but the cache was not flushed because requests are still running or "
-            "queued. Retract or finish them, then call /flush_cache.")}, status=400)
+    refused = refused_flush(engine) if flush else None
+    if refused:
+        return web.json_response({"success": False, "message": refused, "num_paused_requests": 0}, status=400)
     return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                               "num_paused_requests": 0})
 

@@ -99,3 +99,13 @@ def _fields(body: Any, path: str, spec: dict[str, tuple[Any, Any]]) -> dict[str,
 def _outcome(ok: bool, message: str, **extra: Any) -> web.Response:
     """SGLang's {"success", "message"} reply: 200, or 400 when not successful."""
     return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
+
+
+def refused_flush(engine: Any) -> str | None:
+    """Why a cache flush after a weight load fails the call (None: it flushed). SGLang flushes only an
+    idle scheduler, and a refused flush fails the call although the weights were loaded
+    (flush_cache_after_weight_update): a push under requests paused in place must not ask for one."""
+    if getattr(engine, "busy", False) or not engine.flush_cache():
+        return ("Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache.")
+    return None

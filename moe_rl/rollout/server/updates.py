@@ -13,7 +13,7 @@ from aiohttp import web
 from moe_rl.rollout.memory import MemoryReleasedError
 from moe_rl.rollout.server.common import (_GROUP_NAME_FIELDS, _INIT_GROUP_FIELDS, _UPDATE_FIELDS, _VERSION_FIELDS,
                                           ENGINE, GROUPS, UPDATE_EXECUTOR, UPDATE_LOCK, BadRequest, _fields, _is_int,
-                                          _outcome, _read_json)
+                                          _outcome, _read_json, refused_flush)
 from moe_rl.rollout.weight_sync import TensorMeta, new_custom_group, unflatten_bucket
 
 class _UpdateGroups:
@@ -122,12 +122,9 @@ class _UpdateGroups:
             if body["abort_all_requests"]:
                 engine.continue_generation()
         self.session_loaded = True
-        # SGLang flushes only an idle scheduler, and a refused flush fails the call although
-        # the weights were loaded (flush_cache_after_weight_update): a trainer that syncs while
-        # generation runs learns it here too.
-        if body["flush_cache"] and (getattr(engine, "busy", False) or not engine.flush_cache()):
-            return False, ("Weights were updated, but the cache was not flushed because requests are still "
-                           "running or queued. Retract or finish them, then call /flush_cache.")
+        refused = refused_flush(engine) if body["flush_cache"] else None
+        if refused:
+            return False, refused
         return True, "Succeeded to update parameter online."
 
 
