@@ -16,6 +16,12 @@ from moe_rl.rollout.engines import ENGINE_KINDS, WEIGHT_SYNC_KINDS, engine_kind,
 ENGINES = tuple(ENGINE_KINDS)  # local, sglang, inprocess (moe_rl/rollout/engines.py)
 WEIGHT_SYNCS = tuple(WEIGHT_SYNC_KINDS)  # disk, tensor, nccl (moe_rl/rollout/engines.py)
 INFLIGHT_UPDATES = ("wait", "in_place")
+
+
+def pushes_in_place(rollout: Any) -> bool:
+    """Whether a weight push pauses the generating requests in place (`rollout.inflight_update`): then it
+    asks for no cache flush, which SGLang refuses under paused requests."""
+    return getattr(rollout, "inflight_update", "wait") == "in_place"
 # SGLang 0.5.23's names of its parallel sizes (sglang/srt/arg_groups/fields/parallel.py; argparse
 # also takes an unambiguous prefix such as --tp).
 SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
@@ -146,7 +152,7 @@ def check_rollout(cfg: Any) -> Iterator[str]:
                "rollout.weight_sync=disk (colocated runs elsewhere send tensors by CUDA IPC, "
                "update_weights_from_tensor, which moe_rl does not do yet)")
     k = staleness_bound(cfg.algo)
-    if r.inflight_update == "in_place" and not k:
+    if pushes_in_place(r) and not k:
         yield ("rollout.inflight_update: 'in_place' needs algo.max_staleness >= 1: without it no request "
                "is generating when the weights are pushed")
     if r.colocated and k:

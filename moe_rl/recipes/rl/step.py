@@ -28,6 +28,7 @@ from moe_rl.recipes.common import (Stopwatch, combine_loss_metrics, mean_metrics
                                 response_mask)
 from moe_rl.recipes.rl.batch import Samples, Share, rollout_batch, wait_for_prefetch
 from moe_rl.recipes.rl.critic import critic_step
+from moe_rl.rollout.config import pushes_in_place
 from moe_rl.reward.runner import RewardRunner
 
 
@@ -188,7 +189,7 @@ def loss_params(a: Any) -> dict[str, Any]:
 
 def sync_weights(run: Run) -> None:
     """Push the updated weights to the rollout engine (collective)."""
-    in_place = run.cfg.rollout.inflight_update == "in_place" and run.rank == 0
+    in_place = pushes_in_place(run.cfg.rollout) and run.rank == 0
     if not in_place:
         wait_for_prefetch(run)  # it finishes on the weights it started with
     if run.cfg.rollout.colocated and run.rank == 0:
@@ -268,15 +269,15 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
     conf = flat(passed.route_confidence).double()  # [N, L, 2]
     sums = run.policy.all_reduce_sum(torch.cat([conf.sum(0).flatten(), torch.tensor([float(conf.shape[0])])]))
     out |= confidence_summary(sums[:-1].view(-1, 2), float(sums[-1]), layer_ids)
-    resp = response_mask(mine, width).bool()
+    resp, engine_logp = response_mask(mine, width).bool(), engine_logp_tokens(mine, width)
     if mine.routes is not None:
         engine = engine_routes(mine)
         engine = torch.nn.functional.pad(engine, (0, 0, 0, 0, 0, max(width - engine.shape[1], 0)))
         out |= route_stats(flat(engine), flat(old.free_routes)).all_reduce(run.policy.dp_group).summary(
             "drift/rollout_mismatch", layer_ids)
         if mine.versions is not None and staleness_bound(run.cfg.algo):
-            out |= drift_by_staleness(run, mine, old, flat(engine), flat(old.free_routes), tokens, resp)
-    out |= logprob_mismatch(old.logp[resp], engine_logp_tokens(mine, width)[resp]).all_reduce(run.policy.dp_group).summary()
+            out |= drift_by_staleness(run, mine, old, flat(engine), flat(old.free_routes), tokens, resp, engine_logp)
+    out |= logprob_mismatch(old.logp[resp], engine_logp[resp]).all_reduce(run.policy.dp_group).summary()
     load = run.policy.all_reduce_sum(expert_load(flat(after), arch.num_moe_experts).to(torch.float64))
     if "load" in run.drift_state:
         out |= load_change(run.drift_state["load"], load, layer_ids)
@@ -299,13 +300,12 @@ def position_lags(mine: Samples, width: int, version: int) -> torch.Tensor:
 
 
 def drift_by_staleness(run: Run, mine: Samples, old: OldPass, engine: torch.Tensor, trainer: torch.Tensor,
-                       tokens: torch.Tensor, resp: torch.Tensor) -> dict[str, float]:
-    """Engine-vs-trainer routes (`engine`, `trainer`: [N, L, K] of the routed `tokens`) and log-probs of the
-    step's tokens by k = 0..algo.max_staleness, how many versions older than the old pass's (this step's
-    weights before its updates) the weights that generated them were: how far an MoE's routing moves
-    per version of staleness."""
-    lags = position_lags(mine, resp.shape[1], run.weight_version - 1)
-    engine_logp, out = engine_logp_tokens(mine, resp.shape[1]), {}
+                       tokens: torch.Tensor, resp: torch.Tensor, engine_logp: torch.Tensor) -> dict[str, float]:
+    """Engine-vs-trainer routes (`engine`, `trainer`: [N, L, K] of the routed `tokens`) and log-probs
+    (`old.logp`, `engine_logp`: [B, width]) of the step's tokens by k = 0..algo.max_staleness, how many
+    versions older than the old pass's (this step's weights before its updates) the weights that
+    generated them were: how far an MoE's routing moves per version of staleness."""
+    lags, out = position_lags(mine, resp.shape[1], run.weight_version - 1), {}
     for k in range(staleness_bound(run.cfg.algo) + 1):
         out |= route_stats(engine, trainer, mask=lags[tokens] == k).all_reduce(run.policy.dp_group).summary(
             f"drift/rollout_mismatch_by_staleness/{k}", list(run.policy.arch.moe_layers))

@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence, Union
 
+from moe_rl.rollout.config import pushes_in_place
 from moe_rl.rollout.engines import engine_kind
 from moe_rl.rollout.weight_sync.buckets import (Bucket, TensorMeta, collect_to_rank0, dtype_name, flatten_bucket,
                                                 plan_buckets, unflatten_bucket)
@@ -73,6 +74,5 @@ def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Se
                         server_tp_sizes=server_tp_sizes, bucket_bytes=bucket_bytes or (1 << 30), backend=backend,
                         http_timeout=max(600.0, float(getattr(rollout, "timeout_s", 0.0))), group=group, keys=keys,
                         state_file=state_file,
-                        # SGLang refuses a flush under requests paused in place (rollout.inflight_update)
-                        flush_cache=getattr(rollout, "inflight_update", "wait") != "in_place")
+                        flush_cache=not pushes_in_place(rollout))
     raise ValueError(f"rollout.weight_sync must be disk, tensor or nccl, got {kind!r}")
