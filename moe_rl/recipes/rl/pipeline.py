@@ -18,6 +18,8 @@ oldest batch not yet trained (`sampler_state`), and a resumed run asks for that 
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -79,12 +81,10 @@ class RolloutPipeline:
             return samples, 0
         again = samples_of(run, [head.prompts[i] for i in stale],
                            request(run, [head.prompts[i] for i in stale], head.step, False))
-        parts = {i: again.select(list(range(k * g, (k + 1) * g))) for k, i in enumerate(stale)}
-        out = None
-        for i in range(len(head.prompts)):
-            part = parts.get(i) or samples.select(list(range(i * g, (i + 1) * g)))
-            out = part if out is None else out + part
-        return out, len(stale)
+        redo = {i: k for k, i in enumerate(stale)}  # group i of the batch -> group k of `again`
+        group = lambda s, j: s.select(list(range(j * g, (j + 1) * g)))  # noqa: E731
+        groups = [group(again, redo[i]) if i in redo else group(samples, i) for i in range(len(head.prompts))]
+        return functools.reduce(operator.add, groups), len(stale)
 
     def drain(self) -> None:
         """Wait until every batch asked for has its answer (they stay queued for their steps)."""
