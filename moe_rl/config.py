@@ -186,6 +186,11 @@ def _build(layers: list[tuple[dict[str, Any], str]]) -> RunConfig:
     if cfg.algo.off_policy_overlap:
         logging.getLogger("moe_rl").warning("algo.off_policy_overlap is deprecated: it means algo.max_staleness=1 "
                                             "(at least); set that instead")
+    a = cfg.algo
+    if staleness_bound(a) and a.behaviour == "recompute" and a.tis_cap is None and a.rollout_correction.mode is None:
+        logging.getLogger("moe_rl").warning(
+            "algo.max_staleness=%d trains on samples from older weights with no importance weight for them: "
+            "set algo.tis_cap (e.g. 2; decoupled PPO) or algo.rollout_correction.mode", staleness_bound(a))
     return cfg.validate()
 
 

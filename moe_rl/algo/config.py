@@ -22,6 +22,7 @@ CORRECTION_MODES = registry_names("moe_rl.algo.correction", "CORRECTION_MODES")
 DPO_LOSSES = registry_names("moe_rl.algo.losses", "DPO_KINDS")
 # Values of the config alone: the policy and the trainer read them.
 REPLAYS = ("off", "r2", "r3", "auto")
+BEHAVIOURS = ("recompute", "engine")
 CRITIC_REPLAYS = ("off", "r2")
 
 
@@ -101,6 +102,15 @@ class AlgoConfig:
     pipeline.py); 0 = each step generates, then trains, on-policy. Pair K >= 1 with a rollout
     correction (algo.tis_cap) and, to let the servers generate through weight pushes,
     rollout.inflight_update=in_place."""
+    behaviour: str = choice("recompute", BEHAVIOURS)
+    """pi_old, the policy the objective's ratio is taken and clipped against. recompute: the trainer's
+    log-probs of the step's samples under its weights before the step's updates, the proximal policy of
+    decoupled PPO (AReaL); the engine's per-token log-probs (the behaviour policy: a mixture of versions
+    once samples span weight pushes) then enter through the rollout correction only, as the importance
+    weight pi_old / pi_engine capped at algo.tis_cap, and the masks of algo.rollout_correction. engine:
+    the engine's log-probs are pi_old, with no correction to make and no recompute pass unless R2 or a
+    drift measurement needs the trainer's routes (one forward less per step; the clip is then against
+    weights up to algo.max_staleness versions old, and kernel or routing mismatch goes uncorrected)."""
     off_policy_overlap: bool = False
     """Deprecated: algo.max_staleness=1 says it (true is taken as max_staleness >= 1)."""
     gamma: float = ranged(1.0, ge=0.0, le=1.0)
@@ -187,6 +197,10 @@ def check_algo(cfg: Any) -> Iterator[str]:
     if (rc.low is not None or rc.high is not None) and rc.mode not in ("token_mask", "icepop", "seq_mask"):
         yield (f"algo.rollout_correction.low/high bound the ratio of a mask mode; mode is {rc.mode!r}: set "
                "algo.rollout_correction.mode to token_mask, icepop or seq_mask, or leave the bounds unset")
+    if a.behaviour == "engine" and (a.tis_cap is not None or rc.mode is not None):
+        yield ("algo.behaviour: 'engine' takes pi_old from the engine's log-probs, so there is no engine/trainer "
+               "ratio to correct; unset algo.tis_cap and algo.rollout_correction.mode, or use "
+               "algo.behaviour=recompute (decoupled PPO: clip against the trainer, weigh the engine's samples)")
     samples = cfg.data.prompts_per_step * cfg.rollout.n_samples
     if samples % a.num_minibatches:
         yield (f"algo.num_minibatches: {a.num_minibatches} must divide the step's samples, "

@@ -17,7 +17,7 @@ from moe_rl.algo.config import staleness_bound
 from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
 from moe_rl.dist.collectives import barrier, broadcast_object, init_control_group
 from moe_rl.dist.ports import free_port
-from moe_rl.rollout.config import pushes_in_place
+from moe_rl.rollout.config import pause_mode, pushes_in_place
 from moe_rl.rollout.engines import engine_kind, weight_sync_kind
 
 
@@ -169,10 +169,11 @@ def update_group(cfg: RunConfig, servers: Any, out: Path | None = None) -> dict[
 
 
 def inflight_client_args(cfg: RunConfig) -> dict[str, Any]:
-    """An in-place push (rollout.inflight_update) asks for no cache flush, and the samples it
-    pauses may hold tokens of the last algo.max_staleness + 1 pushed versions."""
-    in_place = pushes_in_place(cfg.rollout)
-    return {"flush_on_update": not in_place, "version_lag": staleness_bound(cfg.algo) if in_place else 0}
+    """An in-place push (rollout.inflight_update) asks for no cache flush, and the samples a push
+    pauses (in place or retracted) may hold tokens of the last algo.max_staleness + 1 pushed versions."""
+    paused = pause_mode(cfg.rollout) is not None
+    return {"flush_on_update": not pushes_in_place(cfg.rollout),
+            "version_lag": staleness_bound(cfg.algo) if paused else 0}
 
 
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:

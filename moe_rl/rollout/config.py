@@ -15,13 +15,20 @@ from moe_rl.rollout.engines import ENGINE_KINDS, WEIGHT_SYNC_KINDS, engine_kind,
 
 ENGINES = tuple(ENGINE_KINDS)  # local, sglang, inprocess (moe_rl/rollout/engines.py)
 WEIGHT_SYNCS = tuple(WEIGHT_SYNC_KINDS)  # disk, tensor, nccl (moe_rl/rollout/engines.py)
-INFLIGHT_UPDATES = ("wait", "in_place")
+INFLIGHT_UPDATES = ("wait", "in_place", "retract")
+
+
+def pause_mode(rollout: Any) -> str | None:
+    """The /pause_generation mode a weight push pauses the generating requests with
+    (`rollout.inflight_update`): "in_place" or "retract"; None when the push waits for them."""
+    mode = getattr(rollout, "inflight_update", "wait")
+    return None if mode == "wait" else mode
 
 
 def pushes_in_place(rollout: Any) -> bool:
-    """Whether a weight push pauses the generating requests in place (`rollout.inflight_update`): then it
-    asks for no cache flush, which SGLang refuses under paused requests."""
-    return getattr(rollout, "inflight_update", "wait") == "in_place"
+    """Whether a weight push pauses the generating requests in place: they keep their KV cache, so it
+    asks for no cache flush, which SGLang refuses under running requests (a retract frees them first)."""
+    return pause_mode(rollout) == "in_place"
 # SGLang 0.5.23's names of its parallel sizes (sglang/srt/arg_groups/fields/parallel.py; argparse
 # also takes an unambiguous prefix such as --tp).
 SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
@@ -109,7 +116,10 @@ class RolloutConfig:
     for its prefetch first); in_place = pause them in place (/pause_generation), push without a
     cache flush (SGLang refuses one under paused requests), continue: they finish under the new
     weights (partial rollouts), their tokens spanning two versions (rollout/partial_frac), and
-    the trainer does not wait."""
+    the trainer does not wait; the tokens after the push attend to keys and values the old
+    weights computed. retract = the same, but the paused requests give up their KV cache and
+    are prefilled again (prompt and output so far) under the new weights: their later tokens are
+    exactly the new version's and all their routes are, at the cost of one prefill per push."""
     weight_sync_port: int | None = ranged(None, ge=1, le=65535)
     """nccl: port on trainer rank 0 (MASTER_ADDR) where the servers join the weight update group;
     None = a free port picked at start (set it when a firewall allows only fixed ports)."""
@@ -152,9 +162,9 @@ def check_rollout(cfg: Any) -> Iterator[str]:
                "rollout.weight_sync=disk (colocated runs elsewhere send tensors by CUDA IPC, "
                "update_weights_from_tensor, which moe_rl does not do yet)")
     k = staleness_bound(cfg.algo)
-    if pushes_in_place(r) and not k:
-        yield ("rollout.inflight_update: 'in_place' needs algo.max_staleness >= 1: without it no request "
-               "is generating when the weights are pushed")
+    if pause_mode(r) and not k:
+        yield (f"rollout.inflight_update: {r.inflight_update!r} needs algo.max_staleness >= 1: without it no "
+               "request is generating when the weights are pushed")
     if r.colocated and k:
         yield (f"rollout.colocated: true is not allowed with algo.max_staleness={k} (or algo.off_policy_overlap="
                "true): colocated servers release their GPU memory while the trainer trains, so they cannot "

@@ -206,6 +206,9 @@ class GenerateResult:
     # SGLang's meta_info["weight_versions"]: (version, start, end) over the output tokens, in order;
     # more than one when the weights changed while the sample was generated (an in-place pause)
     weight_versions: tuple[tuple[str, int, int], ...] | None = None
+    # SGLang's meta_info["num_retractions"]: how often the sample's KV was dropped and prefilled again
+    # (a retract pause, or memory pressure); its routes are then the latest prefill's
+    num_retractions: int = 0
 
     def token_versions(self) -> list[str] | None:
         """The weight version of each output token (None when the engine did not say)."""

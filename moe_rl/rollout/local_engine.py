@@ -6,6 +6,10 @@ A hand-written sampling loop over the model's own `forward()` with its KV cache
   prefill   left-padded prompts [B, P] -> logits of the last position, routes of every prompt token
   decode    one token per active row -> logits, routes of the fed token; finished rows are
             dropped from the batch and the cache (`DynamicCache.batch_select_indices`)
+  retract   after `pause_generation("retract")`, the paused rows are prefilled again, prompt and
+            output so far, under the weights they continue with; their earlier routes are
+            replaced (SGLang's `reset_for_retract` drops them and its re-prefill captures anew),
+            their tokens' log-probs and versions stay those they were sampled with
 
 Log-probs: `output_logprobs[t] = log_softmax(logits / T)[token]`, the distribution
 the token was sampled from (before top-k / top-p truncation), as SGLang's sampler
@@ -103,7 +107,7 @@ class _Row:
     """One sample being generated."""
 
     __slots__ = ("req", "sample", "prompt", "sp", "gen", "out", "lps", "routes", "finish", "want_routes",
-                 "versions")
+                 "versions", "retractions")
 
     def __init__(self, req: int, sample: int, prompt: list[int], sp: SamplingParams, seed: int,
                  want_routes: bool):
@@ -115,6 +119,7 @@ class _Row:
         self.finish: str | None = None
         self.want_routes = want_routes
         self.versions: list[str] = []  # weight version of the forward that produced each output token
+        self.retractions = 0  # times a retract pause made it prefill again (SGLang's num_retractions)
 
 
 class LocalEngine:
@@ -141,6 +146,8 @@ class LocalEngine:
         self._running = threading.Event()       # cleared while paused
         self._running.set()
         self._abort_epoch = 0                   # bumped by pause_generation(mode="abort")
+        self._retract_epoch = 0                 # bumped by pause_generation(mode="retract")
+        self._pause_mode: str | None = None     # the mode of the pause in effect
         self._seed_gen = torch.Generator(device="cpu").manual_seed(int(seed))
         self._closed = False
         self.memory = MemoryRegions(memory_saver, weights_cpu_backup)  # what /release_memory_occupation gave up
@@ -275,45 +282,19 @@ class LocalEngine:
                               output_logprobs=np.asarray(row.lps, dtype=np.float32),
                               finish_reason=row.finish or "length", routed_experts=routes,
                               weight_version=row.versions[-1] if row.versions else self.weight_version,
-                              weight_versions=version_spans(row.versions, self.weight_version))
+                              weight_versions=version_spans(row.versions, self.weight_version),
+                              num_retractions=row.retractions)
 
     # ------------------------------------------------------------- the sampler
     @torch.no_grad()
     def _generate_chunk(self, rows: list[_Row], epoch: int) -> None:
-        from transformers.cache_utils import DynamicCache
-
         if self._abort_epoch != epoch:  # aborted before this chunk started
             for r in rows:
                 r.finish = "abort"
             return
         dev = self.device
-        B = len(rows)
-        P = max(len(r.prompt) for r in rows)
-        pad = int(getattr(self.config, "pad_token_id", None) or 0)
-        ids = torch.full((B, P), pad, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, P - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, P - len(r.prompt):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        with self._lock:
-            cache = DynamicCache(config=self.config)
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                             logits_to_keep=1, **{self._cache_kw: cache})
-            routes = self._recorder.take() if self._recorder else None
-            version = self.weight_version
-            self.last_forward_time = time.monotonic()
-        if routes is not None:
-            routes = routes.view(B, P, *routes.shape[1:])
-            for i, r in enumerate(rows):
-                r.routes.append(routes[i, P - len(r.prompt):])
-        logits = out.logits[:, -1, :]
-        for name in ("cache", "past_key_values"):  # the output field follows the argument's name
-            if getattr(out, name, None) is not None:
-                cache = getattr(out, name)
-                break
-        active = list(range(B))  # rows[active[b]] is batch row b
+        logits, cache, mask, pos, (version, kv_epoch) = self._prefill(rows, [r.prompt for r in rows])
+        active = list(range(len(rows)))  # rows[active[b]] is batch row b
         eos = self.eos_token_ids
         maxpos = self.max_positions
         for r in rows:
@@ -352,6 +333,13 @@ class LocalEngine:
                     if rows[k].finish is None:
                         rows[k].finish = "abort"
                 break
+            if self._retract_epoch != kv_epoch:  # retracted since the cache was computed: it is gone
+                active = [active[b] for b in feed]
+                again = [rows[k] for k in active]
+                for r in again:
+                    r.retractions, r.routes = r.retractions + 1, []
+                logits, cache, mask, pos, (version, kv_epoch) = self._prefill(again, [r.prompt + r.out for r in again])
+                continue
             if len(feed) < len(active):
                 sel = torch.tensor(feed, device=dev)
                 cache.batch_select_indices(sel)
@@ -365,12 +353,47 @@ class LocalEngine:
                 out = self.model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True,
                                  **{self._cache_kw: cache})
                 routes = self._recorder.take() if self._recorder else None
-                version = self.weight_version
+                version, kv_epoch = self.weight_version, self._retract_epoch
                 self.last_forward_time = time.monotonic()
             if routes is not None:
                 for b, k in enumerate(active):
                     rows[k].routes.append(routes[b:b + 1])
             logits = out.logits[:, -1, :]
+
+    def _prefill(self, rows: list[_Row], tokens: list[list[int]]) -> tuple[torch.Tensor, Any, torch.Tensor,
+                                                                             torch.Tensor, tuple[str, int]]:
+        """One forward over left-padded `tokens` (a row's prompt, or after a retract its prompt and
+        output so far): the last position's logits, the cache, attention mask, positions, and the
+        weight version and retract count the cache was computed under; every position's routes
+        are appended to its row's."""
+        from transformers.cache_utils import DynamicCache
+
+        dev = self.device
+        B, P = len(rows), max(len(t) for t in tokens)
+        pad = int(getattr(self.config, "pad_token_id", None) or 0)
+        ids = torch.full((B, P), pad, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for i, t in enumerate(tokens):
+            ids[i, P - len(t):] = torch.tensor(t)
+            mask[i, P - len(t):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        with self._lock:
+            cache = DynamicCache(config=self.config)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **{self._cache_kw: cache})
+            routes = self._recorder.take() if self._recorder else None
+            computed = (self.weight_version, self._retract_epoch)
+            self.last_forward_time = time.monotonic()
+        if routes is not None:
+            routes = routes.view(B, P, *routes.shape[1:])
+            for i, (r, t) in enumerate(zip(rows, tokens)):
+                r.routes.append(routes[i, P - len(t):])
+        for name in ("cache", "past_key_values"):  # the output field follows the argument's name
+            if getattr(out, name, None) is not None:
+                cache = getattr(out, name)
+                break
+        return out.logits[:, -1, :], cache, mask, pos, computed
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[float]]:
         """Sample one token per row; return tokens and their log-probs (see module doc)."""
@@ -499,15 +522,21 @@ class LocalEngine:
     # ------------------------------------------------------------ pause / resume
     def pause_generation(self, mode: str = "abort") -> None:
         """Stop generating. "abort": in-flight samples end now with finish_reason "abort";
-        "in_place" / "retract": in-flight samples wait at their next step. New
+        "in_place" / "retract": in-flight samples wait at their next step; after a retract they
+        continue from a fresh prefill of prompt and output so far (their cache is dropped). New
         `generate` calls wait until `continue_generation()`."""
         if mode not in ("abort", "in_place", "retract"):
             raise ValueError(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
         self._running.clear()
+        self._pause_mode = mode
         if mode == "abort":
             self._abort_epoch += 1
+        elif mode == "retract":
+            with self._lock:  # after the forward in flight: the cache it computes is one the retract drops
+                self._retract_epoch += 1
 
     def continue_generation(self) -> None:
+        self._pause_mode = None
         self._running.set()
 
     @property
@@ -516,8 +545,9 @@ class LocalEngine:
 
     @property
     def busy(self) -> bool:
-        """A generate call is inside the engine (running, or parked by an in-place pause)."""
-        return self._gen_lock.locked()
+        """A generate call holds KV in the engine: running, or parked by an in-place pause. A retract
+        pause frees it (SGLang's retract_all), so a cache flush may follow it."""
+        return self._gen_lock.locked() and self._pause_mode != "retract"
 
     def flush_cache(self) -> bool:
         """No prefix cache is kept between calls: nothing to flush."""

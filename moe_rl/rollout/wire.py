@@ -6,7 +6,8 @@ sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
 "return_routed_experts": bool} and get one dict (n == 1) or a list of n dicts
 {"output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
 "output_token_logprobs": [[logprob, token_id, text_or_None], ...], "prompt_tokens",
-"weight_version", "weight_versions": [{"version", "start", "end"}, ...] over the output tokens, "routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
+"weight_version", "weight_versions": [{"version", "start", "end"}, ...] over the output tokens, "num_retractions",
+"routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
 The routes are decoded as `extract_routed_experts_from_meta_info` does
 (sglang/srt/state_capturer/routed_experts.py: frombuffer int32), shape-checked,
 restricted to the MoE layers and stored in the smallest integer dtype. Every problem is a
@@ -85,7 +86,8 @@ def parse_reply(url: str, req: GenerateRequest, data: Any, geo: Geometry | None)
         out.append(GenerateResult(prompt_ids=list(req.prompt_ids), output_ids=output_ids,
                                   output_logprobs=np.asarray(vals, dtype=np.float32), finish_reason=ftype,
                                   routed_experts=routes, weight_version=None if wv is None else str(wv),
-                                  server=url, weight_versions=parse_version_spans(where, meta, T)))
+                                  server=url, weight_versions=parse_version_spans(where, meta, T),
+                                  num_retractions=int(meta.get("num_retractions") or 0)))
     return out
 
 

@@ -420,6 +420,14 @@ def test_an_in_place_push_needs_requests_in_flight():
     nccl = dataclasses.replace(cfg.rollout, weight_sync="nccl", engine="sglang")
     sync = make_weight_sync(nccl, admin_urls=["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
     assert sync.flush_cache is False  # SGLang refuses a flush under paused requests
+    # retracted requests hold no cache: the flush after the load succeeds, and is asked for
+    assert "rollout.inflight_update: 'retract' needs algo.max_staleness >= 1" in error_of(
+        ["rollout.inflight_update=retract"])
+    cfg = load_config(None, ["rollout.inflight_update=retract", "algo.max_staleness=2"])
+    assert inflight_client_args(cfg) == {"flush_on_update": True, "version_lag": 2}
+    nccl = dataclasses.replace(cfg.rollout, weight_sync="nccl", engine="sglang")
+    sync = make_weight_sync(nccl, admin_urls=["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
+    assert sync.flush_cache is True
 
 
 def test_off_policy_overlap_is_the_deprecated_name_of_max_staleness_1(caplog):

@@ -28,7 +28,7 @@ from moe_rl.recipes.common import (Stopwatch, combine_loss_metrics, mean_metrics
                                 response_mask)
 from moe_rl.recipes.rl.batch import Samples, Share, rollout_batch, wait_for_prefetch
 from moe_rl.recipes.rl.critic import critic_step
-from moe_rl.rollout.config import pushes_in_place
+from moe_rl.rollout.config import pause_mode
 from moe_rl.reward.runner import RewardRunner
 
 
@@ -81,24 +81,33 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 
 @dataclass
 class OldPass:
-    """The pre-update pass: log-probs, the trainer's own routes, the routes to replay."""
+    """pi_old of the objective, the trainer's pre-update pass, its own routes, the routes to replay."""
 
-    logp: torch.Tensor                 # [B, T - 1]
+    logp: torch.Tensor                 # [B, T - 1] pi_old, the objective's (algo.behaviour)
+    trainer_logp: torch.Tensor | None  # [B, T - 1] the trainer's pass (None: not run)
     free_routes: torch.Tensor | None   # [B, T - 1, L, K] chosen by the trainer's routers
     replay: torch.Tensor | None        # routes replayed in the updates (None = replay off)
 
 
 def old_logprobs(run: Run, mine: Samples, step: int) -> OldPass:
-    """Log-probs of the sampling policy as the trainer computes them (pi_old); the trainer's
-    own routes only where R2 replays them or this step measures drift on its tokens."""
+    """pi_old: the trainer's log-probs of the samples before the step's updates (algo.behaviour=
+    recompute), or the engine's (engine); the trainer's own routes only where R2 replays them or this
+    step measures drift on its tokens. With behaviour=engine the pass runs only for those routes."""
     mode, drift = replay_mode(run.cfg.algo), step_drift_due(run, step)
+    engine_pi = run.cfg.algo.behaviour == "engine"
+    width = max(mine.lengths()) - 1
+    if engine_pi and mode != "r2" and not drift:      # nothing needs the trainer: no pass
+        return OldPass(engine_logp_tokens(mine, width), None, None, engine_routes(mine) if mode == "r3" else None)
     if mode == "r3":
         engine = engine_routes(mine)
         old = run.policy.logprobs(mine.sequences, replay_routes=engine)
         free = run.policy.logprobs(mine.sequences, record_routes=True).routes if drift else None
-        return OldPass(old.logp, free, engine)
-    old = run.policy.logprobs(mine.sequences, record_routes=drift or mode == "r2")
-    return OldPass(old.logp, old.routes, old.routes if mode == "r2" else None)
+        replay = engine
+    else:
+        old = run.policy.logprobs(mine.sequences, record_routes=drift or mode == "r2")
+        free, replay = old.routes, old.routes if mode == "r2" else None
+    pi_old = engine_logp_tokens(mine, old.logp.shape[1]) if engine_pi else old.logp
+    return OldPass(pi_old, old.logp, free, replay)
 
 
 def engine_routes(samples: Samples) -> torch.Tensor:
@@ -123,10 +132,7 @@ def engine_logp_tokens(samples: Samples, width: int) -> torch.Tensor:
 def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
     """`algo.num_minibatches` optimizer steps, one per minibatch of this rank's share."""
     mine = share.samples
-    width = old.logp.shape[1]
-    mask = response_mask(mine, width)
-    extras_all = {"old_logp": old.logp, "adv": mine.advantages.float(), "mask": mask,
-                  "rollout_logp": engine_logp_tokens(mine, width), "correct": (mine.rewards >= 1.0).float()}
+    extras_all = loss_extras(mine, old)
     logged: list[dict[str, float]] = []
     step_metrics: dict[str, float] = {}
     per_update = PerUpdateVolatility(run, mine) if run.cfg.drift.enabled and run.cfg.drift.per_update else None
@@ -143,6 +149,14 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
         if per_update:
             per_update.after_update()
     return mean_metrics(logged) | step_metrics | (per_update.metrics() if per_update else {})
+
+
+def loss_extras(mine: Samples, old: OldPass) -> dict[str, torch.Tensor]:
+    """What the loss reads per sample, `[B, T - 1]` (`correct`: `[B]`): pi_old (algo.behaviour), the
+    engine's log-probs (the behaviour policy, for the rollout correction), advantages, response mask."""
+    width = old.logp.shape[1]
+    return {"old_logp": old.logp, "adv": mine.advantages.float(), "mask": response_mask(mine, width),
+            "rollout_logp": engine_logp_tokens(mine, width), "correct": (mine.rewards >= 1.0).float()}
 
 
 def _loss_fn(run: Run, num_tokens: float, num_seqs: float, num_correct_tokens: float = 0.0):
@@ -189,17 +203,17 @@ def loss_params(a: Any) -> dict[str, Any]:
 
 def sync_weights(run: Run) -> None:
     """Push the updated weights to the rollout engine (collective)."""
-    in_place = pushes_in_place(run.cfg.rollout) and run.rank == 0
-    if not in_place:
+    pause = pause_mode(run.cfg.rollout) if run.rank == 0 else None
+    if pause is None:
         wait_for_prefetch(run)  # it finishes on the weights it started with
     if run.cfg.rollout.colocated and run.rank == 0:
         run.engine.resume_memory_occupation()  # the servers load the new weights into their memory
-    if in_place:  # the prefetched requests finish under the new weights (partial rollouts)
-        run.engine.pause_generation("in_place")
+    if pause:  # the prefetched requests finish under the new weights (partial rollouts)
+        run.engine.pause_generation(pause)
     try:
         run.weight_sync.sync(run.weight_version, run.policy, run.engine if run.rank == 0 else None)
     finally:
-        if in_place:
+        if pause:
             run.engine.continue_generation()
 
 
@@ -277,7 +291,7 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
             "drift/rollout_mismatch", layer_ids)
         if mine.versions is not None and staleness_bound(run.cfg.algo):
             out |= drift_by_staleness(run, mine, old, flat(engine), flat(old.free_routes), tokens, resp, engine_logp)
-    out |= logprob_mismatch(old.logp[resp], engine_logp[resp]).all_reduce(run.policy.dp_group).summary()
+    out |= logprob_mismatch(old.trainer_logp[resp], engine_logp[resp]).all_reduce(run.policy.dp_group).summary()
     load = run.policy.all_reduce_sum(expert_load(flat(after), arch.num_moe_experts).to(torch.float64))
     if "load" in run.drift_state:
         out |= load_change(run.drift_state["load"], load, layer_ids)
@@ -285,14 +299,17 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
     return out
 
 
-def position_lags(mine: Samples, width: int, version: int) -> torch.Tensor:
+def position_lags(mine: Samples, width: int, version: int, *, retracted: bool = False) -> torch.Tensor:
     """`[B, width]`: how many versions behind `version` the weights were that computed each position.
     Position t >= P - 1 is the forward that produced completion token t - P + 1 (its route and the
-    log-prob of that token); the prompt's positions, the prefill, go with the first; -1 past the sample."""
+    log-prob of that token); the prompt's positions, the prefill, go with the first; -1 past the sample.
+    `retracted`: the routes of samples whose every push retracted them (rollout.inflight_update=retract):
+    each push prefilled all earlier positions again, so every route is the last version's."""
     out = torch.full((len(mine), width), -1, dtype=torch.long)
     for i, (p, v) in enumerate(zip(mine.prompt_lens.tolist(), mine.versions)):
         if v.numel():
             lag = version - v.long()
+            lag = lag[-1:].expand_as(lag) if retracted else lag
             end = min(p - 1 + lag.numel(), width)
             out[i, :max(p - 1, 0)] = lag[0]
             out[i, p - 1:end] = lag[: end - (p - 1)]
@@ -302,14 +319,16 @@ def position_lags(mine: Samples, width: int, version: int) -> torch.Tensor:
 def drift_by_staleness(run: Run, mine: Samples, old: OldPass, engine: torch.Tensor, trainer: torch.Tensor,
                        tokens: torch.Tensor, resp: torch.Tensor, engine_logp: torch.Tensor) -> dict[str, float]:
     """Engine-vs-trainer routes (`engine`, `trainer`: [N, L, K] of the routed `tokens`) and log-probs
-    (`old.logp`, `engine_logp`: [B, width]) of the step's tokens by k = 0..algo.max_staleness, how many
+    (`old.trainer_logp`, `engine_logp`: [B, width]) of the step's tokens by k = 0..algo.max_staleness, how many
     versions older than the old pass's (this step's weights before its updates) the weights that
     generated them were: how far an MoE's routing moves per version of staleness."""
-    lags, out = position_lags(mine, resp.shape[1], run.weight_version - 1), {}
+    version, width = run.weight_version - 1, resp.shape[1]
+    lags, out = position_lags(mine, width, version), {}
+    route_lags = position_lags(mine, width, version, retracted=pause_mode(run.cfg.rollout) == "retract")
     for k in range(staleness_bound(run.cfg.algo) + 1):
-        out |= route_stats(engine, trainer, mask=lags[tokens] == k).all_reduce(run.policy.dp_group).summary(
+        out |= route_stats(engine, trainer, mask=route_lags[tokens] == k).all_reduce(run.policy.dp_group).summary(
             f"drift/rollout_mismatch_by_staleness/{k}", list(run.policy.arch.moe_layers))
         at = resp & (lags == k)
-        logp = logprob_mismatch(old.logp[at], engine_logp[at]).all_reduce(run.policy.dp_group).summary("x")
+        logp = logprob_mismatch(old.trainer_logp[at], engine_logp[at]).all_reduce(run.policy.dp_group).summary("x")
         out |= {f"drift/logp_by_staleness/{k}/{name[2:]}": v for name, v in logp.items()}
     return out

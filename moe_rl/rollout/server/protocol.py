@@ -107,7 +107,7 @@ def _sample_json(res: GenerateResult, req: GenerateRequest, rid: str, return_log
         "finish_reason": _finish_json(res, req),
         "prompt_tokens": len(res.prompt_ids),
         "weight_version": res.weight_version,
-        "num_retractions": 0,
+        "num_retractions": res.num_retractions,
     }
     if return_logprob:
         meta["input_token_logprobs"] = []

@@ -185,3 +185,49 @@ def test_dense_layers_are_skipped_and_dense_models_have_no_routes(tmp_path):
     (res,), = eng.generate([GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=3))])
     assert eng.moe_layer_ids == [] and res.routed_experts is None and len(res.output_ids) == 3
     eng.close()
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_push_under_a_paused_sample_in_place_keeps_its_cache_and_a_retract_prefills_it_again(
+        tiny_hf_dir, tmp_path, mode):
+    # the sample's first tokens come from the old weights, the rest from the new; after a retract the
+    # rest are exactly the new weights' (a fresh prefill of prompt + output so far), and every route
+    # is the new weights', as SGLang's re-prefill captures them; in place, the rest attend to keys
+    # and values the old weights computed, so they are neither version's
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.testing import make_tiny_qwen3_moe
+
+    new_dir = make_tiny_qwen3_moe(tmp_path / "new", seed=1)
+    old_model, new_model = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+                            for d in (tiny_hf_dir, new_dir))
+    eng = LocalEngine(tiny_hf_dir, seed=0, max_batch=8, weight_version="1")
+    try:
+        results = {}
+        t = threading.Thread(target=lambda: results.update(out=eng.generate([GenerateRequest(
+            PROMPTS[1], SamplingParams(max_new_tokens=300, ignore_eos=True, seed=3), return_routed_experts=True)])))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not eng._gen_lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        eng.pause_generation(mode)
+        assert eng.busy == (mode == "in_place")  # a retracted sample holds no cache: a flush may follow
+        eng.update_weights_from_disk(new_dir, version="2")
+        eng.continue_generation()
+        t.join(60)
+    finally:
+        eng.close()
+    (res,), = results["out"]
+    (v1, _, split), (v2, start, end) = res.weight_versions
+    assert (v1, v2, start, end) == ("1", "2", split, 300) and 0 < split < 300
+    assert res.num_retractions == (1 if mode == "retract" else 0)
+    old_lp, _ = hf_reference(old_model, res.prompt_ids, res.output_ids)
+    new_lp, new_routes = hf_reference(new_model, res.prompt_ids, res.output_ids)
+    np.testing.assert_allclose(res.output_logprobs[:split], old_lp[:split], atol=1e-4, rtol=0)
+    gap = np.abs(res.output_logprobs[split + 1:] - new_lp[split + 1:]).max()
+    if mode == "retract":
+        assert gap <= 1e-4
+        np.testing.assert_array_equal(res.routed_experts.astype(np.int64), new_routes)
+    else:
+        assert gap > 1e-3, gap  # the old weights' cache is still attended to

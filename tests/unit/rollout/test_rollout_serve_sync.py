@@ -397,6 +397,19 @@ def test_a_weight_update_waits_for_running_requests_unless_paused(server, tiny_h
     spans = done["r"][1]["meta_info"]["weight_versions"]
     assert [s["version"] for s in spans] == ["31", "32"] and spans[0]["start"] == 0 and spans[-1]["end"] == 400
     assert spans[0]["end"] == spans[1]["start"] > 0
+    assert done["r"][1]["meta_info"]["num_retractions"] == 0
+
+    done.clear()  # retracted, the request holds no cache: the flush SGLang does after the load succeeds
+    th = _long_generate(url, done)
+    assert _http(url, "/pause_generation", {"mode": "retract"})[0] == 200
+    try:
+        status, reply = _http(url, "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "33"})
+        assert status == 200 and reply["success"] and th.is_alive(), reply
+    finally:
+        _http(url, "/continue_generation", {})
+        th.join(60)
+    meta = done["r"][1]["meta_info"]
+    assert [s["version"] for s in meta["weight_versions"]] == ["32", "33"] and meta["num_retractions"] == 1
 
 
 @pytest.mark.parametrize("lag", [1, 0])

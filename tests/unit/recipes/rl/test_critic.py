@@ -51,7 +51,7 @@ def _setup(overrides, step=1):
     policy = SimpleNamespace(all_reduce_sum=lambda t, group="dp": t)
     run = SimpleNamespace(cfg=cfg, critic=critic, policy=policy, drift_state={}, rank=0)
     share = Share(samples, [[0, 1], [2, 3]])
-    old = OldPass(torch.zeros(4, width), None, None)
+    old = OldPass(torch.zeros(4, width), None, None, None)
     metrics = critic_step(run, share, old, step)
     mask = response_mask(samples, width)
     return metrics, samples, critic, values * mask, mask

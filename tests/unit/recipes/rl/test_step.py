@@ -281,3 +281,5 @@ def test_each_position_is_lagged_by_the_weights_that_computed_it():
                 engine_logp=[torch.zeros(3), torch.zeros(1)], routes=None, completions=["", ""],
                 versions=[torch.tensor([4, 4, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)])
     assert position_lags(s, 6, 5).tolist() == [[1, 1, 1, 1, 0, -1], [0, 0, 0, -1, -1, -1]]
+    # retracted at the push to 5, sample 0 was prefilled again: all its routes are version 5's
+    assert position_lags(s, 6, 5, retracted=True).tolist() == [[0, 0, 0, 0, 0, -1], [0, 0, 0, -1, -1, -1]]
