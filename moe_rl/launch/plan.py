@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 from moe_rl.rollout.config import SGLANG_TP_FLAGS, sglang_flag
 from moe_rl.rollout.engines import engine_kind, weight_sync_kind

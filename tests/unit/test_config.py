@@ -428,6 +428,15 @@ def test_an_in_place_push_needs_requests_in_flight():
     nccl = dataclasses.replace(cfg.rollout, weight_sync="nccl", engine="sglang")
     sync = make_weight_sync(nccl, admin_urls=["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
     assert sync.flush_cache is True
+    # auto, the default: wait when synchronous, retract when asynchronous
+    from moe_rl.rollout.config import pause_mode
+
+    assert pause_mode(load_config(None).rollout, 0) is None
+    assert pause_mode(load_config(None, ["algo.max_staleness=1"]).rollout, 1) == "retract"
+    assert pause_mode(load_config(None, ["rollout.inflight_update=in_place", "algo.max_staleness=1"]).rollout, 1) \
+        == "in_place"
+    assert inflight_client_args(load_config(None, ["algo.max_staleness=2"])) == {"flush_on_update": True,
+                                                                                "version_lag": 2}
 
 
 def test_off_policy_overlap_is_the_deprecated_name_of_max_staleness_1(caplog):

@@ -203,7 +203,7 @@ def loss_params(a: Any) -> dict[str, Any]:
 
 def sync_weights(run: Run) -> None:
     """Push the updated weights to the rollout engine (collective)."""
-    pause = pause_mode(run.cfg.rollout) if run.rank == 0 else None
+    pause = pause_mode(run.cfg.rollout, staleness_bound(run.cfg.algo)) if run.rank == 0 else None
     if pause is None:
         wait_for_prefetch(run)  # it finishes on the weights it started with
     if run.cfg.rollout.colocated and run.rank == 0:
@@ -322,10 +322,10 @@ def drift_by_staleness(run: Run, mine: Samples, old: OldPass, engine: torch.Tens
     (`old.trainer_logp`, `engine_logp`: [B, width]) of the step's tokens by k = 0..algo.max_staleness, how many
     versions older than the old pass's (this step's weights before its updates) the weights that
     generated them were: how far an MoE's routing moves per version of staleness."""
-    version, width = run.weight_version - 1, resp.shape[1]
+    version, width, k_max = run.weight_version - 1, resp.shape[1], staleness_bound(run.cfg.algo)
     lags, out = position_lags(mine, width, version), {}
-    route_lags = position_lags(mine, width, version, retracted=pause_mode(run.cfg.rollout) == "retract")
-    for k in range(staleness_bound(run.cfg.algo) + 1):
+    route_lags = position_lags(mine, width, version, retracted=pause_mode(run.cfg.rollout, k_max) == "retract")
+    for k in range(k_max + 1):
         out |= route_stats(engine, trainer, mask=route_lags[tokens] == k).all_reduce(run.policy.dp_group).summary(
             f"drift/rollout_mismatch_by_staleness/{k}", list(run.policy.arch.moe_layers))
         at = resp & (lags == k)
