@@ -128,3 +128,21 @@ def test_rank_killed_leaves_no_server_and_resume_continues(reference, tmp_path, 
     code, out = _finish(_train(tmp_path, "train.resume=auto"))
     assert code == 0, out[-3000:]
     _same(reference, _metrics(tmp_path), range(1, STEPS + 1))
+
+
+def test_server_killed_mid_async_run_is_restarted_and_no_step_trains_on_older_tokens(tmp_path):
+    # algo.max_staleness=2: the servers are generating the next two batches when the kill lands; those
+    # requests are sent again to the restarted server (which gets the latest weights first), every
+    # step runs once, and no step trains on a token more than 2 versions old
+    proc = _train(tmp_path, "algo.max_staleness=2", "algo.tis_cap=2", "rollout.max_new_tokens=6")
+    _wait_step(tmp_path, 1, proc)
+    victim = _server_pid(tmp_path)
+    os.kill(victim, signal.SIGKILL)
+    code, out = _finish(proc)
+    assert code == 0, out[-3000:]
+    assert "restarting it (1 of 3)" in (tmp_path / "train.log").read_text()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if "rollout/staleness_max" in r]
+    assert sorted(r["step"] for r in steps) == list(range(1, STEPS + 1))
+    assert all(r["rollout/staleness_max"] <= 2 for r in steps), [r["rollout/staleness_max"] for r in steps]
+    assert all(r["reward/mean"] == r["reward/mean"] for r in steps)  # every step had its samples
