@@ -23,6 +23,12 @@ and one task with many distinct prompts, where a prompt is `<bos> a b c =`:
 
     last-parity every abc   1,000    c mod 2 (one digit: 0 or 1)
 
+and one whose answers have a long-tailed length, where a prompt is `<bos> a b =`:
+
+    echo-tail   every ab    100      the digit a, ECHO_LENGTHS[b] times: 1, 1, 1, 2, 2, 3, 4,
+                                     6, 12 or 32 tokens (mean 6.4; for asynchronous rollouts,
+                                     where a batch waits for its longest answers)
+
 Each `<name>-eval` variant holds the same problems in another seeded order.
 The problem spaces are tiny, so there is nothing to hold out: evaluation
 measures how well the policy solves these prompts, not generalisation.
@@ -37,6 +43,7 @@ generation stopped at `max_new_tokens`) spell the answer:
     add-medium  1/16   = 6.25 %    1/256 = 0.39 %      0.39 %
     add-hard    0.55/16 = 3.44 %   1/256 = 0.39 %      0.23 %
     last-parity 1/16   = 6.25 %    1/256 = 0.39 %      0.39 %
+    echo-tail   3/160  = 1.88 %    ...                 (chance_level computes it)
 
 With `max_new_tokens=1` the answer digit alone is judged (no `<eos>` needed),
 which gives RL the densest signal on the one-digit tasks.
@@ -198,6 +205,20 @@ def _last_parity(seed: int) -> list[ToyExample]:
 
 register_toy_task("last-parity", "abc= -> c mod 2 for every three-digit abc (1,000 prompts, answers 0 / 1)",
                   _last_parity)
+
+
+ECHO_LENGTHS = (1, 1, 1, 2, 2, 3, 4, 6, 12, 32)  # answer length of echo-tail by the prompt's second digit
+
+
+def _echo_tail(seed: int) -> list[ToyExample]:
+    """Every `ab=` (a, b digits, 100 prompts) with answer a repeated ECHO_LENGTHS[b] times."""
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    return [ToyExample(f"{a}{b}=", str(a) * ECHO_LENGTHS[b], {"a": a, "b": b})
+            for a, b in seeded_shuffle(pairs, f"moe_rl.toy:{seed}")]
+
+
+register_toy_task("echo-tail", "ab= -> the digit a repeated 1..32 times by b (100 prompts, long-tailed lengths)",
+                  _echo_tail)
 
 
 def chance_level(name: str, max_new_tokens: int, vocab_size: int | None = None) -> float:

@@ -480,17 +480,35 @@ def staleness_curve(m: Metrics) -> dict[int, tuple[float, float, float]]:
     return out
 
 
+_VOLATILITY_BY_STALENESS = re.compile(r"^drift/volatility_by_staleness/(\d+)$")
+
+
+def volatility_curve(m: Metrics) -> dict[int, float]:
+    """k -> the mean over the run of `drift/volatility_by_staleness/k` (the trainer's probe-set routes
+    k versions apart); 0 at k = 0."""
+    out = {}
+    for k in sorted(int(g.group(1)) for g in map(_VOLATILITY_BY_STALENESS.match, m.keys) if g):
+        values = [r[f"drift/volatility_by_staleness/{k}"] for r in m.records
+                  if _is_number(r.get(f"drift/volatility_by_staleness/{k}"))
+                  and math.isfinite(r[f"drift/volatility_by_staleness/{k}"])]
+        if values:
+            out[k] = sum(values) / len(values)
+    return {0: 0.0, **out} if out else {}
+
+
 def _staleness_figure(m: Metrics) -> Figure:
     """How far the routes and log-probs of the trained tokens moved, by versions of staleness."""
-    curve = staleness_curve(m)
+    curve, volatility = staleness_curve(m), volatility_curve(m)
     if not curve:
         raise _Skip(f"no drift/rollout_mismatch_by_staleness/k metrics in {METRICS_FILE} (algo.max_staleness=0, "
                     "or no engine routes)")
     ks = list(curve)
     fig, axes = _new_figure(2, ncols=2, width=9.0, height=3.2)
-    for ax, i, ylabel, title in ((axes[0], 0, "mismatch (1 − overlap / k)", "Route mismatch, engine vs trainer"),
+    if volatility:
+        axes[0].plot(list(volatility), list(volatility.values()), marker="s", label="trainer vs trainer (probe set)")
+    for ax, i, ylabel, title in ((axes[0], 0, "mismatch (1 − overlap / k)", "Routes by staleness"),
                                  (axes[1], 1, "mean |Δ log p|", "Log-prob mismatch")):
-        ax.plot(ks, [curve[k][i] for k in ks], marker="o")
+        ax.plot(ks, [curve[k][i] for k in ks], marker="o", label="engine vs trainer (trained tokens)")
         ax.set_xticks(ks)
         ax.set_xlabel("staleness: versions behind the trained weights")
         _decorate(ax, ylabel, title)
@@ -533,7 +551,8 @@ _FIGURES = (
     _FigureSpec("staleness.png", "drift by staleness",
                 "route and log-prob mismatch between the engine and the trainer on the trained tokens, by how "
                 "many weight versions older than the trained ones the weights that generated them were "
-                "(algo.max_staleness >= 1), token-weighted over the run.",
+                "(algo.max_staleness >= 1), token-weighted over the run; with the trainer's own route "
+                "volatility on the probe set between weights k versions apart.",
                 _staleness_figure),
     _FigureSpec("loss.png", "loss",
                 "clip fractions, each loss/* term (e.g. pg_loss) and the gradient norm over steps.",

@@ -326,6 +326,8 @@ def trainer_run(cfg_dict: dict[str, Any], out: str) -> Iterator[Any]:
     try:
         yield run
     finally:
+        if run.pipeline is not None:  # asynchronous runs: the batches asked for ahead are not needed
+            run.pipeline.close()
         if run.engine is not None and hasattr(run.engine, "close"):
             run.engine.close()
         if servers is not None:

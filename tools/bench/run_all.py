@@ -95,7 +95,9 @@ def sections() -> list[Section]:
     if (HERE / "packing.py").is_file():
         out.append(("packing", "Packing: packed vs padded tokens/s", _packing))
     out.append(("async", "Asynchronous RL: samples/s with algo.max_staleness K = 0, 1, 2, 4 (1 trainer + 1 server)",
-                lambda q: async_rl.compare([0, 1] if q else [0, 1, 2, 4], 3 if q else 12, 1, 8)))
+                lambda q: async_rl.compare([0, 1] if q else [0, 1, 2, 4], 3 if q else 12, 1, 8) + "\n\n"
+                + async_rl.compare([0, 2] if q else [0, 1, 2, 4], 3 if q else 12, 1, 8 if q else 32,
+                                   task="toy:echo-tail")))
     out.append(("trl", "Time to reward against TRL's GRPOTrainer (same model, task, batch, GSPO; TRL optional)",
                 lambda q: _trl("demo", q)))
     out.append(("trl_extended", "Generations to reward against TRL on many prompts, 2-token answers, 4 updates "
@@ -104,14 +106,14 @@ def sections() -> list[Section]:
 
 
 def _trl(preset: str, quick: bool) -> str:
-    """The TRL section for a preset of `trl_parity.PRESETS`: `fast` and `demo` over three seeds; the
-    extended preset runs `fast` only here (the demo layout there: `trl_parity.py --preset extended`)."""
+    """The TRL section for a preset of `trl_parity.PRESETS`: `fast`, `demo` and `async` over three seeds;
+    the extended preset runs `fast` only here (the demo layout there: `trl_parity.py --preset extended`)."""
     from dataclasses import replace
 
     settings = trl_parity.PRESETS[preset]
     if quick:
         return trl_parity.compare([replace(settings[0], max_generations=2)], ["fast"], seeds=trl_parity.SEEDS[:1])
-    return trl_parity.compare(settings, ["fast", "demo"] if preset == "demo" else ["fast"])
+    return trl_parity.compare(settings, ["fast", "demo", "async"] if preset == "demo" else ["fast"])
 
 
 def _versions() -> str:

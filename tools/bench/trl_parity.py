@@ -122,6 +122,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
               "parallel.max_tokens_per_microbatch=null", "parallel.micro_batch_size=256"]),
     "demo": ("the demo's layout: 2 ranks EP2, `moe-rl serve` over HTTP, disk weight sync, R2, drift every 5th step",
              []),
+    "async": ("the demo's layout, asynchronous: `algo.max_staleness=2` (the next two batches generate while a step "
+              "trains; pushes retract the requests they find), `algo.tis_cap=2`",
+              ["algo.max_staleness=2", "algo.tis_cap=2.0"]),
 }
 
 

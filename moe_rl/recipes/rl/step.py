@@ -225,6 +225,8 @@ def measure_drift(run: Run, mine: Samples, old: OldPass, step: int) -> dict[str,
     if not d.enabled:
         return {}
     out = probe_drift(run, mine, step) if step % d.probe_every == 0 else {}
+    if staleness_bound(run.cfg.algo):
+        out |= volatility_by_staleness(run, mine)
     if step_drift_due(run, step):
         out |= step_drift(run, mine, old)
     return out
@@ -248,6 +250,22 @@ def probe_drift(run: Run, mine: Samples, step: int) -> dict[str, float]:
     """Volatility on the probe set since the last probe (`drift.probe_every` steps)."""
     probe_set(run, mine)
     return probe_volatility(run.policy, run.drift_state)
+
+
+def volatility_by_staleness(run: Run, mine: Samples) -> dict[str, float]:
+    """`drift/volatility_by_staleness/k`, k = 1..algo.max_staleness: the trainer's routes on the probe
+    set under the weights just pushed against its routes under the weights k versions before, per
+    layer; how far routing moves across the versions a trained token may be behind. One probe
+    forward per step keeps the routes of the last K versions (`drift_state["probe_history"]`)."""
+    history = run.drift_state.setdefault("probe_history", [])  # oldest first, one per version
+    routes = probe_routes(run.policy, probe_set(run, mine))
+    out: dict[str, float] = {}
+    for k, past in enumerate(reversed(history), start=1):
+        out |= route_stats(past, routes).all_reduce(run.policy.dp_group).summary(
+            f"drift/volatility_by_staleness/{k}", list(run.policy.arch.moe_layers))
+    history.append(routes)
+    del history[:-staleness_bound(run.cfg.algo)]
+    return out
 
 
 class PerUpdateVolatility:

@@ -53,6 +53,19 @@ def test_last_parity_covers_every_three_digit_input_once():
     assert load_dataset("toy:last-parity")[0].prompt_ids[1:] == ToyTokenizer().encode(train[0].prompt_text)
 
 
+def test_echo_tail_answers_have_a_long_tailed_length():
+    examples = make_toy_examples("echo-tail")
+    assert sorted(ex.prompt_text for ex in examples) == [f"{n:02d}=" for n in range(100)]
+    lengths = sorted(len(ex.answer) for ex in examples)
+    for ex in examples:
+        a, b = ex.metadata["a"], ex.metadata["b"]
+        assert ex.prompt_text == f"{a}{b}=" and set(ex.answer) == {str(a)}
+    # 30% one token, 10% 32 tokens: the median is 2.5 tokens, the mean 6.4, the longest 13x the median
+    assert lengths.count(1) == 30 and lengths.count(32) == 10 and sum(lengths) == 640
+    assert chance_level("echo-tail", 1) == pytest.approx(0.3 / 16)  # the one-token answers alone
+    assert [e.prompt_text for e in make_toy_examples("echo-tail-eval")] != [e.prompt_text for e in examples]
+
+
 def test_tasks_are_deterministic_and_eval_is_reordered():
     assert {f"{t}{s}" for t in TASKS for s in ("", "-eval")} <= set(toy_task_names())
     for task in TASKS:

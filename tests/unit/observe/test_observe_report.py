@@ -138,8 +138,13 @@ def test_drift_by_staleness_is_token_weighted_over_the_run(tmp_path):
     records = [{"step": 1, **row(1, 0, 0.0, 0.0, 100), **row(1, 1, float("nan"), float("nan"), 0)},
                {"step": 2, **row(2, 0, 0.1, 0.2, 100), **row(2, 1, 0.3, 0.4, 300)},
                {"step": 3, **row(3, 1, 0.5, 0.6, 100)}]
+    records[1]["drift/volatility_by_staleness/1"], records[2]["drift/volatility_by_staleness/1"] = 0.2, 0.4
+    records[2]["drift/volatility_by_staleness/2"] = float("nan")  # not measured yet: left out
     curve = staleness_curve(Metrics(records))
     assert curve[0] == pytest.approx((0.05, 0.1, 200)) and curve[1] == pytest.approx((0.35, 0.45, 400))
+    from moe_rl.observe.report import volatility_curve
+
+    assert volatility_curve(Metrics(records)) == pytest.approx({0: 0.0, 1: 0.3})
     sink = JsonlSink(tmp_path / "metrics.jsonl")
     for r in records:
         sink.log(r["step"], {k: v for k, v in r.items() if k != "step"})

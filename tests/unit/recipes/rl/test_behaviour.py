@@ -123,3 +123,51 @@ def test_engine_behaviour_with_a_correction_is_refused():
         with pytest.raises(ConfigError, match="algo.behaviour: 'engine'"):
             load_config(None, ["algo.behaviour=engine", extra])
     load_config(None, ["algo.behaviour=engine"])  # alone it is fine
+
+
+class _RoutingPolicy:
+    """A policy whose routes on any sequence are a fixed table per weight version (2 layers, top-2)."""
+
+    dp_size, dp_group = 1, None
+    arch = SimpleNamespace(moe_layers=[0, 1])
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def routes(self, version: int, width: int, rows: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(version)
+        return torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(rows * width * 2)]).view(
+            rows, width, 2, 2)
+
+    def logprobs(self, sequences, *, record_routes=False, **_):
+        width = max(s.shape[0] for s in sequences) - 1
+        return SimpleNamespace(logp=torch.zeros(len(sequences), width),
+                               routes=self.routes(self.version, width, len(sequences)))
+
+
+def test_volatility_by_staleness_compares_the_probe_routes_of_the_last_k_versions():
+    from moe_rl.recipes.rl.step import volatility_by_staleness
+
+    policy = _RoutingPolicy()
+    run = _run(policy, "algo.max_staleness=2", "drift.probe_size=2")
+    mine = _samples(torch.zeros(3, PROMPT + max(COMPLETIONS) - 1))
+    probe = mine.sequences[:2]
+    valid = torch.arange(PROMPT + 3).view(1, -1) < (torch.tensor([s.shape[0] for s in probe]) - 1).view(-1, 1)
+
+    def reference(a: int, b: int, layer: int) -> float:
+        """1 - |top-k of version a ∩ version b| / k over the probe's routed tokens, one layer."""
+        ra, rb = (policy.routes(v, PROMPT + 3, 2)[valid][:, layer] for v in (a, b))
+        return 1 - sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(ra, rb)) / (2 * ra.shape[0])
+
+    seen = []
+    for version in range(4):
+        policy.version = version
+        seen.append(volatility_by_staleness(run, mine))
+    assert seen[0] == {}  # nothing to compare with yet
+    assert {k.split("/")[2] for k in seen[1] if k.startswith("drift/volatility_by_staleness/")} == {"1"}
+    assert {k.split("/")[2] for k in seen[3] if k.startswith("drift/volatility_by_staleness/")} == {"1", "2"}
+    for k in (1, 2):  # version 3 against version 3 - k, per layer
+        for layer in (0, 1):
+            assert seen[3][f"drift/volatility_by_staleness/{k}/layer_{layer:02d}"] == pytest.approx(
+                reference(3, 3 - k, layer))
+    assert len(run.drift_state["probe_history"]) == 2  # the routes of the last K versions, no more
