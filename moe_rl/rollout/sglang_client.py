@@ -339,11 +339,27 @@ class SGLangClient(ServerPool):
         self._run(self._broadcast("POST", "/flush_cache", json_reply=False))
 
     def pause_generation(self, mode: str = "abort") -> None:
-        """SGLang PauseGenerationReqInput: mode "abort" | "retract" | "in_place"."""
-        self._run(self._broadcast("POST", "/pause_generation", {"mode": mode}))
+        """SGLang PauseGenerationReqInput: mode "abort" | "retract" | "in_place". A server that cannot
+        be reached (dead, restarting) is taken out of rotation, not waited for: its requests fail
+        and are sent again, a restarted server is not paused, and the weight push that follows
+        reaches it when its probe answers."""
+        self._run(self._abroadcast_reachable("/pause_generation", {"mode": mode}))
 
     def continue_generation(self) -> None:
-        self._run(self._broadcast("POST", "/continue_generation", {}))
+        self._run(self._abroadcast_reachable("/continue_generation", {}))
+
+    async def _abroadcast_reachable(self, path: str, payload: Any) -> None:
+        """POST `path` to every admin server; those that fail as a server fails (no answer, 5xx) are
+        marked unhealthy for the probe to bring back; any other answer than success raises."""
+        self._ensure_session()
+        servers = self._admin
+        res = await asyncio.gather(*(self._json(s, "POST", path, payload) for s in servers), return_exceptions=True)
+        for s, r in zip(servers, res):
+            if isinstance(r, Retryable):
+                self._mark_unhealthy(s, f"{path}: {r}")
+                log.warning("server %s did not take %s (%s); it is probed before it serves again", s.url, path, r)
+            elif isinstance(r, BaseException):
+                raise r
 
     def release_memory_occupation(self) -> None:
         """Colocated runs: SGLang frees its weights and KV cache (ReleaseMemoryOccupationReqInput)

@@ -58,7 +58,8 @@ class FakeServer:
         app.router.add_get("/get_model_info", lambda r: self._info())
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/update_weights_from_disk", self._update)
-        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        for path in ("/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
+                     "/continue_generation"):
             app.router.add_post(path, self._admin)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
@@ -286,6 +287,22 @@ def test_worker_behind_a_router_serving_stale_weights_gets_them_before_the_retry
         out = c.generate(REQ)
     assert out[0][0].weight_version == "v1"
     assert worker.version == "v1" and len(worker.updates) == 2 and not router.updates
+
+
+def test_a_pause_around_a_push_skips_a_dead_server_and_takes_it_out_of_rotation(fake):
+    # an asynchronous run pauses the servers before each push: one that died must not fail the step
+    # (its requests are sent again); it serves again only after its probe re-applies the weights
+    from moe_rl.testing import free_port
+
+    live, dead = fake("ok"), f"http://127.0.0.1:{free_port()}"
+    with _client([live.url, dead]) as c:
+        c.pause_generation("retract")
+        c.update_weights_from_disk("/ckpt/step1", version="v1")
+        c.continue_generation()
+        assert not c.server_states()[dead]["healthy"] and c.server_states()[live.url]["healthy"]
+        out = c.generate(REQ * 2)
+    assert live.admin_calls == ["/pause_generation", "/continue_generation"]
+    assert {r[0].server for r in out} == {live.url} and {r[0].weight_version for r in out} == {"v1"}
 
 
 def test_colocated_memory_release_and_resume_reach_every_server(fake):
