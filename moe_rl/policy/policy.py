@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from moe_rl.dist.devices import compute_device
 from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
+from moe_rl.policy.dist_ckpt import load_sharded, save_sharded
 from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
@@ -191,6 +192,15 @@ class MegatronModel:
             chunk.load_state_dict(sd)
         self.opt.load_optimizer_state_dict(state["optimizer"])
         self.opt.scheduler.load_state_dict(state["scheduler"])
+
+    def save_sharded(self, ckpt_dir: str | Path, *, async_save: bool = False) -> Any:
+        """Model, optimizer and scheduler as a megatron distributed checkpoint in `ckpt_dir`, which
+        any layout and world size can load (`load_sharded`; moe_rl/policy/dist_ckpt.py). Collective."""
+        return save_sharded(self, ckpt_dir, async_save=async_save)
+
+    def load_sharded(self, ckpt_dir: str | Path) -> None:
+        """Restore `save_sharded`'s checkpoint, whatever layout saved it. Collective."""
+        load_sharded(self, ckpt_dir)
 
     # ------------------------------------------------------------ collectives for the loop
 

@@ -229,7 +229,7 @@ class PolicyOptimizer:
         """
         if not self.cfg.distributed_optimizer:
             return self.optimizer.state_dict()
-        states = [_distributed_state_dict(o) for o in _sub_optimizers(self.optimizer)]
+        states = [_distributed_state_dict(o) for o in sub_optimizers(self.optimizer)]
         return states[0] if len(states) == 1 else states
 
     def load_optimizer_state_dict(self, state: Any) -> None:
@@ -237,12 +237,12 @@ class PolicyOptimizer:
         if not self.cfg.distributed_optimizer:
             self.optimizer.load_state_dict(state)
             return
-        _check_distributed_state(state, len(_sub_optimizers(self.optimizer)))
+        _check_distributed_state(state, len(sub_optimizers(self.optimizer)))
         # megatron's; the chained one dispatches per sub-optimizer. No grad: megatron copies the
         # main parameters in place, and in fp32 those are views of the model's parameters.
         with torch.no_grad():
             self.optimizer.load_state_dict(state)
-        for opt in _sub_optimizers(self.optimizer):
+        for opt in sub_optimizers(self.optimizer):
             _unshare_adam_steps(opt.optimizer)
 
     @property
@@ -304,7 +304,7 @@ def _fast_adam_on_cpu(optimizer: Any) -> None:
     (`compat.native`: it names no device). The same results bit for bit."""
     if torch.cuda.is_available():
         return
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             for group in inner.param_groups:
@@ -312,7 +312,7 @@ def _fast_adam_on_cpu(optimizer: Any) -> None:
             inner.step = compat.native()(inner.step)  # a contextmanager decorates, fresh per call
 
 
-def _sub_optimizers(optimizer: Any) -> list[Any]:
+def sub_optimizers(optimizer: Any) -> list[Any]:
     """The megatron optimizers behind `optimizer`: a ChainedOptimizer's parts, or itself."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 

@@ -1,0 +1,196 @@
+"""Resharding checkpoints of the policy: megatron-core's `dist_checkpointing`, torch_dist format.
+
+`save_sharded` / `load_sharded` write and read a policy's model and optimizer. Model and optimizer are
+saved as one sharded state dict in megatron's `torch_dist` format (torch.distributed.checkpoint
+files + common.pt + metadata.json). Every tensor is stored under a layout-free global key (layers
+by global index, experts stacked along a leading axis, TP/EP shards as regular slices), so
+a checkpoint saved under one TP/PP/VPP/EP/DP layout loads under another, on another world size.
+
+The optimizer state follows the model's sharding:
+- plain optimizer (FP32Optimizer / Float16OptimizerWithFloat16Params, chained for MoE):
+  megatron's own `sharded_state_dict`; exp_avg / exp_avg_sq (and fp32 main params in bf16)
+  have the shape of their model parameter; the Adam step is saved once as `common_step`.
+- DistributedOptimizer: sharding type `fully_reshardable` (gathered over DP at save time into
+  model-param-shaped tensors, sliced back to the local DP range at load time). The default
+  of megatron-core 0.16.1, `fully_sharded_model_space`, raises ("ShardedTensor.flattened_range
+  is not supported"), and `dp_reshardable` / `dp_zero_gather_scatter` only reshard along DP.
+
+CPU + gloo: needs `moe_rl.policy.compat` active (it is once the Policy is built): megatron's
+save path calls `torch.cuda.synchronize()` / `torch.cuda.current_device()` / `Tensor.cuda()`.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.policy.train_step import sub_optimizers, sync_params
+
+SHARDING_TYPE = "fully_reshardable"
+# False (Megatron-LM's `get_sharded_sd_metadata` default): experts stacked on a prepended axis, GLU
+# halves interleaved in one tensor (torch's legacy ShardedTensor path in megatron's torch strategy).
+# True: one tensor per expert and GLU half (`...experts.experts.{e}.linear_fc1.weight_w/_v`). Both
+# reshard on CPU/gloo; the keys differ, so load with the value the checkpoint was saved with
+# (it is in its content metadata).
+SINGLETON_LOCAL_SHARDS = False
+FORMAT = "moe_rl.dist_ckpt.v1"
+
+
+def _metadata() -> dict[str, Any]:
+    """What megatron's sharded_state_dict methods read (Megatron-LM's `get_sharded_sd_metadata`).
+    A fresh dict per call: megatron adds `dp_cp_group` (a process group) to it in place."""
+    return {
+        "singleton_local_shards": SINGLETON_LOCAL_SHARDS,
+        "chained_optim_avoid_prefix": True,    # no `chained_{i}.` key prefix (keys are per-parameter anyway)
+        "distrib_optim_sharding_type": SHARDING_TYPE,
+        "distrib_optim_fully_reshardable_mem_efficient": False,  # all_gather over DP (True: gloo gather on DP 0)
+    }
+
+
+def ensure_optimizer_state(optimizer: Any) -> None:
+    """Zero Adam moments and a step-0 tensor where torch's Adam has no state yet (before the
+    first step). megatron 0.16.1 needs them: DistributedOptimizer.state_dict() asserts one step
+    value without TE/apex, and the plain optimizer saves only the state that exists (a load
+    would then find no exp_avg in the checkpoint)."""
+    for opt in sub_optimizers(optimizer):
+        inner = opt.optimizer
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if opt.init_state_fn is None or all(len(inner.state.get(p, {})) > 0 for p in params):
+            continue
+        opt.init_state_fn(inner, opt.config)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for p in params:
+                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def _fix_steps_after_load(optimizer: Any) -> None:
+    """Own `step` tensor per parameter (DistributedOptimizer.load_state_dict puts one shared tensor
+    into every parameter's state without TE/apex; torch's Adam increments it in place), and a
+    step-0 tensor where the checkpoint had none (the plain optimizer saves no step at step 0)."""
+    for opt in sub_optimizers(optimizer):
+        inner = opt.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = state["step"].detach().clone()
+            elif state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
+@contextmanager
+def _skip_step_in_param_state_copy(optimizer: Any) -> Iterator[None]:
+    """megatron 0.16.1's `load_parameter_state_from_fully_reshardable` copies into every entry of
+    torch Adam's per-parameter state (`_set_main_param_and_optimizer_states`,
+    distrib_optimizer.py:937-940), `step` included, but the checkpoint's tensors have no `step`
+    (it travels in param_groups): KeyError 'step'. With TE/apex FusedAdam there is no per-parameter
+    step. Hide `step` during that copy; `load_state_dict` itself has set it from param_groups."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = []
+    for opt in sub_optimizers(optimizer):
+        if not isinstance(opt, DistributedOptimizer) or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+        orig = opt._set_main_param_and_optimizer_states
+
+        def set_without_step(model_param, tensors, _opt=opt, _orig=orig):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            state = _opt.optimizer.state[_opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None)
+            try:
+                _orig(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_without_step
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def _default_common_step(loaded_optimizer: Any, optimizer: Any) -> None:
+    """The plain optimizer saves Adam's step as `state.common_step` only when it is non-zero
+    (`if step:`, optimizer.py:1033 and :840-843); torch's Adam then refuses per-parameter state
+    without `step` on load (KeyError in Adam.__setstate__). A checkpoint from before the first
+    step: give it step 0."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = sub_optimizers(optimizer)
+    parts = [loaded_optimizer] if len(subs) == 1 else [loaded_optimizer[i] for i in range(len(subs))]
+    for opt, sd in zip(subs, parts):
+        if isinstance(opt, DistributedOptimizer):
+            continue  # its step travels in param_groups
+        inner = sd if "state" in sd else sd.get("optimizer", {})  # FP32Optimizer | Float16Optimizer
+        state = inner.get("state")
+        if isinstance(state, dict) and state and "common_step" not in state:
+            state["common_step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
+def sharded_state_dict(policy: Any, is_loading: bool) -> dict[str, Any]:
+    """Model chunks (`model{i}`, bare GPTModels) + optimizer (+ scheduler, a common entry, on save)."""
+    md = _metadata()
+    model = {f"model{i}": chunk.sharded_state_dict(metadata=md) for i, chunk in enumerate(policy.chunks)}
+    ensure_optimizer_state(policy.opt.optimizer)
+    optim = policy.opt.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=md)
+    state = {**model, "optimizer": optim}
+    if not is_loading:
+        state["scheduler"] = policy.opt.scheduler.state_dict()
+    return state
+
+
+def _allow_child_processes() -> None:
+    """megatron's writer starts processes on every save, sync or async (a spawned multiprocessing
+    Manager for the results queue, `thread_count` forked writers per rank, plus a forked process per
+    async save). multiprocessing refuses children in a daemonic process, and moe_rl's `run_ranks`
+    starts its ranks with daemon=True: clear the flag (torchrun / srun ranks are not daemonic)."""
+    import multiprocessing as mp
+
+    proc = mp.current_process()
+    if proc._config.get("daemon"):
+        proc.daemon = False
+
+
+def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False) -> Any:
+    """Save the policy's model, optimizer and scheduler to `ckpt_dir` (collective; a directory every
+    rank sees). Returns None, or with `async_save` megatron's AsyncRequest: schedule it on an
+    `AsyncCallsQueue(persistent=False)` (the persistent worker sets a CUDA device) and finalize it
+    on every rank before the checkpoint is relied on."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    sync_params(policy.opt.chunks)
+    _allow_child_processes()
+    if dist.get_rank() == 0:  # megatron's save lists the directory on rank 0: it must exist
+        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = sharded_state_dict(policy, is_loading=False)
+    return dist_checkpointing.save(state, str(ckpt_dir), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+                                   async_sharded_save=async_save,
+                                   content_metadata={"format": FORMAT, "distrib_optim_sharding_type": SHARDING_TYPE,
+                                                     "singleton_local_shards": SINGLETON_LOCAL_SHARDS})
+
+
+def load_sharded(policy: Any, ckpt_dir: str | Path) -> None:
+    """Load `save_sharded`'s directory into the policy, whatever layout and world size saved it
+    (with the same optimizer kind: train.distributed_optimizer as when it was saved)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    state = sharded_state_dict(policy, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(ckpt_dir), sharded_strategy=TorchDistLoadShardedStrategy(),
+                                     strict="raise_all")
+    with torch.no_grad():  # fp32 DistributedOptimizer main params are views of the model's parameters
+        for i, chunk in enumerate(policy.chunks):
+            chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+        _default_common_step(loaded["optimizer"], policy.opt.optimizer)
+        with _skip_step_in_param_state_copy(policy.opt.optimizer):
+            policy.opt.optimizer.load_state_dict(loaded["optimizer"])
+    _fix_steps_after_load(policy.opt.optimizer)
+    policy.opt.scheduler.load_state_dict(loaded["scheduler"])
