@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("moe_rl.rollout.server", "serve a HF model over SGLang's native HTTP API (CPU rollout engine)"),
     "check-parity": ("moe_rl.policy.parity", "compare megatron log-probs under parallel layouts against HF transformers"),
     "drift": ("moe_rl.drift.offline", "routing volatility between two HF checkpoints on a JSONL data file"),
+    "export": ("moe_rl.train.export", "write a HF checkpoint from a run's checkpoint of any layout"),
     "report": ("moe_rl.observe.report", "plot a run directory's metrics (reward, volatility heatmap, mismatch)"),
     "launch": ("moe_rl.launch.cli", "render and submit multi-node launch scripts (SLURM)"),
 }

@@ -194,3 +194,19 @@ def load_sharded(policy: Any, ckpt_dir: str | Path) -> None:
             policy.opt.optimizer.load_state_dict(loaded["optimizer"])
     _fix_steps_after_load(policy.opt.optimizer)
     policy.opt.scheduler.load_state_dict(loaded["scheduler"])
+
+
+def load_sharded_weights(policy: Any, ckpt_dir: str | Path) -> None:
+    """Only the model of `save_sharded`'s directory (export, evaluation): the optimizer state in it is
+    left unread (megatron's "missing" keys), whatever optimizer this policy has."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    md = _metadata()
+    state = {f"model{i}": chunk.sharded_state_dict(metadata=md) for i, chunk in enumerate(policy.chunks)}
+    loaded = dist_checkpointing.load(state, str(ckpt_dir), sharded_strategy=TorchDistLoadShardedStrategy(),
+                                     strict="raise_unexpected")
+    with torch.no_grad():
+        for i, chunk in enumerate(policy.chunks):
+            chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    policy.opt.optimizer.reload_model_params()  # the optimizer's main copies follow the loaded weights

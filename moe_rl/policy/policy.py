@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from moe_rl.dist.devices import compute_device
 from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
-from moe_rl.policy.dist_ckpt import load_sharded, save_sharded
+from moe_rl.policy.dist_ckpt import load_sharded, load_sharded_weights, save_sharded
 from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
@@ -198,9 +198,10 @@ class MegatronModel:
         any layout and world size can load (`load_sharded`; moe_rl/policy/dist_ckpt.py). Collective."""
         return save_sharded(self, ckpt_dir, async_save=async_save)
 
-    def load_sharded(self, ckpt_dir: str | Path) -> None:
-        """Restore `save_sharded`'s checkpoint, whatever layout saved it. Collective."""
-        load_sharded(self, ckpt_dir)
+    def load_sharded(self, ckpt_dir: str | Path, *, weights_only: bool = False) -> None:
+        """Restore `save_sharded`'s checkpoint, whatever layout saved it; `weights_only`: the model
+        alone (the optimizer state in it is not read). Collective."""
+        (load_sharded_weights if weights_only else load_sharded)(self, ckpt_dir)
 
     # ------------------------------------------------------------ collectives for the loop
 
@@ -249,10 +250,10 @@ class Policy(MegatronModel):
         checkpoint back before the next update."""
         load_hf_weights(self.chunks, hf_dir, self.arch)
 
-    def export_hf(self, out_dir: str | Path) -> None:
-        """Write the current weights as a HF checkpoint (collective)."""
+    def export_hf(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write the current weights as a HF checkpoint (collective); `dtype`: cast them."""
         sync_params(self.opt.chunks)  # overlap_param_gather left the gather to the next forward
-        export_hf(self.chunks, out_dir, self.arch, self.hf_config)
+        export_hf(self.chunks, out_dir, self.arch, self.hf_config, dtype=dtype)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for the tensors this rank owns (collective)."""

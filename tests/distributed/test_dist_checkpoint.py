@@ -10,6 +10,7 @@ one, so the comparison would catch a load that did nothing.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,13 +84,17 @@ def _save(hf_dir: str, ckpt: str, batch: list[torch.Tensor]) -> dict:
     policy.update(batch[policy.dp_rank::policy.dp_size], {}, loss)
     view, steps = _hf_view(policy), _steps(policy)
     policy.save_sharded(ckpt)
-    return {"view": view, "steps": steps}
+    # the trainer's log-probs of the whole batch (each DP rank its share, in order)
+    logp = policy.logprobs(batch[policy.dp_rank::policy.dp_size]).logp
+    return {"view": view, "steps": steps, "logp": logp, "rank": policy.dp_rank}
 
 
-def _load(layout: str, hf_dir: str, ckpt: str) -> dict:
+def _load(layout: str, hf_dir: str, ckpt: str, resave: str | None = None) -> dict:
     policy = _policy(layout, hf_dir)
     fresh = {n: t.clone() for n, t in policy.hf_tensors()}
     policy.load_sharded(ckpt)
+    if resave:
+        policy.save_sharded(resave)
     return {"fresh": fresh, "view": _hf_view(policy), "steps": _steps(policy)}
 
 
@@ -107,13 +112,15 @@ def saved(tiny_hf_dir, tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("dist_ckpt") / "policy")
     batch = sample_sequences(64, num=4, max_len=10, seed=0)
     results = run_ranks(_save, 2, str(tiny_hf_dir), ckpt, batch, timeout=300)
-    return ckpt, _merged(results, "view"), results[0]["steps"]
+    logp = {r["rank"]: r["logp"] for r in results}
+    return ckpt, _merged(results, "view"), results[0]["steps"], (batch, logp)
 
 
 @pytest.mark.parametrize("layout,world", [("single", 1), ("tp2", 2)])
-def test_an_ep2_checkpoint_loads_exactly_under_another_layout(saved, tiny_hf_dir, layout, world):
-    ckpt, want, steps = saved
-    results = run_ranks(_load, world, layout, str(tiny_hf_dir), ckpt, timeout=300)
+def test_an_ep2_checkpoint_loads_exactly_under_another_layout(saved, tiny_hf_dir, layout, world, tmp_path):
+    ckpt, want, steps, _ = saved
+    resave = str(tmp_path / "again") if layout == "tp2" else None
+    results = run_ranks(_load, world, layout, str(tiny_hf_dir), ckpt, resave, timeout=300)
     got = _merged(results, "view")
     fresh = {n: t for r in results for n, t in r["fresh"].items()}
     assert any(not torch.equal(fresh[n], want["weights"][n]) for n in want["weights"])  # the load had work to do
@@ -122,3 +129,32 @@ def test_an_ep2_checkpoint_loads_exactly_under_another_layout(saved, tiny_hf_dir
         unequal = [n for n in want[part] if not torch.equal(got[part][n], want[part][n])]
         assert not unequal, f"{part}: {unequal[:5]}"
     assert all(r["steps"] == steps for r in results) and steps == ([1.0], 1)
+    if resave:  # saved again under TP2, it exports the same tensors as the EP2 original
+        from safetensors.torch import load_file
+
+        from moe_rl.train.export import export_policy
+
+        a, b = (export_policy(Path(d), Path(tiny_hf_dir), tmp_path / name)
+                for d, name in ((ckpt, "from_ep2"), (resave, "from_tp2")))
+        ta, tb = ({k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()} for d in (a, b))
+        assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_export_writes_the_trained_weights_and_transformers_gives_the_trainers_logprobs(saved, tiny_hf_dir, tmp_path):
+    # one process reads the EP2 checkpoint; the HF model has the saved weights bit for bit, and its
+    # forward the log-probs the trainer computed in its own layout (float reordering: 1e-5)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.train.export import export_policy
+
+    ckpt, want, _, (batch, logp) = saved
+    out = export_policy(Path(ckpt), Path(tiny_hf_dir), tmp_path / "hf")
+    tensors = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(tensors) == set(want["weights"]) and all(torch.equal(tensors[k], want["weights"][k]) for k in tensors)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for rank, seqs in ((r, batch[r::2]) for r in (0, 1)):
+        for i, seq in enumerate(seqs):
+            with torch.no_grad():
+                lp = torch.log_softmax(model(seq.view(1, -1)).logits[0].float(), -1)[:-1].gather(1, seq[1:].view(-1, 1))
+            torch.testing.assert_close(lp.view(-1), logp[rank][i, : seq.numel() - 1], rtol=0, atol=1e-5)

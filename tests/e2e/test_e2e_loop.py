@@ -125,6 +125,13 @@ def test_resume_gives_the_same_next_steps(tmp_path):
             assert md[3][key] == value, key
         elif key.split("/")[0] == "loss" or key == "perf/grad_norm":
             assert md[3][key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+    # moe-rl export: the step-2 checkpoint as a HF checkpoint, with the run's tokenizer-free source files
+    hf = tmp_path / "hf"
+    e = _cli(["export", "--checkpoint", str(resumed / "checkpoints" / "step_000002"), "--out", str(hf)], timeout=600)
+    assert e.returncode == 0, e.stderr[-3000:]
+    assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
+    again = _cli(["export", "--checkpoint", str(resumed / "checkpoints" / "step_000002"), "--out", str(hf)])
+    assert again.returncode == 2 and "is not empty" in again.stderr
 
 
 @pytest.mark.slow
