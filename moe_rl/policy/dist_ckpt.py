@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from moe_rl.policy.train_step import sub_optimizers, sync_params
+from moe_rl.policy.train_step import init_empty_adam_state, sub_optimizers, sync_params
 
 SHARDING_TYPE = "fully_reshardable"
 # False (Megatron-LM's `get_sharded_sd_metadata` default): experts stacked on a prepended axis, GLU
@@ -56,14 +56,7 @@ def ensure_optimizer_state(optimizer: Any) -> None:
     value without TE/apex, and the plain optimizer saves only the state that exists (a load
     would then find no exp_avg in the checkpoint)."""
     for opt in sub_optimizers(optimizer):
-        inner = opt.optimizer
-        params = [p for g in inner.param_groups for p in g["params"]]
-        if opt.init_state_fn is None or all(len(inner.state.get(p, {})) > 0 for p in params):
-            continue
-        opt.init_state_fn(inner, opt.config)
-        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            for p in params:
-                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+        init_empty_adam_state(opt)
 
 
 def _fix_steps_after_load(optimizer: Any) -> None:

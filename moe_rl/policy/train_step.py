@@ -326,7 +326,7 @@ def _distributed_state_dict(opt: Any) -> dict[str, Any]:
     path sets it for real parameters. megatron's `load_state_dict` loads it back with
     `load_parameter_state_from_dp_reshardable`, which also checks the bucket sizes.
     """
-    _init_empty_adam_state(opt)
+    init_empty_adam_state(opt)
     state = opt.state_dict()
     param_state = opt.get_parameter_state_dp_reshardable()
     for key, per_dtype in param_state.items():
@@ -340,7 +340,7 @@ def _distributed_state_dict(opt: Any) -> dict[str, Any]:
     return state
 
 
-def _init_empty_adam_state(opt: Any) -> None:
+def init_empty_adam_state(opt: Any) -> None:
     """Give a DistributedOptimizer that has not stepped yet the Adam state it would start from.
 
     torch's Adam creates its state (zero moments, step 0) lazily at the first step, and
