@@ -94,6 +94,9 @@ class TrainConfig:
     """Checkpoint every N steps; 0 = only at the end."""
     keep_last: int = ranged(2, ge=1)
     """Checkpoints kept on disk; 2 so a crash during a save leaves a good one."""
+    export_hf: bool = False
+    """At the end of an RL run also write the policy as a HF checkpoint in RUN_DIR/hf/ (a DPO run
+    always does); any checkpoint exports later with `moe-rl export`."""
     resume: str | None = None
     """None = fresh start; "auto" = latest checkpoint in the run dir if any; or a checkpoint path."""
     world_size: int = ranged(1, ge=1)

@@ -77,4 +77,6 @@ class Recipe:
         """Release what the recipe started (servers, engines, update groups); runs on every exit."""
 
     def finish(self, out: Path) -> None:
-        """After the last step (collective)."""
+        """After the last step (collective): the policy as a HF checkpoint with train.export_hf."""
+        if self.cfg.train.export_hf:
+            self.run.policy.export_hf(out / "hf")

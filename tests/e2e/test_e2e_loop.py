@@ -114,10 +114,11 @@ def test_resume_gives_the_same_next_steps(tmp_path):
     # run's: the same samples (the engine has the same weights), loss and grad norm up to the float
     # reordering of another layout
     resharded = tmp_path / "resharded"
-    d = _cli(["train", *base, "parallel.ep=1", "parallel.tp=2", "train.steps=3",
+    d = _cli(["train", *base, "parallel.ep=1", "parallel.tp=2", "train.steps=3", "train.export_hf=true",
               f"train.resume={resumed / 'checkpoints' / 'step_000002'}", f"log.run_dir={resharded}"], timeout=900)
     assert d.returncode == 0, d.stderr[-3000:]
     assert "the models reshard" in (resharded / "train.log").read_text()
+    assert (resharded / "hf" / "config.json").is_file()  # train.export_hf: the policy at the end, in HF form
     md = _metrics(resharded)
     assert sorted(md) == [3]
     for key, value in ma[3].items():
