@@ -139,15 +139,24 @@ def sharded_state_dict(policy: Any, is_loading: bool) -> dict[str, Any]:
 
 
 def _allow_child_processes() -> None:
-    """megatron's writer starts processes on every save, sync or async (a spawned multiprocessing
-    Manager for the results queue, `thread_count` forked writers per rank, plus a forked process per
-    async save). multiprocessing refuses children in a daemonic process, and moe_rl's `run_ranks`
-    starts its ranks with daemon=True: clear the flag (torchrun / srun ranks are not daemonic)."""
+    """megatron's writer starts processes on every save, sync or async (`thread_count` forked writers
+    per rank, plus a forked process per async save). multiprocessing refuses children in a daemonic
+    process, and moe_rl's `run_ranks` starts its ranks with daemon=True: clear the flag (torchrun /
+    srun ranks are not daemonic).
+
+    The writers report through one queue per rank, for which megatron spawns a multiprocessing
+    Manager (filesystem_async._get_write_results_queue): a process of its own that outlives a rank
+    killed with SIGKILL, holding the trainer's stdout open. A queue of the fork context needs no
+    process and reaches the writers, which megatron forks after it exists."""
     import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     proc = mp.current_process()
     if proc._config.get("daemon"):
         proc.daemon = False
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = mp.get_context("fork").Queue()
 
 
 def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False) -> Any:
