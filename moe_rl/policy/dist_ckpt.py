@@ -138,25 +138,29 @@ def sharded_state_dict(policy: Any, is_loading: bool) -> dict[str, Any]:
     return state
 
 
-def _allow_child_processes() -> None:
+def _allow_child_processes(async_save: bool) -> None:
     """megatron's writer starts processes on every save, sync or async (`thread_count` forked writers
     per rank, plus a forked process per async save). multiprocessing refuses children in a daemonic
     process, and moe_rl's `run_ranks` starts its ranks with daemon=True: clear the flag (torchrun /
     srun ranks are not daemonic).
 
-    The writers report through one queue per rank, for which megatron spawns a multiprocessing
-    Manager (filesystem_async._get_write_results_queue): a process of its own that outlives a rank
-    killed with SIGKILL, holding the trainer's stdout open. A queue of the fork context needs no
-    process and reaches the writers, which megatron forks after it exists."""
+    The writers' results reach the rank through a queue for which megatron spawns a multiprocessing
+    Manager (filesystem_async._get_write_results_queue): a process of its own, which outlived a rank
+    killed with SIGKILL and held the trainer's stdout open. A synchronous save puts its results in
+    that queue from the rank's own process, so a plain in-process queue serves it; an asynchronous
+    one (a forked writer) keeps megatron's."""
     import multiprocessing as mp
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     proc = mp.current_process()
     if proc._config.get("daemon"):
         proc.daemon = False
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Queue()
+    if not async_save:
+        filesystem_async._results_queue = queue.Queue()
+    elif isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = None
 
 
 def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False) -> Any:
@@ -168,7 +172,7 @@ def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False)
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     sync_params(policy.opt.chunks)
-    _allow_child_processes()
+    _allow_child_processes(async_save)
     if dist.get_rank() == 0:  # megatron's save lists the directory on rank 0: it must exist
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
     dist.barrier()
