@@ -410,24 +410,19 @@ def test_the_handoff_timeout_covers_rank0s_whole_rollout_budget():
 
 
 def test_an_in_place_push_needs_requests_in_flight():
-    assert "rollout.inflight_update: 'in_place' needs algo.max_staleness >= 1" in error_of(
-        ["rollout.inflight_update=in_place"])
-    cfg = load_config(None, ["rollout.inflight_update=in_place", "algo.max_staleness=3"])
     from moe_rl.recipes.build import inflight_client_args
     from moe_rl.rollout.weight_sync import make_weight_sync
 
-    assert inflight_client_args(cfg) == {"flush_on_update": False, "version_lag": 3}
-    nccl = dataclasses.replace(cfg.rollout, weight_sync="nccl", engine="sglang")
-    sync = make_weight_sync(nccl, admin_urls=["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
-    assert sync.flush_cache is False  # SGLang refuses a flush under paused requests
-    # retracted requests hold no cache: the flush after the load succeeds, and is asked for
-    assert "rollout.inflight_update: 'retract' needs algo.max_staleness >= 1" in error_of(
-        ["rollout.inflight_update=retract"])
-    cfg = load_config(None, ["rollout.inflight_update=retract", "algo.max_staleness=2"])
-    assert inflight_client_args(cfg) == {"flush_on_update": True, "version_lag": 2}
-    nccl = dataclasses.replace(cfg.rollout, weight_sync="nccl", engine="sglang")
-    sync = make_weight_sync(nccl, admin_urls=["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
-    assert sync.flush_cache is True
+    # in place, SGLang refuses a flush under paused requests; retracted requests hold no cache: the
+    # flush after the load succeeds, and is asked for
+    for mode, k, flush in (("in_place", 3, False), ("retract", 2, True)):
+        assert f"rollout.inflight_update: '{mode}' needs algo.max_staleness >= 1" in error_of(
+            [f"rollout.inflight_update={mode}"])
+        cfg = load_config(None, [f"rollout.inflight_update={mode}", f"algo.max_staleness={k}"])
+        assert inflight_client_args(cfg) == {"flush_on_update": flush, "version_lag": k}
+        nccl = dataclasses.replace(cfg.rollout, weight_sync="nccl", engine="sglang")
+        sync = make_weight_sync(nccl, admin_urls=["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
+        assert sync.flush_cache is flush
     # auto, the default: wait when synchronous, retract when asynchronous
     from moe_rl.rollout.config import pause_mode
 
