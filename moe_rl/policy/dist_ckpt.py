@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from moe_rl.policy.train_step import init_empty_adam_state, sub_optimizers, sync_params
+from moe_rl.policy.train_step import init_empty_adam_state, sub_optimizers, sync_params, unshare_adam_steps
 
 SHARDING_TYPE = "fully_reshardable"
 # False (Megatron-LM's `get_sharded_sd_metadata` default): experts stacked on a prepended axis, GLU
@@ -65,13 +65,11 @@ def _fix_steps_after_load(optimizer: Any) -> None:
     step-0 tensor where the checkpoint had none (the plain optimizer saves no step at step 0)."""
     for opt in sub_optimizers(optimizer):
         inner = opt.optimizer
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for state in inner.state.values():
-            if "step" in state:
-                state["step"] = state["step"].detach().clone()
-            elif state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        unshare_adam_steps(inner)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for state in inner.state.values():
+                if state and "step" not in state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
 
 
 @contextmanager

@@ -243,7 +243,7 @@ class PolicyOptimizer:
         with torch.no_grad():
             self.optimizer.load_state_dict(state)
         for opt in sub_optimizers(self.optimizer):
-            _unshare_adam_steps(opt.optimizer)
+            unshare_adam_steps(opt.optimizer)
 
     @property
     def bare_chunks(self) -> list[Any]:
@@ -360,7 +360,7 @@ def init_empty_adam_state(opt: Any) -> None:
             inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
 
 
-def _unshare_adam_steps(inner: Any) -> None:
+def unshare_adam_steps(inner: Any) -> None:
     """Give each parameter its own `step` tensor after megatron's `load_state_dict`.
 
     megatron 0.16 (without TE / apex) loads one step tensor into every parameter's state,
