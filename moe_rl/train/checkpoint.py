@@ -1,7 +1,15 @@
-"""Checkpoints of a run: every rank's state in `checkpoints/step_N/`, written atomically (a
-`.tmp` directory renamed once all ranks are done) with each file's size and SHA-256 in
-`meta.json` (`moe_rl.train.integrity`), so a crash leaves nothing half-saved and damage is named on
-resume. The launchers read `latest_checkpoint` from here."""
+"""Checkpoints of a run in `checkpoints/step_N/`, written atomically (a `.tmp` directory renamed
+once all ranks are done) with each file's size and SHA-256 in `meta.json`
+(`moe_rl.train.integrity`), so a crash leaves nothing half-saved and damage is named on resume.
+The launchers read `latest_checkpoint` from here.
+
+A checkpoint holds each megatron model of the recipe (`recipe.models()`: the policy, the critic)
+as a megatron distributed checkpoint in its own directory (`policy/`, `critic/`;
+moe_rl/policy/dist_ckpt.py), which any layout and world size loads, and every rank's other
+state (data order, rewards, weight version, drift probe, RNG) in `rank_RRRRR.pt`. A run resumed
+under another world size takes rank 0's (the data order is the run's, not a rank's) and draws
+its drift probe set again. Checkpoints of the per-rank format before (`meta.json` without
+`format`) hold the models in the rank files and resume with the world size that wrote them."""
 from __future__ import annotations
 
 import json
@@ -19,6 +27,7 @@ from moe_rl.dist.collectives import all_gather_objects, barrier, world_size
 from moe_rl.train.integrity import check_file, file_record, read_meta
 
 CHECKPOINTS = "checkpoints"
+SHARDED = "sharded"  # meta.json "format": the models are megatron distributed checkpoints
 
 
 def save_checkpoint(recipe: Any, out: Path, step: int, keep_last: int) -> Path:
@@ -35,12 +44,16 @@ def save_checkpoint(recipe: Any, out: Path, step: int, keep_last: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    for name, model in recipe.models().items():
+        model.save_sharded(tmp / name)  # collective; any layout loads it
     state = recipe.state_dict() | {"step": step, "rng": _rng_state()}
     mine = f"rank_{recipe.rank:05d}.pt"
     torch.save(state, tmp / mine)
-    records = all_gather_objects((mine, file_record(tmp / mine)))  # each rank hashes its own file
+    barrier()
+    records = all_gather_objects(_records(tmp, recipe.rank, world_size()))  # the files hashed in parallel
     if recipe.rank == 0:
-        meta = {"step": step, "world_size": world_size(), "files": dict(records)}
+        meta = {"step": step, "world_size": world_size(), "format": SHARDED, "layout": layout_name(recipe.cfg),
+                "files": {k: v for part in records for k, v in part.items()}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -48,6 +61,18 @@ def save_checkpoint(recipe: Any, out: Path, step: int, keep_last: int) -> Path:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def layout_name(cfg: RunConfig) -> str:
+    """The trainer layout a checkpoint was written under, e.g. "tp1 pp1 vpp- ep2 etp1 x2 ranks"."""
+    p = cfg.parallel
+    return f"tp{p.tp} pp{p.pp} vpp{p.vpp or '-'} ep{p.ep} etp{p.etp} x{world_size()} ranks"
+
+
+def _records(ckpt: Path, rank: int, world: int) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of this rank's share of the checkpoint's files (every `world`-th, by name)."""
+    files = sorted(str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file())
+    return {name: file_record(ckpt / name) for name in files[rank::world]}
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -76,9 +101,18 @@ def _agreed_problem(path: Path, rank: int) -> str:
     """What is wrong with checkpoint `path` as any rank sees it ("" when every rank finds it intact)."""
     meta, problem = read_meta(path)
     if meta is not None:
-        problem = check_file(path, f"rank_{rank:05d}.pt", meta)
+        problem = _check_share(path, meta, rank)
     problems = [p for p in all_gather_objects(problem or "") if p]
     return "; ".join(dict.fromkeys(problems))
+
+
+def _check_share(path: Path, meta: dict[str, Any], rank: int) -> str | None:
+    """This rank's share of the checks: its own rank file in the per-rank format; in the sharded
+    format every `world`-th recorded file (this run's world), so that all of them are checked."""
+    if meta.get("format") != SHARDED:
+        return check_file(path, f"rank_{rank:05d}.pt", meta) if rank < meta["world_size"] else None
+    names = sorted(meta.get("files", {}))
+    return next((p for p in (check_file(path, n, meta) for n in names[rank::world_size()]) if p), None)
 
 
 def resume(recipe: Any, cfg: RunConfig, out: Path, log: Any) -> int:
@@ -95,14 +129,24 @@ def resume(recipe: Any, cfg: RunConfig, out: Path, log: Any) -> int:
     if problem:
         raise RuntimeError(f"cannot resume from {path}: {problem}")
     meta = read_meta(path)[0]
-    if meta["world_size"] != world_size():
-        raise RuntimeError(f"{path} was written by {meta['world_size']} ranks; this run has {world_size()} "
-                           f"(resume with the same layout)")
-    file = path / f"rank_{recipe.rank:05d}.pt"
+    sharded = meta.get("format") == SHARDED
+    same = meta["world_size"] == world_size() and meta.get("layout", layout_name(cfg)) == layout_name(cfg)
+    if not sharded and not same:
+        raise RuntimeError(f"{path} is in the per-rank format of earlier versions, written by {meta['world_size']} "
+                           f"ranks; this run has {world_size()}: resume it once with train.world_size="
+                           f"{meta['world_size']} and its layout, and the checkpoints after it reshard")
+    file = path / f"rank_{recipe.rank if same else 0:05d}.pt"
     try:
         state = torch.load(file, weights_only=False)
     except Exception as e:  # a file that matches its record but will not load: say which
         raise RuntimeError(f"cannot load {file}: {type(e).__name__}: {e}") from e
+    for name, model in recipe.models().items():
+        if not ((path / name).is_dir() if sharded else state.get(name) is not None):
+            raise RuntimeError(f"{path} holds no {name}: it was saved by a run without one")
+        model.load_sharded(path / name) if sharded else model.load_state_dict(state[name])
+    if not same:  # the probe set is a data-parallel rank's own samples: drawn again
+        state["drift_state"] = {}
+        log.info("resuming a checkpoint of %s under %s: the models reshard", meta.get("layout"), layout_name(cfg))
     recipe.load_state_dict(state, path)
     _set_rng_state(state["rng"])
     log.info("resumed from %s (step %d)", path, state["step"])
