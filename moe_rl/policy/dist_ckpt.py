@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from moe_rl.dist.orphans import die_with_this_process
 from moe_rl.policy.train_step import init_empty_adam_state, sub_optimizers, sync_params, unshare_adam_steps
 
 SHARDING_TYPE = "fully_reshardable"
@@ -164,7 +165,8 @@ def _allow_child_processes(async_save: bool) -> None:
 def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False) -> Any:
     """Save the policy's model, optimizer and scheduler to `ckpt_dir` (collective; a directory every
     rank sees). Returns None, or with `async_save` megatron's AsyncRequest: schedule it on an
-    `AsyncCallsQueue(persistent=False)` (the persistent worker sets a CUDA device) and finalize it
+    `AsyncCallsQueue(persistent=False)` (the persistent worker sets a CUDA device) inside
+    `die_with_this_process()` (the queue forks the writer) and finalize it
     on every rank before the checkpoint is relied on."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -175,10 +177,13 @@ def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False)
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
     dist.barrier()
     state = sharded_state_dict(policy, is_loading=False)
-    return dist_checkpointing.save(state, str(ckpt_dir), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
-                                   async_sharded_save=async_save,
-                                   content_metadata={"format": FORMAT, "distrib_optim_sharding_type": SHARDING_TYPE,
-                                                     "singleton_local_shards": SINGLETON_LOCAL_SHARDS})
+    # megatron forks its writers here: a rank killed mid-save takes them with it (moe_rl/dist/orphans.py)
+    with die_with_this_process():
+        return dist_checkpointing.save(
+            state, str(ckpt_dir), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+            async_sharded_save=async_save,
+            content_metadata={"format": FORMAT, "distrib_optim_sharding_type": SHARDING_TYPE,
+                              "singleton_local_shards": SINGLETON_LOCAL_SHARDS})
 
 
 def load_sharded(policy: Any, ckpt_dir: str | Path) -> None:
