@@ -156,6 +156,9 @@ def _collect_only_without_automatic_gc() -> Iterator[None]:
         distrib_optimizer.gc = kept
 
 
+_async_results: Any = None  # the Manager queue asynchronous saves report through (one per rank)
+
+
 def _allow_child_processes(async_save: bool) -> None:
     """megatron's writer starts processes on every save, sync or async (`thread_count` forked writers
     per rank, plus a forked process per async save). multiprocessing refuses children in a daemonic
@@ -166,7 +169,7 @@ def _allow_child_processes(async_save: bool) -> None:
     Manager (filesystem_async._get_write_results_queue): a process of its own, which outlived a rank
     killed with SIGKILL and held the trainer's stdout open. A synchronous save puts its results in
     that queue from the rank's own process, so a plain in-process queue serves it; an asynchronous
-    one (a forked writer) keeps megatron's."""
+    one (a forked writer) gets a Manager queue of the same kind, forked so that it dies with the rank."""
     import multiprocessing as mp
     import queue
 
@@ -175,18 +178,20 @@ def _allow_child_processes(async_save: bool) -> None:
     proc = mp.current_process()
     if proc._config.get("daemon"):
         proc.daemon = False
+    global _async_results
     if not async_save:
         filesystem_async._results_queue = queue.Queue()
-    elif isinstance(filesystem_async._results_queue, queue.Queue):
-        filesystem_async._results_queue = None
+        return
+    if _async_results is None:  # megatron's own spawns a Manager that outlives a killed rank; this one dies with it
+        with die_with_this_process():
+            _async_results = mp.get_context("fork").Manager().Queue()
+    filesystem_async._results_queue = _async_results
 
 
 def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False) -> Any:
     """Save the policy's model, optimizer and scheduler to `ckpt_dir` (collective; a directory every
-    rank sees). Returns None, or with `async_save` megatron's AsyncRequest: schedule it on an
-    `AsyncCallsQueue(persistent=False)` (the persistent worker sets a CUDA device) inside
-    `die_with_this_process()` (the queue forks the writer) and finalize it
-    on every rank before the checkpoint is relied on."""
+    rank sees). Returns None, or with `async_save` megatron's AsyncRequest: schedule it on
+    `AsyncSaves` and wait for `done` on every rank before the checkpoint is relied on."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -238,3 +243,28 @@ def load_sharded_weights(policy: Any, ckpt_dir: str | Path) -> None:
         for i, chunk in enumerate(policy.chunks):
             chunk.load_state_dict(loaded[f"model{i}"], strict=True)
     policy.opt.optimizer.reload_model_params()  # the optimizer's main copies follow the loaded weights
+
+
+class AsyncSaves:
+    """Asynchronous saves in flight: megatron's `AsyncCallsQueue` (non-persistent: a forked writer
+    per save, which takes a copy-on-write snapshot of the tensors at fork time, so the step can
+    change the parameters at once; the persistent worker sets a CUDA device). `done(blocking)` is
+    collective: every rank calls it at the same points, and it is True once every rank's writers
+    have finished and megatron's finalization (the checkpoint's metadata) ran."""
+
+    def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue(persistent=False)
+
+    def schedule(self, request: Any) -> None:
+        with die_with_this_process():  # the writer is forked here
+            self.queue.schedule_async_request(request)
+
+    def done(self, blocking: bool) -> bool:
+        self.queue.maybe_finalize_async_calls(blocking=blocking)
+        return self.queue.get_num_unfinalized_calls() == 0
+
+    def close(self) -> None:
+        """Stop a writer still running (the run ends abnormally: its checkpoint stays unfinished)."""
+        self.queue.close(abort=True)

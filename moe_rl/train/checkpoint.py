@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,37 +31,87 @@ CHECKPOINTS = "checkpoints"
 SHARDED = "sharded"  # meta.json "format": the models are megatron distributed checkpoints
 
 
-def save_checkpoint(recipe: Any, out: Path, step: int, keep_last: int) -> Path:
-    """Every rank writes its state (`recipe.state_dict()`, with the step and the RNG states) into
-    `step_N.tmp/`; rank 0 renames it to `step_N/` once all are done.
+class Checkpoints:
+    """The run's checkpoint writer: `save(step)` writes `step_N.tmp/` on every rank; `finish` hashes
+    its files into `meta.json` and renames it to `step_N/` once all ranks are done.
 
     A crash while writing leaves only a `.tmp` directory, which resume ignores. `meta.json`
     records every file's size and SHA-256 (`moe_rl.train.integrity`), so damage is found on resume.
+
+    `async_save` (train.async_save): the models' files are written by forked writers
+    (moe_rl/policy/dist_ckpt.py: AsyncSaves) while the next steps train; `poll()` at each step's
+    start finishes the checkpoint once every rank's writers are done, `wait()` blocks for it (the
+    next save, the end of the run). Until then the checkpoint is a `.tmp` directory. Every method
+    is collective: all ranks call them at the same points.
     """
-    root = out / CHECKPOINTS
-    final = root / f"step_{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    if recipe.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    for name, model in recipe.models().items():
-        model.save_sharded(tmp / name)  # collective; any layout loads it
-    state = recipe.state_dict() | {"step": step, "rng": _rng_state()}
-    mine = f"rank_{recipe.rank:05d}.pt"
-    torch.save(state, tmp / mine)
-    barrier()
-    records = all_gather_objects(_records(tmp, recipe.rank, world_size()))  # the files hashed in parallel
-    if recipe.rank == 0:
-        meta = {"step": step, "world_size": world_size(), "format": SHARDED, "layout": layout_name(recipe.cfg),
-                "files": {k: v for part in records for k, v in part.items()}}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
+
+    def __init__(self, recipe: Any, out: Path, keep_last: int, async_save: bool = False) -> None:
+        self.recipe, self.root, self.keep_last, self.async_save = recipe, out / CHECKPOINTS, keep_last, async_save
+        self.writing: tuple[Path, Path, int] | None = None  # (tmp, final, step) of the checkpoint in flight
+        self._saves: Any = None
+        self.blocked_s = 0.0  # seconds the last save held the step (its collective part, its wait)
+
+    def save(self, step: int) -> Path:
+        start = time.perf_counter()
+        self.wait()
+        final = self.root / f"step_{step:06d}"
+        tmp = final.with_name(final.name + ".tmp")
+        if self.recipe.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        requests = [model.save_sharded(tmp / name, async_save=self.async_save)  # collective; any layout loads it
+                    for name, model in self.recipe.models().items()]
+        state = self.recipe.state_dict() | {"step": step, "rng": _rng_state()}
+        torch.save(state, tmp / f"rank_{self.recipe.rank:05d}.pt")
+        if self.async_save:
+            if self._saves is None:
+                from moe_rl.policy.dist_ckpt import AsyncSaves
+
+                self._saves = AsyncSaves()
+            for request in requests:
+                self._saves.schedule(request)
+            self.writing = (tmp, final, step)
+        else:
+            self._finish(tmp, final, step)
+        self.blocked_s = time.perf_counter() - start
+        return final
+
+    def poll(self) -> None:
+        """Finish the checkpoint in flight if every rank's writers are done (does not wait)."""
+        if self.writing is not None and self._saves.done(blocking=False):
+            self._finish(*self.writing)
+
+    def wait(self) -> None:
+        """Finish the checkpoint in flight, waiting for its writers."""
+        if self.writing is not None:
+            self._saves.done(blocking=True)
+            self._finish(*self.writing)
+
+    def close(self) -> None:
+        """The run ends abnormally: stop writers still running (their checkpoint stays `.tmp`). Local."""
+        if self._saves is not None:
+            self._saves.close()
+
+    def _finish(self, tmp: Path, final: Path, step: int) -> None:
+        self.writing = None
+        barrier()
+        records = all_gather_objects(_records(tmp, self.recipe.rank, world_size()))  # the files hashed in parallel
+        if self.recipe.rank == 0:
+            meta = {"step": step, "world_size": world_size(), "format": SHARDED,
+                    "layout": layout_name(self.recipe.cfg), "files": {k: v for part in records for k, v in part.items()}}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+            for old in done[:-self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()
+
+
+def save_checkpoint(recipe: Any, out: Path, step: int, keep_last: int) -> Path:
+    """One synchronous checkpoint of step `step` (`Checkpoints.save`, finished before it returns)."""
+    return Checkpoints(recipe, out, keep_last).save(step)
 
 
 def layout_name(cfg: RunConfig) -> str:

@@ -26,7 +26,7 @@ class _State:
         self.value = state["value"]
 
     # a megatron model's distributed checkpoint, as files of a directory
-    def save_sharded(self, ckpt_dir):
+    def save_sharded(self, ckpt_dir, async_save=False):
         ckpt_dir.mkdir()
         torch.save(self.state_dict(), ckpt_dir / "__0_0.distcp")
         (ckpt_dir / "metadata.json").write_text("{}")
