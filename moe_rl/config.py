@@ -94,6 +94,11 @@ class TrainConfig:
     """Checkpoint every N steps; 0 = only at the end."""
     keep_last: int = ranged(2, ge=1)
     """Checkpoints kept on disk; 2 so a crash during a save leaves a good one."""
+    async_save: bool = False
+    """Write the models' checkpoint files in forked writers while the next steps train (megatron's
+    asynchronous save); the checkpoint is finished (hashed, renamed to step_N/) at the first step
+    boundary after every rank's writers are done. For large models; a save then holds the step
+    for its collective part only."""
     export_hf: bool = False
     """At the end of an RL run also write the policy as a HF checkpoint in RUN_DIR/hf/ (a DPO run
     always does); any checkpoint exports later with `moe-rl export`."""

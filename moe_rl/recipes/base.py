@@ -46,15 +46,18 @@ class Recipe:
         raise NotImplementedError
 
     # ------------------------------------------------------------ checkpoints
+    def models(self) -> dict[str, Any]:
+        """The megatron models of the method by name (`policy`, and `critic` where there is one):
+        a checkpoint saves each as a distributed checkpoint that any layout loads."""
+        return {"policy": self.run.policy}
+
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds of this rank (the driver adds the step and RNG states)."""
+        """What a checkpoint holds of this rank besides `models()` (the driver adds step and RNG)."""
         r = self.run
-        return {"policy": r.policy.state_dict(), "sampler": r.sampler.state_dict(),
-                "weight_version": r.weight_version, "drift_state": r.drift_state}
+        return {"sampler": r.sampler.state_dict(), "weight_version": r.weight_version, "drift_state": r.drift_state}
 
     def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
         r = self.run
-        r.policy.load_state_dict(state["policy"])
         r.sampler.load_state_dict(state["sampler"])
         r.weight_version = state["weight_version"]
         r.drift_state = state["drift_state"]

@@ -27,7 +27,7 @@ from moe_rl.dist.ports import free_port
 from moe_rl.dist.spawn import set_local_rank_env
 from moe_rl.recipes import build_recipe
 from moe_rl.rollout.outage import EXIT_NO_SERVER, RolloutLost
-from moe_rl.train.checkpoint import latest_checkpoint, resume, save_checkpoint
+from moe_rl.train.checkpoint import Checkpoints, latest_checkpoint, resume
 
 
 # ---------------------------------------------------------------- CLI
@@ -194,13 +194,15 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
     if start_step > 1:
         recipe.resumed()
     progress = Progress(cfg.train.steps, enabled=rank == 0, live=None if cfg.log.progress else False)
+    ckpt = Checkpoints(recipe, out, cfg.train.keep_last, cfg.train.async_save)
     try:
         for step in range(start_step, cfg.train.steps + 1):
+            ckpt.poll()  # an asynchronous save whose writers are done is finished here
             before = recipe.draws()
             try:
                 metrics = recipe.step(step)
             except RolloutLost as e:  # every rank, at the same point: the step changed nothing but its draws
-                return _save_and_give_up(recipe, out, step - 1, before, cfg, log, e)
+                return _save_and_give_up(recipe, ckpt, step - 1, before, cfg, log, e)
             if recipe.eval_due(step):
                 metrics |= recipe.evaluate(step)
             metrics["step"] = step
@@ -208,13 +210,21 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
             progress.update(step, metrics)
             stop = agree(_Stop.requested)
             if stop or (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
-                save_checkpoint(recipe, out, step, cfg.train.keep_last)
+                ckpt.save(step)
+                log.info("checkpoint of step %d %s; it held the step %.2f s", step,
+                         "writing in the background" if cfg.train.async_save else "saved", ckpt.blocked_s)
             if stop:
+                ckpt.wait()
                 log.info("stop signal received: checkpoint of step %d saved; exiting", step)
                 return 0
+        ckpt.wait()  # the last checkpoint is finished before the run ends
     except KeyboardInterrupt as e:
+        ckpt.close()  # a writer still running stops; its checkpoint stays unfinished (.tmp)
         log.warning("%s", e or "stopped at once")
         return 130
+    except BaseException:
+        ckpt.close()
+        raise
     finally:
         progress.close()
         sinks.close()
@@ -226,13 +236,15 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
     return 0
 
 
-def _save_and_give_up(recipe: Any, out: Path, last: int, before: dict[str, Any], cfg: RunConfig, log: Any,
+def _save_and_give_up(recipe: Any, ckpt: Checkpoints, last: int, before: dict[str, Any], cfg: RunConfig, log: Any,
                       error: Exception) -> int:
     """No rollout server recovered: checkpoint step `last` as it ended (draws undone), exit 3."""
     recipe.undo_draws(before)
-    done = latest_checkpoint(out)
+    ckpt.wait()
+    done = latest_checkpoint(ckpt.root.parent)
     if last >= 1 and (done is None or done.name != f"step_{last:06d}"):
-        save_checkpoint(recipe, out, last, cfg.train.keep_last)
+        ckpt.save(last)
+        ckpt.wait()
     log.error("no rollout server answered within rollout.timeout_s=%g s (%s); checkpoint of step %d saved, "
               "resume with train.resume=auto once the servers are back", cfg.rollout.timeout_s, error, last)
     return EXIT_NO_SERVER

@@ -89,6 +89,56 @@ def _save(hf_dir: str, ckpt: str, batch: list[torch.Tensor]) -> dict:
     return {"view": view, "steps": steps, "logp": logp, "rank": policy.dp_rank}
 
 
+def _save_async(hf_dir: str, out: str, batch: list[torch.Tensor]) -> dict:
+    """One update, an asynchronous checkpoint of it, and a second update while its writers run."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from moe_rl.config import load_config
+    from moe_rl.train.checkpoint import Checkpoints
+
+    policy = _policy("ep2", hf_dir)
+
+    def loss(logp, mb):
+        return -(logp.float() * mb.loss_mask).sum() / 100.0, {}
+
+    mine = batch[policy.dp_rank::policy.dp_size]
+    policy.update(mine, {}, loss)
+    view = _hf_view(policy)
+    recipe = SimpleNamespace(rank=dist.get_rank(), cfg=load_config(None, ["parallel.ep=2", "train.world_size=2"]),
+                             models=lambda: {"policy": policy}, state_dict=dict)
+    ckpts = Checkpoints(recipe, Path(out), keep_last=2, async_save=True)
+    ckpts.save(1)
+    final = Path(out) / "checkpoints" / "step_000001"
+    before = final.exists()
+    policy.update(mine, {}, loss)  # the step goes on: the parameters change under the writers
+    changed = any(not torch.equal(t, view["weights"][n]) for n, t in policy.hf_tensors())
+    ckpts.wait()
+    return {"view": view, "listed_before_done": before, "changed": changed, "final": str(final)}
+
+
+def test_an_async_save_keeps_its_steps_numbers_while_the_next_update_trains(tiny_hf_dir, tmp_path):
+    # the checkpoint is listed (step_N/, meta.json) only once every rank's writers are done, and it
+    # holds the weights and Adam state of its step, not the update that ran while it was written
+    from moe_rl.train.checkpoint import latest_checkpoint
+    from moe_rl.train.integrity import check_file, read_meta
+
+    batch = sample_sequences(64, num=4, max_len=10, seed=0)
+    results = run_ranks(_save_async, 2, str(tiny_hf_dir), str(tmp_path / "run"), batch, timeout=300)
+    assert not any(r["listed_before_done"] for r in results) and all(r["changed"] for r in results)
+    final = Path(results[0]["final"])
+    assert latest_checkpoint(final.parent.parent) == final
+    meta = read_meta(final)[0]
+    assert any(n.startswith("policy/") for n in meta["files"])
+    assert not [p for p in (check_file(final, n, meta) for n in meta["files"]) if p]  # every byte down and hashed
+    want = _merged(results, "view")
+    got = _merged(run_ranks(_load, 1, "single", str(tiny_hf_dir), str(final / "policy"), timeout=300), "view")
+    for part in ("weights", *STATES):
+        unequal = [n for n in want[part] if not torch.equal(got[part][n], want[part][n])]
+        assert not unequal, f"{part}: {unequal[:5]}"
+
+
 def _load(layout: str, hf_dir: str, ckpt: str, resave: str | None = None) -> dict:
     policy = _policy(layout, hf_dir)
     fresh = {n: t.clone() for n, t in policy.hf_tensors()}

@@ -110,6 +110,29 @@ def test_resume_gives_the_same_next_steps(tmp_path):
         for key, value in ma[step].items():
             if key.split("/")[0] in ("reward", "loss", "adv") or key in ("drift/volatility", "perf/grad_norm"):
                 assert mb[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+    # the step-2 checkpoint (EP2) resumed under TP2: the models reshard, and step 3 is the uninterrupted
+    # run's: the same samples (the engine has the same weights), loss and grad norm up to the float
+    # reordering of another layout
+    resharded = tmp_path / "resharded"
+    d = _cli(["train", *base, "parallel.ep=1", "parallel.tp=2", "train.steps=3", "train.export_hf=true",
+              f"train.resume={resumed / 'checkpoints' / 'step_000002'}", f"log.run_dir={resharded}"], timeout=900)
+    assert d.returncode == 0, d.stderr[-3000:]
+    assert "the models reshard" in (resharded / "train.log").read_text()
+    assert (resharded / "hf" / "config.json").is_file()  # train.export_hf: the policy at the end, in HF form
+    md = _metrics(resharded)
+    assert sorted(md) == [3]
+    for key, value in ma[3].items():
+        if key.split("/")[0] in ("reward", "adv"):
+            assert md[3][key] == value, key
+        elif key.split("/")[0] == "loss" or key == "perf/grad_norm":
+            assert md[3][key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+    # moe-rl export: the step-2 checkpoint as a HF checkpoint, with the run's tokenizer-free source files
+    hf = tmp_path / "hf"
+    e = _cli(["export", "--checkpoint", str(resumed / "checkpoints" / "step_000002"), "--out", str(hf)], timeout=600)
+    assert e.returncode == 0, e.stderr[-3000:]
+    assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
+    again = _cli(["export", "--checkpoint", str(resumed / "checkpoints" / "step_000002"), "--out", str(hf)])
+    assert again.returncode == 2 and "is not empty" in again.stderr
 
 
 @pytest.mark.slow

@@ -23,8 +23,8 @@ class DPORecipe(Recipe):
         return evaluate(self.run, self.eval_set, step)
 
     def state_dict(self) -> dict[str, Any]:
-        # "critic" and "rewards" kept (as None) so checkpoints read the same in every mode
-        return super().state_dict() | {"critic": None, "rewards": None}
+        # "rewards" kept (as None) so checkpoints read the same in every mode
+        return super().state_dict() | {"rewards": None}
 
     def finish(self, out: Path) -> None:
         self.run.policy.export_hf(out / "hf")  # the trained policy as a HF checkpoint (collective)

@@ -37,23 +37,20 @@ class RLRecipe(Recipe):
     def evaluate(self, step: int) -> dict[str, float]:
         return evaluate(self.run, self.eval_set, step)
 
+    def models(self) -> dict[str, Any]:
+        return super().models() | ({"critic": self.run.critic} if self.run.critic is not None else {})
+
     def state_dict(self) -> dict[str, Any]:
         r = self.run
-        state = super().state_dict() | {"critic": r.critic.state_dict() if r.critic is not None else None,
-                                        "rewards": r.rewards.state_dict()}
+        state = super().state_dict() | {"rewards": r.rewards.state_dict()}
         ahead = r.pipeline.sampler_state() if r.pipeline is not None else None
         if ahead is not None:  # batches asked for but not trained: a resumed run asks for them again
             state["sampler"] = ahead
         return state
 
     def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
-        r = self.run
-        if r.critic is not None and state.get("critic") is None:
-            raise RuntimeError(f"{path} holds no critic: it was saved by a run without algo.advantage=gae")
         super().load_state_dict(state, path)
-        if r.critic is not None:
-            r.critic.load_state_dict(state["critic"])
-        r.rewards.load_state_dict(state["rewards"])
+        self.run.rewards.load_state_dict(state["rewards"])
 
     def resumed(self) -> None:
         sync_weights(self.run)  # the engine starts from the initial weights: give it the resumed ones

@@ -25,6 +25,15 @@ class _State:
     def load_state_dict(self, state):
         self.value = state["value"]
 
+    # a megatron model's distributed checkpoint, as files of a directory
+    def save_sharded(self, ckpt_dir, async_save=False):
+        ckpt_dir.mkdir()
+        torch.save(self.state_dict(), ckpt_dir / "__0_0.distcp")
+        (ckpt_dir / "metadata.json").write_text("{}")
+
+    def load_sharded(self, ckpt_dir):
+        self.load_state_dict(torch.load(ckpt_dir / "__0_0.distcp"))
+
 
 def _run(value: float):
     return RLRecipe(SimpleNamespace(policy=_State(value), sampler=_State(value), rewards=_State(value), critic=None, rank=0,
@@ -46,9 +55,32 @@ def _resumed(tmp_path, spec):
 def test_meta_records_every_file_and_an_intact_checkpoint_resumes(tmp_path):
     newest = _two_checkpoints(tmp_path)
     meta = json.loads((newest / "meta.json").read_text())
-    assert set(meta["files"]) == {"rank_00000.pt"}
+    assert set(meta["files"]) == {"rank_00000.pt", "policy/__0_0.distcp", "policy/metadata.json"}
     assert meta["files"]["rank_00000.pt"]["bytes"] == (newest / "rank_00000.pt").stat().st_size
+    assert meta["format"] == "sharded"
     assert _resumed(tmp_path, "auto") == (2, 2.0)
+
+
+def test_a_damaged_model_file_is_named_and_skipped(tmp_path, caplog):
+    newest = _two_checkpoints(tmp_path)
+    _zero_page(newest / "policy" / "__0_0.distcp")
+    with caplog.at_level(logging.WARNING):
+        assert _resumed(tmp_path, "auto") == (1, 1.0)
+    assert f"{newest / 'policy' / '__0_0.distcp'} does not match the SHA-256" in caplog.text
+
+
+def test_a_per_rank_checkpoint_of_another_world_size_is_refused_naming_what_resumes_it(tmp_path):
+    newest = _two_checkpoints(tmp_path)
+    meta = json.loads((newest / "meta.json").read_text())
+    state = torch.load(newest / "rank_00000.pt", weights_only=False) | {"policy": _State(2.0).state_dict()}
+    torch.save(state, newest / "rank_00000.pt")  # the earlier format: the model inside the rank file
+    meta = {k: v for k, v in meta.items() if k not in ("format", "files")} | {"world_size": 1}
+    (newest / "meta.json").write_text(json.dumps(meta))
+    assert _resumed(tmp_path, "auto") == (2, 2.0)  # same world size: it loads
+    (newest / "meta.json").write_text(json.dumps(meta | {"world_size": 2}))
+    with pytest.raises(RuntimeError, match="per-rank format of earlier versions, written by 2 ranks; this run has 1: "
+                                           "resume it once with train.world_size=2"):
+        _resumed(tmp_path, str(newest))
 
 
 def _truncate(f):
