@@ -100,12 +100,12 @@ def test_resume_gives_the_same_next_steps(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     a = _cli(["train", *base, "train.steps=4", f"log.run_dir={straight}"], timeout=900)
     assert a.returncode == 0, a.stderr[-3000:]
-    b = _cli(["train", *base, "train.steps=2", f"log.run_dir={resumed}"], timeout=900)
-    assert b.returncode == 0, b.stderr[-3000:]
-    c = _cli(["train", *base, "train.steps=4", "train.resume=auto", f"log.run_dir={resumed}"], timeout=900)
+    step2 = straight / "checkpoints" / "step_000002"  # the uninterrupted run's own checkpoint of step 2
+    c = _cli(["train", *base, "train.steps=4", f"train.resume={step2}", f"log.run_dir={resumed}"], timeout=900)
     assert c.returncode == 0, c.stderr[-3000:]
     assert "resumed from" in (resumed / "train.log").read_text()
     ma, mb = _metrics(straight), _metrics(resumed)
+    assert sorted(mb) == [3, 4]
     for step in (3, 4):
         for key, value in ma[step].items():
             if key.split("/")[0] in ("reward", "loss", "adv") or key in ("drift/volatility", "perf/grad_norm"):
@@ -115,7 +115,7 @@ def test_resume_gives_the_same_next_steps(tmp_path):
     # reordering of another layout
     resharded = tmp_path / "resharded"
     d = _cli(["train", *base, "parallel.ep=1", "parallel.tp=2", "train.steps=3", "train.export_hf=true",
-              f"train.resume={resumed / 'checkpoints' / 'step_000002'}", f"log.run_dir={resharded}"], timeout=900)
+              f"train.resume={step2}", f"log.run_dir={resharded}"], timeout=900)
     assert d.returncode == 0, d.stderr[-3000:]
     assert "the models reshard" in (resharded / "train.log").read_text()
     assert (resharded / "hf" / "config.json").is_file()  # train.export_hf: the policy at the end, in HF form
@@ -128,10 +128,10 @@ def test_resume_gives_the_same_next_steps(tmp_path):
             assert md[3][key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
     # moe-rl export: the step-2 checkpoint as a HF checkpoint, with the run's tokenizer-free source files
     hf = tmp_path / "hf"
-    e = _cli(["export", "--checkpoint", str(resumed / "checkpoints" / "step_000002"), "--out", str(hf)], timeout=600)
+    e = _cli(["export", "--checkpoint", str(step2), "--out", str(hf)], timeout=600)
     assert e.returncode == 0, e.stderr[-3000:]
     assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
-    again = _cli(["export", "--checkpoint", str(resumed / "checkpoints" / "step_000002"), "--out", str(hf)])
+    again = _cli(["export", "--checkpoint", str(step2), "--out", str(hf)])
     assert again.returncode == 2 and "is not empty" in again.stderr
 
 

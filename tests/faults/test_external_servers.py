@@ -108,7 +108,7 @@ def test_trainer_killed_mid_run_rejoins_servers_it_did_not_start(server, toy_mod
 
 def test_a_stalled_server_outlasts_the_collective_timeout_not_the_rollout_budget(server, toy_model, tmp_path):
     proc = _train(tmp_path, toy_model, server.url, "train.collective_timeout_s=5", "train.save_every=0",
-                  "train.steps=40")
+                  "train.steps=10")  # the stall starts right after step 1: 9 steps are left for it
     deadline = time.monotonic() + 300
     while 1 not in _steps(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
@@ -120,7 +120,7 @@ def test_a_stalled_server_outlasts_the_collective_timeout_not_the_rollout_budget
         os.kill(server.proc.pid, signal.SIGCONT)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
-    assert _steps(tmp_path)[-1] == 40
+    assert _steps(tmp_path)[-1] == 10
     # the stall lands in a rollout or in a weight push (rank 0 waiting on the server either way), while
     # the other rank waits in a hand-off
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

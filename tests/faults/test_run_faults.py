@@ -95,12 +95,12 @@ def test_server_killed_during_the_run_is_restarted_and_nothing_is_lost(reference
 
 
 def test_no_server_back_within_the_timeout_checkpoints_and_exits(reference, tmp_path):
-    proc = _train(tmp_path, "rollout.max_restarts=0", "rollout.timeout_s=15")
+    proc = _train(tmp_path, "rollout.max_restarts=0", "rollout.timeout_s=10")
     _wait_step(tmp_path, 2, proc)
     os.kill(_server_pid(tmp_path), signal.SIGKILL)
     code, out = _finish(proc)
     assert code == 3, out[-3000:]
-    assert "no rollout server answered within rollout.timeout_s=15" in (tmp_path / "train.log").read_text()
+    assert "no rollout server answered within rollout.timeout_s=10" in (tmp_path / "train.log").read_text()
     from moe_rl.train.checkpoint import latest_checkpoint
 
     done = max(_metrics(tmp_path))
