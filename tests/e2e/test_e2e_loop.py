@@ -215,11 +215,12 @@ def test_mistakes_found_before_any_rank_starts(tmp_path, overrides, message):
 
 @pytest.mark.slow
 def test_demo_config_learns_the_easy_task(tmp_path):
-    """Seeded: success starts near chance (1/16) and greedy eval success reaches >= 0.8 by step 40."""
-    r = _cli(["train", "--config", "launch/configs/tiny_cpu.yaml", "train.steps=40", "train.save_every=0",
+    """Seeded: success starts near chance (1/16) and greedy eval success reaches >= 0.8 by step 20
+    (the demo's run: 1.0 there, 0.78 at step 10)."""
+    r = _cli(["train", "--config", "launch/configs/tiny_cpu.yaml", "train.steps=20", "train.save_every=0",
               "log.tensorboard=false", "log.progress=false", f"log.run_dir={tmp_path}"], timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     m = _metrics(tmp_path)
     assert m[1]["reward/success_rate"] <= 0.25
-    assert m[40]["eval/success_rate"] >= 0.8, {s: m[s].get("eval/success_rate") for s in m}
+    assert m[20]["eval/success_rate"] >= 0.8, {s: m[s].get("eval/success_rate") for s in m}
     assert (tmp_path / "report" / "volatility_heatmap.png").is_file()
