@@ -83,9 +83,8 @@ def run(args: argparse.Namespace) -> int:
         if not (ckpt / "meta.json").is_file():
             raise ExportError(f"{ckpt} is not a finished checkpoint (no meta.json)")
         if not (ckpt / "policy").is_dir():
-            raise ExportError(f"{ckpt} has no policy/ directory (a distributed checkpoint, Policy.save_sharded): "
-                              "moe-rl train's checkpoints are still per rank; train.export_hf=true writes RUN_DIR/hf/ "
-                              "at the end of a run")
+            raise ExportError(f"{ckpt} has no policy/ directory: it is in the per-rank format of earlier versions; "
+                              "resume it once (train.resume=...) and export the checkpoint that run writes")
         if out.exists() and any(out.iterdir()):
             raise ExportError(f"--out {out} is not empty")
         source, trained_dtype = source_model(ckpt)
