@@ -146,3 +146,46 @@ def test_server_killed_mid_async_run_is_restarted_and_no_step_trains_on_older_to
     assert sorted(r["step"] for r in steps) == list(range(1, STEPS + 1))
     assert all(r["rollout/staleness_max"] <= 2 for r in steps), [r["rollout/staleness_max"] for r in steps]
     assert all(r["reward/mean"] == r["reward/mean"] for r in steps)  # every step had its samples
+
+
+def _batches_drawn(ckpt: Path, n: int) -> tuple[dict, dict]:
+    """The data order a checkpoint saved, and the order after exactly `n` batches of the same sampler."""
+    import torch
+
+    from moe_rl.data.sampler import PromptSampler
+
+    saved = torch.load(ckpt / "rank_00000.pt", weights_only=False)["sampler"]
+    fresh = PromptSampler(saved["dataset_len"], saved["batch_size"], seed=saved["seed"], shuffle=saved["shuffle"])
+    for _ in range(n):
+        fresh.next_batch()
+    return saved, fresh.state_dict()
+
+
+def test_sigterm_mid_async_run_saves_the_batches_in_flight_as_untrained_and_resume_trains_each_once(tmp_path):
+    # algo.max_staleness=2: at the signal the servers are generating the next two steps' batches.
+    # The checkpoint of the last step records the data order before those batches, so the resumed
+    # run asks for them again: no batch is skipped or trained twice, and no step trains on a token
+    # more than 2 versions old (the resumed run's first batches are fresh)
+    from moe_rl.train.checkpoint import latest_checkpoint
+
+    extra = ("algo.max_staleness=2", "algo.tis_cap=2", "rollout.max_new_tokens=6")
+    proc = _train(tmp_path, *extra, "train.steps=100")
+    _wait_step(tmp_path, 1, proc)
+    proc.send_signal(signal.SIGTERM)  # the driver forwards it to its ranks, as SLURM's preemption would
+    code, out = _finish(proc)
+    assert code == 0, out[-3000:]
+    stopped = max(_metrics(tmp_path))
+    assert f"checkpoint of step {stopped} saved" in (tmp_path / "train.log").read_text()
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.name == f"step_{stopped:06d}"
+    saved, want = _batches_drawn(ckpt, stopped)  # `stopped` + 2 batches were drawn; `stopped` trained
+    assert (saved["epoch"], saved["position"]) == (want["epoch"], want["position"])
+    code, out = _finish(_train(tmp_path, *extra, f"train.steps={stopped + 2}", "train.resume=auto"))
+    assert code == 0, out[-3000:]
+    saved, want = _batches_drawn(latest_checkpoint(tmp_path), stopped + 2)
+    assert (saved["epoch"], saved["position"]) == (want["epoch"], want["position"])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if "rollout/staleness_max" in r]
+    assert [r["step"] for r in steps] == list(range(1, stopped + 3))  # each step once, none skipped
+    assert all(r["rollout/staleness_max"] <= 2 for r in steps), [r["rollout/staleness_max"] for r in steps]
+    assert steps[stopped]["rollout/staleness_max"] == 0  # the first step after the resume: asked anew
