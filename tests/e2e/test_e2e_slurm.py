@@ -149,3 +149,31 @@ def test_e2e_slurm_rehearsal_cpu_mode_router_and_weight_sync(tmp_path, monkeypat
     assert (run_dir / "logs" / f"job-{job}-0" / f"router-{nodes[1]}.log").is_file()
     assert live_job_processes(job) == []
     assert not (job_dir(state, job) / "leftovers.txt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_e2e_slurm_run_submitted_again_on_fewer_nodes_continues_resharded(tmp_path, monkeypatch):
+    """A job on two trainer nodes (one rank each, EP2 across them) and a rollout node saves step 1;
+    the same run submitted again on one trainer node (1 rank, EP1) resumes that checkpoint
+    resharded (train.resume=auto, as every rendered job passes it) and trains step 2."""
+    for key, value in install(tmp_path / "bin", tmp_path / "state", NODES).items():
+        monkeypatch.setenv(key, value)
+    state, run_dir = tmp_path / "state", tmp_path / "run"
+    opts = SlurmOptions(nccl_ifname="lo", gloo_ifname="lo", health_timeout=180, stop_timeout=20,
+                        container_image=IMAGE, python=_image_python(tmp_path))
+    base = [o for o in OVERRIDES if not o.startswith("train.steps=")]
+    for nodes, world, ep, steps in ((3, 2, 2, 1), (2, 1, 1, 2)):
+        rendered = render_script("launch/configs/tiny_cpu.yaml",
+                                 [*base, f"train.steps={steps}", f"train.world_size={world}", f"parallel.ep={ep}"],
+                                 NodeShape(nodes, 1, 0), opts, run_dir=run_dir)
+        assert (rendered.shape.train_nodes, rendered.shape.world_size) == (nodes - 1, world)
+        job = submit(write_job(rendered, tmp_path / f"job-{nodes}-nodes.sbatch"))
+        rc = wait_job(state, job, 300)
+        assert rc == 0, (run_dir / "logs" / f"slurm-{job}.out").read_text()[-5000:]
+        assert live_job_processes(job) == [], "processes of the job are still running"
+    assert _steps(run_dir) == [1, 2]
+    log = (run_dir / "logs" / f"job-{job}-0" / f"train-{NODES[0]}.log").read_text()
+    assert "resumed from" in log and "the models reshard" in log, log[-3000:]
+    meta = json.loads((run_dir / "checkpoints" / "step_000002" / "meta.json").read_text())
+    assert meta["world_size"] == 1
