@@ -133,6 +133,35 @@ def test_resume_gives_the_same_next_steps(tmp_path):
     assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
     again = _cli(["export", "--checkpoint", str(step2), "--out", str(hf)])
     assert again.returncode == 2 and "is not empty" in again.stderr
+    _serves_like_transformers(hf)
+
+
+def _serves_like_transformers(model_dir: Path) -> None:
+    """`moe-rl serve --model DIR` loads the export, and its greedy log-probs are transformers' on it."""
+    import urllib.request
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.testing.serve import start_serve_process, stop_process
+
+    prompt = [3, 4, 5, 6]
+    srv = start_serve_process(model_dir)
+    try:
+        body = {"input_ids": prompt, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+        req = urllib.request.Request(srv.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+    finally:
+        stop_process(srv.proc)
+    ids, served = out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].float(), -1)[len(prompt) - 1:-1]
+    assert ids == lp.argmax(-1).tolist()  # greedy under the exported weights
+    assert served == pytest.approx(lp.gather(1, torch.tensor(ids).view(-1, 1)).view(-1).tolist(), abs=1e-4)
 
 
 @pytest.mark.slow
