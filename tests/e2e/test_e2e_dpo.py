@@ -54,6 +54,21 @@ def test_dpo_learns_and_writes_its_outputs(full):
     assert (run_dir / "report" / "probe_volatility_heatmap.png").is_file()
 
 
+def test_moe_rl_export_of_a_dpo_checkpoint_gives_the_runs_own_export(full, tmp_path):
+    # the step-12 checkpoint (2 ranks, EP2) read resharded by one process: the tensors the run
+    # itself exported at its end, bit for bit
+    from safetensors.torch import load_file
+
+    run_dir, _ = full
+    done = subprocess.run([sys.executable, "-m", "moe_rl.cli", "export", "--checkpoint",
+                           str(run_dir / "checkpoints" / "step_000012"), "--out", str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tensors = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
+    ours, theirs = tensors(tmp_path / "hf"), tensors(run_dir / "hf")
+    assert sorted(ours) == sorted(theirs) and all(ours[k].equal(theirs[k]) for k in ours)
+
+
 def test_resume_gives_the_uninterrupted_run(full, tmp_path):
     _, rows = full
     _train(tmp_path, "train.steps=6")
