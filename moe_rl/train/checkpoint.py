@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from moe_rl.config import RunConfig
-from moe_rl.dist.collectives import all_gather_objects, barrier, world_size
+from moe_rl.dist.collectives import agree, all_gather_objects, barrier, world_size
 from moe_rl.train.integrity import check_file, file_record, read_meta
 
 CHECKPOINTS = "checkpoints"
@@ -39,16 +40,20 @@ class Checkpoints:
     records every file's size and SHA-256 (`moe_rl.train.integrity`), so damage is found on resume.
 
     `async_save` (train.async_save): the models' files are written by forked writers
-    (moe_rl/policy/dist_ckpt.py: AsyncSaves) while the next steps train; `poll()` at each step's
-    start finishes the checkpoint once every rank's writers are done, `wait()` blocks for it (the
-    next save, the end of the run). Until then the checkpoint is a `.tmp` directory. Every method
-    is collective: all ranks call them at the same points.
+    (moe_rl/policy/dist_ckpt.py: AsyncSaves) while the next steps train; once every rank's
+    writers are done, `poll()` at a step's start has each rank hash its share of the files in a
+    thread (hashlib and file reads release the GIL, so the step trains meanwhile), and a later
+    `poll()` that finds every rank's hashes done writes `meta.json` and renames the checkpoint;
+    `wait()` blocks for all of it (the next save, the end of the run). Until then the checkpoint
+    is a `.tmp` directory. Every method is collective: all ranks call them at the same points.
     """
 
     def __init__(self, recipe: Any, out: Path, keep_last: int, async_save: bool = False) -> None:
         self.recipe, self.root, self.keep_last, self.async_save = recipe, out / CHECKPOINTS, keep_last, async_save
         self.writing: tuple[Path, Path, int] | None = None  # (tmp, final, step) of the checkpoint in flight
         self._saves: Any = None
+        self._hashing: Future | None = None  # this rank's share of the in-flight checkpoint's records
+        self._hasher: ThreadPoolExecutor | None = None
         self.blocked_s = 0.0  # seconds the last save held the step (its collective part, its wait)
 
     def save(self, step: int) -> Path:
@@ -77,26 +82,43 @@ class Checkpoints:
         self.blocked_s = time.perf_counter() - start
         return final
 
+    @property
+    def hashing(self) -> bool:
+        """The checkpoint in flight is written, and its files are being hashed (or wait to be finished)."""
+        return self._hashing is not None
+
     def poll(self) -> None:
-        """Finish the checkpoint in flight if every rank's writers are done (does not wait)."""
-        if self.writing is not None and self._saves.done(blocking=False):
+        """Move the checkpoint in flight on without waiting: once every rank's writers are done,
+        start hashing this rank's share of its files; once every rank's hashes are done, finish it."""
+        if self.writing is None:
+            return
+        if self._hashing is None:
+            if self._saves.done(blocking=False):
+                if self._hasher is None:
+                    self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
+                self._hashing = self._hasher.submit(_records, self.writing[0], self.recipe.rank, world_size())
+        elif not agree(not self._hashing.done()):  # no rank is still hashing
             self._finish(*self.writing)
 
     def wait(self) -> None:
-        """Finish the checkpoint in flight, waiting for its writers."""
+        """Finish the checkpoint in flight, waiting for its writers and its hashes."""
         if self.writing is not None:
-            self._saves.done(blocking=True)
+            if self._hashing is None:
+                self._saves.done(blocking=True)
             self._finish(*self.writing)
 
     def close(self) -> None:
         """The run ends abnormally: stop writers still running (their checkpoint stays `.tmp`). Local."""
         if self._saves is not None:
             self._saves.close()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
 
     def _finish(self, tmp: Path, final: Path, step: int) -> None:
-        self.writing = None
+        hashing, self.writing, self._hashing = self._hashing, None, None
         barrier()
-        records = all_gather_objects(_records(tmp, self.recipe.rank, world_size()))  # the files hashed in parallel
+        mine = hashing.result() if hashing is not None else _records(tmp, self.recipe.rank, world_size())
+        records = all_gather_objects(mine)  # the files hashed in parallel, each rank its share
         if self.recipe.rank == 0:
             meta = {"step": step, "world_size": world_size(), "format": SHARDED,
                     "layout": layout_name(self.recipe.cfg), "files": {k: v for part in records for k, v in part.items()}}

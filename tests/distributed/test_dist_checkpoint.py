@@ -10,6 +10,7 @@ one, so the comparison would catch a load that did nothing.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,13 @@ def _save_async(hf_dir: str, out: str, batch: list[torch.Tensor]) -> dict:
     before = final.exists()
     policy.update(mine, {}, loss)  # the step goes on: the parameters change under the writers
     changed = any(not torch.equal(t, view["weights"][n]) for n, t in policy.hf_tensors())
+    polls = []  # per step-start poll: (its files are being hashed, the checkpoint is listed)
+    while ckpts.writing is not None:
+        ckpts.poll()
+        polls.append((ckpts.hashing, final.exists()))
+        time.sleep(0.02)
     ckpts.wait()
-    return {"view": view, "listed_before_done": before, "changed": changed, "final": str(final)}
+    return {"view": view, "listed_before_done": before, "changed": changed, "final": str(final), "polls": polls}
 
 
 def test_an_async_save_keeps_its_steps_numbers_while_the_next_update_trains(tiny_hf_dir, tmp_path):
@@ -127,6 +133,10 @@ def test_an_async_save_keeps_its_steps_numbers_while_the_next_update_trains(tiny
     batch = sample_sequences(64, num=4, max_len=10, seed=0)
     results = run_ranks(_save_async, 2, str(tiny_hf_dir), str(tmp_path / "run"), batch, timeout=300)
     assert not any(r["listed_before_done"] for r in results) and all(r["changed"] for r in results)
+    # the poll that finds the writers done only starts hashing (in a thread, off the step); a later
+    # poll, once every rank's hashes are in, lists the checkpoint
+    for r in results:
+        assert (True, False) in r["polls"] and r["polls"][-1] == (False, True), r["polls"]
     final = Path(results[0]["final"])
     assert latest_checkpoint(final.parent.parent) == final
     meta = read_meta(final)[0]
