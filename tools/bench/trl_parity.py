@@ -125,6 +125,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "async": ("the demo's layout, asynchronous: `algo.max_staleness=2` (the next two batches generate while a step "
               "trains; pushes retract the requests they find), `algo.tis_cap=2`",
               ["algo.max_staleness=2", "algo.tis_cap=2.0"]),
+    "async-1rank": ("`fast`'s trainer (1 rank, no drift, no replay, one padded micro-batch per update) with one "
+                    "`moe-rl serve` generating the next two batches while it trains (`algo.max_staleness=2`, "
+                    "`algo.tis_cap=2`), weights pushed over an update group",
+                    ["train.world_size=1", "parallel.ep=1", "rollout.weight_sync=nccl",
+                     "rollout.return_routed_experts=false", "drift.enabled=false", "algo.replay=off",
+                     "parallel.max_tokens_per_microbatch=null", "parallel.micro_batch_size=256",
+                     "algo.max_staleness=2", "algo.tis_cap=2.0"]),
 }
 
 
