@@ -176,6 +176,18 @@ def inflight_client_args(cfg: RunConfig) -> dict[str, Any]:
             "version_lag": staleness_bound(cfg.algo) if paused else 0}
 
 
+def cpu_threads_of(cfg: RunConfig) -> tuple[int, int | None]:
+    """Threads for each trainer rank `moe-rl train` spawns on this machine and for each server it
+    launches here (None: the server's default): `placement.cpu_threads` with the run's counts. GPU
+    machines (and servers elsewhere) keep what they had: the ranks split the cores."""
+    from moe_rl.dist.devices import gpu_count
+    from moe_rl.rollout.placement import cpu_threads
+
+    r = cfg.rollout
+    here = r.num_servers if engine_kind(r).runs_as_servers and not r.urls and gpu_count() == 0 else 0
+    return cpu_threads(int(cfg.train.world_size), here, staleness_bound(cfg.algo) >= 1, os.cpu_count() or 1)
+
+
 def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
     """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
     from moe_rl.dist.devices import gpu_count, local_trainer_ranks
@@ -198,7 +210,9 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
         # after a colocated release, which loses them)
         identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights", hf_dir])
         gpus = server_gpus(r, local_trainer_ranks(cfg.train.world_size), gpu_count())  # after the trainer's GPUs
-        servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity, gpus=gpus).start()
+        threads = cpu_threads_of(cfg)[1]  # servers that generate while the ranks train share the cores
+        servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity, gpus=gpus,
+                                          env={"OMP_NUM_THREADS": str(threads)} if threads else None).start()
         if weight_sync_kind(r).update_group:  # a restarted server could not rejoin it: it would serve stale weights
             servers.max_restarts = 0
         servers.wait_healthy(timeout=r.timeout_s)

@@ -26,6 +26,7 @@ from moe_rl.dist.collectives import agree
 from moe_rl.dist.ports import free_port
 from moe_rl.dist.spawn import set_local_rank_env
 from moe_rl.recipes import build_recipe
+from moe_rl.recipes.build import cpu_threads_of
 from moe_rl.rollout.outage import EXIT_NO_SERVER, RolloutLost
 from moe_rl.train.checkpoint import Checkpoints, latest_checkpoint, resume
 
@@ -131,8 +132,9 @@ def spawn(cfg: RunConfig, run_dir: str) -> int:
 
 def _spawned(rank: int, cfg_dict: dict[str, Any], run_dir: str, world: int, port: int) -> None:
     set_local_rank_env(rank, world, port)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    code = train_rank(RunConfig.from_dict(cfg_dict), run_dir, spawned=True)
+    cfg = RunConfig.from_dict(cfg_dict)
+    torch.set_num_threads(cpu_threads_of(cfg)[0])  # the ranks (and servers that run at once) share the cores
+    code = train_rank(cfg, run_dir, spawned=True)
     # Python restores SIGUSR2's default (death) while it shuts down: a second Ctrl-C that lands
     # then would end a rank that finished cleanly with -12; nothing is left to stop.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)

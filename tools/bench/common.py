@@ -315,12 +315,12 @@ def trainer_run(cfg_dict: dict[str, Any], out: str) -> Iterator[Any]:
     import torch.distributed as dist
 
     from moe_rl.config import RunConfig
-    from moe_rl.recipes.build import build_run
+    from moe_rl.recipes.build import build_run, cpu_threads_of
 
     cfg = RunConfig.from_dict(cfg_dict)
     rank = dist.get_rank()
     os.environ.setdefault("RANK", str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))  # as the trainer sets it
+    torch.set_num_threads(cpu_threads_of(cfg)[0])  # as the trainer sets it
     built = build_run(cfg, Path(out), rank)
     run, servers = built["run"], built["servers"]
     try:

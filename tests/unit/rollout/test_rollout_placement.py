@@ -85,3 +85,32 @@ def test_preflight_checks_the_gpu_plan_before_anything_starts():
     assert "need 8 GPU(s), but this machine has 4" in _devices(cfg, device_count=4)
     assert _devices(cfg, device_count=8) is None
     assert _devices(load_config(None, []), device_count=0) is None  # moe-rl serve on the CPU
+
+
+@pytest.mark.parametrize("overrides,cores,want", [
+    (["algo.max_staleness=2", "train.world_size=1", "parallel.ep=1"], 2, (1, 1)),  # they compute at once
+    (["algo.max_staleness=2"], 8, (2, 2)),                                         # 2 ranks + 1 server
+    (["algo.max_staleness=0", "train.world_size=1", "parallel.ep=1"], 2, (2, None)),  # in turns
+    (["algo.max_staleness=0"], 2, (1, None)),
+    (["algo.max_staleness=2", "rollout.urls=[http://elsewhere:30000]"], 2, (1, None)),  # servers elsewhere
+    (["algo.max_staleness=2", "rollout.engine=inprocess", "rollout.weight_sync=tensor"], 2, (1, None)),
+])
+def test_ranks_and_the_servers_they_launch_share_the_cores_when_they_compute_at_once(monkeypatch, overrides, cores,
+                                                                                     want):
+    import moe_rl.dist.devices as devices
+    from moe_rl.config import load_config
+    from moe_rl.recipes.build import cpu_threads_of
+
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    monkeypatch.setattr(devices, "gpu_count", lambda: 0)
+    assert cpu_threads_of(load_config("launch/configs/tiny_cpu.yaml", overrides)) == want
+
+
+def test_a_gpu_machine_keeps_the_servers_threads(monkeypatch):
+    import moe_rl.dist.devices as devices
+    from moe_rl.config import load_config
+    from moe_rl.recipes.build import cpu_threads_of
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    assert cpu_threads_of(load_config("launch/configs/tiny_cpu.yaml", ["algo.max_staleness=2"])) == (8, None)
