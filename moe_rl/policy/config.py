@@ -20,7 +20,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 @dataclass
 class TinyModel:
-    """Shape of the fresh random Qwen3-MoE built when `model.hf_path` is None.
+    """Shape of the fresh random MoE built when `model.hf_path` is None (Qwen3-MoE unless `family`).
 
     Names match `moe_rl.policy.tiny.TinyMoEConfig` (init_std aside: an argument of
     `make_tiny_qwen3_moe`). The defaults divide every layout the tests use: TP2 (4 heads,
@@ -49,6 +49,9 @@ class TinyModel:
     """Top-k experts per token; 2 so routes can partly change between updates."""
     init_std: float = ranged(0.02, gt=0.0)
     """Std of the random initial weights (HF's default): a near-uniform first policy that explores."""
+    family: str = choice("qwen3_moe", ("qwen3_moe", "mixtral"))
+    """HF architecture of the fresh model: Qwen3-MoE, or Mixtral (no QK-norm, top-k probabilities
+    renormalised; `moe_intermediate_size` is its experts' `intermediate_size`)."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -123,9 +123,28 @@ def qwen3_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEA
     }.get(name)
 
 
+# Mixtral's checkpoints name the MoE block `block_sparse_moe` and its experts' gate, down and up
+# projections w1, w2, w3 (what SGLang's mixtral.py `load_weights` reads too); the rest is Qwen3-MoE's.
+_MIXTRAL_NAMES = (("mlp.gate.weight", "block_sparse_moe.gate.weight"), (".gate_proj.", ".w1."),
+                  (".down_proj.", ".w2."), (".up_proj.", ".w3."), ("mlp.experts.", "block_sparse_moe.experts."))
+
+
+def mixtral_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
+    shard = qwen3_moe_shard(name, layer, expert, arch)
+    if shard is None or not (expert is not None or name == "mlp.router.weight"):
+        return shard
+    names = []
+    for hf in shard.hf:
+        for old, new in _MIXTRAL_NAMES:
+            hf = hf.replace(old, new)
+        names.append(hf)
+    return replace(shard, hf=tuple(names))
+
+
 # HF family -> weight map. New families add their map here and a reader in model.py.
 WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | None]] = {
     "qwen3_moe": qwen3_moe_shard,
+    "mixtral": mixtral_shard,
 }
 
 

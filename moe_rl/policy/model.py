@@ -3,8 +3,8 @@
 The HF `config.json` is read into `MoEArch` (a plain description of the network),
 which then becomes a megatron `TransformerConfig` for a given `ParallelLayout`.
 Families are registered in `ARCHITECTURES`: each entry reads one HF config format.
-Qwen3-MoE is the first; Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 slot in as
-further readers plus their weight maps in `convert.py`.
+Qwen3-MoE and Mixtral are read; Qwen2-MoE, DeepSeek-V3 and GLM-4.5 slot in as further
+readers plus their weight maps in `convert.py`.
 
 On GPU the transformer-engine layer spec and the alltoall dispatcher are used; on
 CPU the local spec with a sequence-parallel-capable RMSNorm and the allgather
@@ -106,10 +106,26 @@ def _read_qwen3_moe(cfg: dict[str, Any]) -> MoEArch:
     )
 
 
+def _read_mixtral(cfg: dict[str, Any]) -> MoEArch:
+    """Mixtral: Qwen3-MoE's block without QK-norm, every layer MoE, and the router's top-k
+    probabilities renormalised (HF's MixtralSparseMoeBlock divides by their sum: norm_topk_prob)."""
+    if cfg.get("sliding_window") is not None:
+        raise UnsupportedModel(f"Mixtral with sliding_window={cfg['sliding_window']} is not supported yet "
+                               "(megatron's local spec has no sliding-window attention on CPU)")
+    if float(cfg.get("router_jitter_noise", 0.0) or 0.0) > 0:
+        raise UnsupportedModel("Mixtral with router_jitter_noise > 0 samples its routes in training: "
+                               "set it to 0 for RL (replay and drift need deterministic routes)")
+    experts = int(cfg["num_local_experts"])
+    arch = _read_qwen3_moe({**cfg, "num_experts": experts, "moe_intermediate_size": cfg["intermediate_size"],
+                            "mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True})
+    return replace(arch, family="mixtral", qk_layernorm=False, hf_architecture="MixtralForCausalLM")
+
+
 # HF `architectures[0]` -> reader. Add a family by adding a reader here and its
 # weight map in convert.py.
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], MoEArch]] = {
     "Qwen3MoeForCausalLM": _read_qwen3_moe,
+    "MixtralForCausalLM": _read_mixtral,
 }
 
 
@@ -124,7 +140,8 @@ def read_hf_config(model_dir: str | Path) -> MoEArch:
 
 def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config") -> MoEArch:
     archs = cfg.get("architectures") or []
-    name = archs[0] if archs else {"qwen3_moe": "Qwen3MoeForCausalLM"}.get(cfg.get("model_type", ""), "")
+    name = archs[0] if archs else {"qwen3_moe": "Qwen3MoeForCausalLM",
+                                   "mixtral": "MixtralForCausalLM"}.get(cfg.get("model_type", ""), "")
     if name not in ARCHITECTURES:
         raise UnsupportedModel(f"{source}: architecture {name or cfg.get('model_type')!r} is not supported; "
                                f"supported: {', '.join(sorted(ARCHITECTURES))}")

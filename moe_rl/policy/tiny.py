@@ -1,4 +1,4 @@
-"""Tiny Qwen3-MoE checkpoints built with transformers (nothing is downloaded).
+"""Tiny Qwen3-MoE (and Mixtral) checkpoints built with transformers (nothing is downloaded).
 
 The sizes are chosen so every parallel layout the tests use divides them:
 4 attention heads and 2 query groups (TP2), 4 layers (PP2 x VPP2), 4 experts (EP2).
@@ -63,4 +63,66 @@ def make_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, config: TinyMoEConfi
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    return out
+
+
+
+# A tiny Mixtral's shapes unlike `TinyMoEConfig`'s (6 heads of 8 over 2 query groups, 6 experts top-2,
+# 2 layers, no QK-norm), so a conversion that only fits Qwen3's shapes fails; every 2-rank layout
+# divides them.
+TINY_MIXTRAL = dict(vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=6,
+                    num_key_value_heads=2, head_dim=8, num_local_experts=6, num_experts_per_tok=2,
+                    max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def mixtral_config(**kw: Any) -> Any:
+    """transformers' MixtralConfig (no sliding window, no router jitter: what moe_rl reads)."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(**({"sliding_window": None, "router_jitter_noise": 0.0} | kw))
+    cfg.architectures = ["MixtralForCausalLM"]
+    return cfg
+
+
+def tiny_hf_config(family: str, config: TinyMoEConfig) -> Any:
+    """The HF config of a fresh tiny model of `family` ("qwen3_moe" or "mixtral") with `config`'s
+    shape (Mixtral has no dense layers, no QK-norm and always renormalises its top-k: those fields
+    do not apply; its experts' `intermediate_size` is `moe_intermediate_size`)."""
+    if family == "qwen3_moe":
+        return config.to_hf()
+    if family != "mixtral":
+        raise ValueError(f"model.tiny.family must be 'qwen3_moe' or 'mixtral', got {family!r}")
+    c = config
+    return mixtral_config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.moe_intermediate_size,
+                          num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                          num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                          num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                          max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
+                          rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+                          router_aux_loss_coef=c.router_aux_loss_coef, bos_token_id=c.bos_token_id,
+                          eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id)
+
+
+def make_tiny_mixtral(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **overrides: Any) -> Path:
+    """A randomly initialised tiny Mixtral (`TINY_MIXTRAL`, with `overrides`), `save_pretrained` to
+    `out_dir` (fp32)."""
+    return _save(mixtral_config(**(TINY_MIXTRAL | overrides)), out_dir, seed, init_std)
+
+
+def make_tiny(family: str, out_dir: str | Path, seed: int, config: TinyMoEConfig, init_std: float) -> Path:
+    """A fresh tiny model of `family` with `config`'s shape (`tiny_hf_config`), saved to `out_dir`."""
+    if family == "qwen3_moe":
+        return make_tiny_qwen3_moe(out_dir, seed=seed, config=config, init_std=init_std)
+    return _save(tiny_hf_config(family, config), out_dir, seed, init_std)
+
+
+def _save(cfg: Any, out_dir: str | Path, seed: int, init_std: float) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    cfg.initializer_range = init_std
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    AutoModelForCausalLM.from_config(cfg).to(torch.float32).save_pretrained(out)
     return out

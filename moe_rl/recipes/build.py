@@ -120,21 +120,21 @@ def hf_tokenizer(cfg: RunConfig) -> Any:
 
 
 def initial_model(cfg: RunConfig, out: Path, rank: int, dataset: Any) -> Path:
-    """`model.hf_path`, or a fresh tiny Qwen3-MoE written by rank 0 into the run directory."""
+    """`model.hf_path`, or a fresh tiny model (`model.tiny.family`) written by rank 0 into the run directory."""
     if cfg.model.hf_path:
         return Path(cfg.model.hf_path)
     path = out / "init_model"
     if rank == 0 and not (path / "config.json").is_file():
-        from moe_rl.policy.tiny import TinyMoEConfig, make_tiny_qwen3_moe
+        from moe_rl.policy.tiny import TinyMoEConfig, make_tiny
 
         tok = dataset.tokenizer
         shape = asdict(cfg.model.tiny)
-        init_std = shape.pop("init_std")
+        init_std, family = shape.pop("init_std"), shape.pop("family")
         tiny = TinyMoEConfig(**shape)
         for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(tok, attr, None) is not None:
                 setattr(tiny, attr, int(getattr(tok, attr)))
-        make_tiny_qwen3_moe(path.with_suffix(".tmp"), seed=cfg.model.seed, config=tiny, init_std=init_std)
+        make_tiny(family, path.with_suffix(".tmp"), seed=cfg.model.seed, config=tiny, init_std=init_std)
         os.replace(path.with_suffix(".tmp"), path)
     if dist.is_initialized():
         barrier()

@@ -30,10 +30,10 @@ def _hf_config(cfg: RunConfig) -> dict[str, Any]:
 
     if cfg.model.hf_path:
         return json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
-    from moe_rl.policy.tiny import TinyMoEConfig
+    from moe_rl.policy.tiny import TinyMoEConfig, tiny_hf_config
 
-    shape = {k: v for k, v in dataclasses.asdict(cfg.model.tiny).items() if k != "init_std"}
-    return TinyMoEConfig(**shape).to_hf().to_dict()
+    shape = {k: v for k, v in dataclasses.asdict(cfg.model.tiny).items() if k not in ("init_std", "family")}
+    return tiny_hf_config(cfg.model.tiny.family, TinyMoEConfig(**shape)).to_dict()
 
 
 def _model(cfg: RunConfig) -> str | None:

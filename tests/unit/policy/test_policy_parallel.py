@@ -85,7 +85,7 @@ def test_padding_row_is_the_configs_pad_token_and_frozen_only_when_untied():
 
 
 def test_unsupported_architecture_lists_supported():
-    with pytest.raises(UnsupportedModel, match="'LlamaForCausalLM' is not supported; supported: Qwen3MoeForCausalLM"):
+    with pytest.raises(UnsupportedModel, match="'LlamaForCausalLM' is not supported; supported: MixtralForCausalLM, Qwen3MoeForCausalLM"):
         arch_from_hf_dict({"architectures": ["LlamaForCausalLM"]})
 
 
@@ -146,3 +146,14 @@ def test_route_recording_is_reduced_in_the_smallest_type_that_holds_the_experts(
                            (32766, torch.int16), (40000, torch.int32)):
         assert record_dtype(experts) == dtype
         assert torch.iinfo(dtype).max >= experts  # the largest id + 1 fits
+
+
+@pytest.mark.parametrize("field,value,why", [("sliding_window", 4096, "sliding_window=4096"),
+                                             ("router_jitter_noise", 0.1, "router_jitter_noise > 0")])
+def test_mixtral_features_we_do_not_run_are_refused_with_the_reason(field, value, why):
+    cfg = {"architectures": ["MixtralForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 8, "num_local_experts": 2,
+           "num_experts_per_tok": 1, "sliding_window": None, "router_jitter_noise": 0.0}
+    assert arch_from_hf_dict(cfg).family == "mixtral"
+    with pytest.raises(UnsupportedModel, match=why):
+        arch_from_hf_dict({**cfg, field: value})
