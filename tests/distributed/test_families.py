@@ -2,7 +2,7 @@
 shapes are unlike the Qwen3 fixtures': 6 heads of 8 over 2 query groups, 6 experts top-2,
 no QK-norm), read from its config.json, in several layouts (log-probs within 1e-4 of HF,
 the HF -> megatron -> HF round trip bit-exact), and served by `moe-rl serve`'s engine with
-HF's routes and a weight push under the checkpoint's own names."""
+HF's routes and a weight push under the checkpoint's own names; R2 and R3 replay in EP2."""
 from __future__ import annotations
 
 import numpy as np
@@ -107,3 +107,32 @@ def _in_memory(model, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         else:
             out[key] = named[key.replace(".mlp.gate.", ".block_sparse_moe.gate.")]
     return out
+
+
+def test_mixtral_routing_replay_r2_and_r3_in_ep2(mixtral_dir):
+    # R2: replayed routes are the recorded ones even after the routers moved; R3: the trainer
+    # routes every token exactly as the rollout engine (moe-rl serve's) did
+    from moe_rl.rollout.engine import GenerateRequest, SamplingParams
+    from moe_rl.rollout.local_engine import LocalEngine
+    from moe_rl.testing.replay_worker import replay_worker
+
+    engine = LocalEngine(mixtral_dir, seed=0)
+    try:
+        results = [r[0] for r in engine.generate([
+            GenerateRequest(prompt_ids=[3 + i, 7, 11 + 2 * i, 5][: 2 + i % 3], return_routed_experts=True,
+                            sampling=SamplingParams(max_new_tokens=3 + i, seed=i, ignore_eos=True))
+            for i in range(6)])]
+    finally:
+        engine.close()
+    sequences = [torch.tensor(list(r.prompt_ids) + list(r.output_ids)) for r in results]
+    engine_routes = [torch.as_tensor(r.routed_experts) for r in results]
+    ordered = lambda t: t.long().sort(dim=-1).values  # noqa: E731
+    for r in run_ranks(replay_worker, 2, "ep2", str(mixtral_dir), sequences, micro_batch_size=2,
+                       engine_routes=engine_routes, timeout=600):
+        assert (r["logp_replay"] - r["logp_record"]).abs().max() <= 1e-5
+        assert (r["logp_free_perturbed"] - r["logp_record"]).abs().max() > 1e-3  # the routers moved
+        for j, i in enumerate(r["index"]):
+            n = len(sequences[i]) - 1
+            assert torch.equal(ordered(r["routes_used_perturbed"][j, :n]), ordered(r["recorded_routes"][j, :n]))
+            assert torch.equal(ordered(r["routes_used_r3"][j, :n]), ordered(engine_routes[i])), i
+            assert torch.equal(ordered(r["recorded_routes"][j, :n]), ordered(engine_routes[i])), i  # same weights
