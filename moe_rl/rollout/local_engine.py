@@ -43,8 +43,7 @@ from moe_rl.rollout.memory import MEMORY_TAGS, MemoryRegions
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# Mixtral's checkpoint names (block_sparse_moe, experts' w1/w2/w3) for transformers' modules (mlp,
-# gate/down/up projections): the names a weight push sends, as SGLang's mixtral loader reads them.
+# Mixtral's checkpoint names, which pushes send (as SGLang's mixtral loader reads them), as transformers' modules
 _MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
 _MIXTRAL_RE = re.compile(r"\.block_sparse_moe\.|\.w[123]\.")
 
@@ -509,9 +508,7 @@ class LocalEngine:
 
     @staticmethod
     def _resolve(name: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, tuple]:
-        if name in state:
-            return state[name], ()
-        name = _MIXTRAL_RE.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], name)
+        name = _MIXTRAL_RE.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], name)  # other families' names pass
         if name in state:
             return state[name], ()
         m = _EXPERT_RE.match(name)
