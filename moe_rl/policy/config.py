@@ -49,9 +49,10 @@ class TinyModel:
     """Top-k experts per token; 2 so routes can partly change between updates."""
     init_std: float = ranged(0.02, gt=0.0)
     """Std of the random initial weights (HF's default): a near-uniform first policy that explores."""
-    family: str = choice("qwen3_moe", ("qwen3_moe", "mixtral"))
-    """HF architecture of the fresh model: Qwen3-MoE, or Mixtral (no QK-norm, top-k probabilities
-    renormalised; `moe_intermediate_size` is its experts' `intermediate_size`)."""
+    family: str = choice("qwen3_moe", ("qwen3_moe", "qwen2_moe", "mixtral"))
+    """HF architecture of the fresh model: Qwen3-MoE; Qwen2-MoE (q/k/v biases, a gated shared expert
+    as wide as a routed one, head width hidden / heads); or Mixtral (no QK-norm, top-k probabilities
+    renormalised, `moe_intermediate_size` its experts' `intermediate_size`)."""
 
 
 @dataclass

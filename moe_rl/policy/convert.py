@@ -141,10 +141,27 @@ def mixtral_shard(name: str, layer: int | None, expert: int | None, arch: MoEArc
     return replace(shard, hf=tuple(names))
 
 
+def qwen2_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
+    """Qwen3-MoE's map plus q/k/v biases and the gated shared expert (`mlp.shared_expert*`)."""
+    p = f"model.layers.{layer}." if layer is not None else ""
+    extra = {
+        "self_attention.linear_qkv.bias": Shard((f"{p}self_attn.q_proj.bias", f"{p}self_attn.k_proj.bias",
+                                                 f"{p}self_attn.v_proj.bias"), kind="qkv", dim=0),
+        "mlp.shared_experts.linear_fc1.weight": Shard((f"{p}mlp.shared_expert.gate_proj.weight",
+                                                       f"{p}mlp.shared_expert.up_proj.weight"), kind="glu", dim=0),
+        "mlp.shared_experts.linear_fc2.weight": Shard((f"{p}mlp.shared_expert.down_proj.weight",), dim=1),
+        "mlp.shared_experts.gate_weight": Shard((f"{p}mlp.shared_expert_gate.weight",)),
+    }
+    if layer is not None and expert is None and name in extra:
+        return extra[name]
+    return qwen3_moe_shard(name, layer, expert, arch)
+
+
 # HF family -> weight map. New families add their map here and a reader in model.py.
 WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | None]] = {
     "qwen3_moe": qwen3_moe_shard,
     "mixtral": mixtral_shard,
+    "qwen2_moe": qwen2_moe_shard,
 }
 
 
@@ -188,13 +205,17 @@ def _shard_for(name: str, offset: int, place: RankPlace, arch: MoEArch) -> Shard
 
 
 def _qkv_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: MoEArch) -> torch.Tensor:
-    """HF q/k/v -> megatron's fused layout: per query group [q heads..., k, v] rows."""
+    """HF q/k/v -> megatron's fused layout: per query group [q heads..., k, v] rows (biases: entries)."""
+    if q.dim() == 1:
+        return _qkv_full(q[:, None], k[:, None], v[:, None], arch)[:, 0]
     g, d = arch.num_query_groups, arch.kv_channels
     qg = q.reshape(g, -1, d, q.shape[-1])
     return torch.cat([qg, k.reshape(g, 1, d, -1), v.reshape(g, 1, d, -1)], dim=1).reshape(-1, q.shape[-1])
 
 
 def _qkv_split(w: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if w.dim() == 1:
+        return tuple(t[:, 0] for t in _qkv_split(w[:, None], arch))  # type: ignore[return-value]
     g, d = arch.num_query_groups, arch.kv_channels
     per = arch.num_attention_heads // g
     x = w.reshape(g, per + 2, d, w.shape[-1])

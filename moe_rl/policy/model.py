@@ -3,7 +3,7 @@
 The HF `config.json` is read into `MoEArch` (a plain description of the network),
 which then becomes a megatron `TransformerConfig` for a given `ParallelLayout`.
 Families are registered in `ARCHITECTURES`: each entry reads one HF config format.
-Qwen3-MoE and Mixtral are read; Qwen2-MoE, DeepSeek-V3 and GLM-4.5 slot in as further
+Qwen3-MoE, Qwen2-MoE and Mixtral are read; DeepSeek-V3 and GLM-4.5 slot in as further
 readers plus their weight maps in `convert.py`.
 
 On GPU the transformer-engine layer spec and the alltoall dispatcher are used; on
@@ -53,6 +53,9 @@ class MoEArch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qk_layernorm: bool = True
+    qkv_bias: bool = False                  # biases on q/k/v (Qwen2-MoE), none on the output projection
+    shared_expert_size: int | None = None   # hidden width of an always-on shared expert (None: none)
+    shared_expert_gate: bool = False        # its output scaled by sigmoid(x . w) per token (Qwen2-MoE)
     hf_architecture: str = ""
     padding_idx: int | None = None  # HF's `pad_token_id`: its embedding row is never trained (see below)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -121,11 +124,24 @@ def _read_mixtral(cfg: dict[str, Any]) -> MoEArch:
     return replace(arch, family="mixtral", qk_layernorm=False, hf_architecture="MixtralForCausalLM")
 
 
+def _read_qwen2_moe(cfg: dict[str, Any]) -> MoEArch:
+    """Qwen2-MoE: Qwen3-MoE's block with q/k/v biases instead of QK-norm, top-k probabilities not
+    renormalised by default (norm_topk_prob false), and a shared expert behind a sigmoid gate."""
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedModel("Qwen2-MoE with use_sliding_window=true is not supported yet "
+                               "(megatron's local spec has no sliding-window attention on CPU)")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return replace(_read_qwen3_moe(cfg), family="qwen2_moe", qk_layernorm=False, qkv_bias=True,
+                   shared_expert_size=shared or None, shared_expert_gate=bool(shared),
+                   hf_architecture="Qwen2MoeForCausalLM")
+
+
 # HF `architectures[0]` -> reader. Add a family by adding a reader here and its
 # weight map in convert.py.
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], MoEArch]] = {
     "Qwen3MoeForCausalLM": _read_qwen3_moe,
     "MixtralForCausalLM": _read_mixtral,
+    "Qwen2MoeForCausalLM": _read_qwen2_moe,
 }
 
 
@@ -140,7 +156,7 @@ def read_hf_config(model_dir: str | Path) -> MoEArch:
 
 def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config") -> MoEArch:
     archs = cfg.get("architectures") or []
-    name = archs[0] if archs else {"qwen3_moe": "Qwen3MoeForCausalLM",
+    name = archs[0] if archs else {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                    "mixtral": "MixtralForCausalLM"}.get(cfg.get("model_type", ""), "")
     if name not in ARCHITECTURES:
         raise UnsupportedModel(f"{source}: architecture {name or cfg.get('model_type')!r} is not supported; "
@@ -220,7 +236,7 @@ def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32
         layernorm_epsilon=arch.rms_norm_eps,
         qk_layernorm=arch.qk_layernorm,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=arch.qkv_bias,
         gated_linear_unit=True,
         activation_func=F.silu,
         hidden_dropout=0.0,
@@ -273,6 +289,9 @@ def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32
             moe_router_fusion=fused["moe_router_fusion"],  # the config allows it only without replay
             moe_permute_fusion=fused["moe_permute_fusion"],
         )
+        if arch.shared_expert_size:
+            kw.update(moe_shared_expert_intermediate_size=arch.shared_expert_size,
+                      moe_shared_expert_gate=arch.shared_expert_gate)
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**kw)

@@ -76,6 +76,25 @@ TINY_MIXTRAL = dict(vocab_size=96, hidden_size=48, intermediate_size=40, num_hid
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+# A tiny Qwen2-MoE, again unlike `TinyMoEConfig` (head_dim 10, a dense first layer, a gated shared
+# expert, q/k/v biases, top-k not renormalised).
+TINY_QWEN2_MOE = dict(vocab_size=96, hidden_size=40, intermediate_size=56, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                      mlp_only_layers=[0], decoder_sparse_step=1, max_position_embeddings=256, rope_theta=1e6,
+                      rms_norm_eps=1e-6, use_sliding_window=False, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0)
+
+
+def make_tiny_qwen2_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **overrides: Any) -> Path:
+    """A randomly initialised tiny Qwen2-MoE (`TINY_QWEN2_MOE`, with `overrides`), saved to `out_dir` (fp32)."""
+    from transformers import Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(**(TINY_QWEN2_MOE | overrides))
+    cfg.architectures = ["Qwen2MoeForCausalLM"]
+    return _save(cfg, out_dir, seed, init_std)
+
+
 def mixtral_config(**kw: Any) -> Any:
     """transformers' MixtralConfig (no sliding window, no router jitter: what moe_rl reads)."""
     from transformers import MixtralConfig
@@ -86,14 +105,23 @@ def mixtral_config(**kw: Any) -> Any:
 
 
 def tiny_hf_config(family: str, config: TinyMoEConfig) -> Any:
-    """The HF config of a fresh tiny model of `family` ("qwen3_moe" or "mixtral") with `config`'s
-    shape (Mixtral has no dense layers, no QK-norm and always renormalises its top-k: those fields
-    do not apply; its experts' `intermediate_size` is `moe_intermediate_size`)."""
+    """The HF config of a fresh tiny model of `family` ("qwen3_moe", "qwen2_moe" or "mixtral") with
+    `config`'s shape (Mixtral has no dense layers, no QK-norm and always renormalises its top-k:
+    those fields do not apply, and its experts' `intermediate_size` is `moe_intermediate_size`;
+    Qwen2-MoE's head width is hidden / heads)."""
+    c = config
     if family == "qwen3_moe":
         return config.to_hf()
+    if family == "qwen2_moe":  # its shared expert as wide as a routed one
+        from transformers import Qwen2MoeConfig
+
+        kw = {k: v for k, v in c.__dict__.items() if k not in ("head_dim", "rope_theta")}
+        cfg = Qwen2MoeConfig(**kw, shared_expert_intermediate_size=c.moe_intermediate_size, use_sliding_window=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+        cfg.architectures = ["Qwen2MoeForCausalLM"]
+        return cfg
     if family != "mixtral":
-        raise ValueError(f"model.tiny.family must be 'qwen3_moe' or 'mixtral', got {family!r}")
-    c = config
+        raise ValueError(f"model.tiny.family must be 'qwen3_moe', 'qwen2_moe' or 'mixtral', got {family!r}")
     return mixtral_config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.moe_intermediate_size,
                           num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                           num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,

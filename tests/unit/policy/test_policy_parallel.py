@@ -85,7 +85,7 @@ def test_padding_row_is_the_configs_pad_token_and_frozen_only_when_untied():
 
 
 def test_unsupported_architecture_lists_supported():
-    with pytest.raises(UnsupportedModel, match="'LlamaForCausalLM' is not supported; supported: MixtralForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(UnsupportedModel, match="'LlamaForCausalLM' is not supported; supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
         arch_from_hf_dict({"architectures": ["LlamaForCausalLM"]})
 
 
