@@ -166,14 +166,14 @@ def test_sigterm_mid_async_run_saves_the_batches_in_flight_as_untrained_and_resu
     # The checkpoint of the last step records the data order before those batches, so the resumed
     # run asks for them again: no batch is skipped or trained twice, and no step trains on a token
     # more than 2 versions old (the resumed run's first batches are fresh)
+    from moe_rl.testing.e2e import sigterm_after_first_step
     from moe_rl.train.checkpoint import latest_checkpoint
 
     extra = ("algo.max_staleness=2", "algo.tis_cap=2", "rollout.max_new_tokens=6")
-    proc = _train(tmp_path, *extra, "train.steps=100")
-    _wait_step(tmp_path, 1, proc)
-    proc.send_signal(signal.SIGTERM)  # the driver forwards it to its ranks, as SLURM's preemption would
-    code, out = _finish(proc)
-    assert code == 0, out[-3000:]
+    # to the whole process group after step 1, as SLURM signals a job step
+    code, out = sigterm_after_first_step([sys.executable, "-m", "moe_rl.cli", "train", *ARGS, f"log.run_dir={tmp_path}",
+                                          f"rollout.base_port={free_ports(1)}", *extra, "train.steps=100"], tmp_path)
+    assert code == 0 and "Traceback" not in out, out[-3000:]
     stopped = max(_metrics(tmp_path))
     assert f"checkpoint of step {stopped} saved" in (tmp_path / "train.log").read_text()
     ckpt = latest_checkpoint(tmp_path)
