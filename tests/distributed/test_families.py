@@ -53,6 +53,8 @@ def test_layouts_give_hfs_logprobs_and_export_the_checkpoint(family, layout, seq
     from moe_rl.policy.parallel import ParallelLayout
 
     name, model_dir = family
+    if (name, layout) == ("mixtral", "pp2"):  # suite time: Qwen2-MoE's pp2 also splits around a dense layer
+        pytest.skip("pp2 splits Mixtral's all-MoE layers as it splits Qwen3-MoE's (tests/distributed/test_policy_layouts.py)")
     out = tmp_path / "export"
     results = run_ranks(layout_worker, ParallelLayout.parse(layout).world_size, layout, str(model_dir), sequences,
                         export_dir=str(out), timeout=600)

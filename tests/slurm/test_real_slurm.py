@@ -78,7 +78,7 @@ def test_killed_rollout_server_ends_the_job_with_a_clear_message(slurm_cluster, 
     COMPLETED or failed with a message naming the lost server (the trainer waits rollout.timeout_s
     for it, checkpoints its last step and exits 3), and leaves nothing behind."""
     job = slurm_cluster.launch("launch/configs/tiny_cpu.yaml", 2, 1, tmp_path / "run", "train.steps=200",
-                               "rollout.timeout_s=30")  # the wait after the kill: 30 s, not the default 120
+                               "rollout.timeout_s=20")  # the wait after the kill: 20 s, not the default 120
     _wait_for_step(job, 1, timeout=300)
     pids = _server_pids(job)
     assert pids, f"no moe-rl serve process of job {job.id}: {job.processes()}\n{job.report()}"
