@@ -1,4 +1,4 @@
-"""Tiny Qwen3-MoE (and Mixtral) checkpoints built with transformers (nothing is downloaded).
+"""Tiny Qwen3-MoE (and Qwen2-MoE, Mixtral) checkpoints built with transformers (nothing is downloaded).
 
 The sizes are chosen so every parallel layout the tests use divides them:
 4 attention heads and 2 query groups (TP2), 4 layers (PP2 x VPP2), 4 experts (EP2).
@@ -66,7 +66,6 @@ def make_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, config: TinyMoEConfi
     return out
 
 
-
 # A tiny Mixtral's shapes unlike `TinyMoEConfig`'s (6 heads of 8 over 2 query groups, 6 experts top-2,
 # 2 layers, no QK-norm), so a conversion that only fits Qwen3's shapes fails; every 2-rank layout
 # divides them.
@@ -88,11 +87,16 @@ TINY_QWEN2_MOE = dict(vocab_size=96, hidden_size=40, intermediate_size=56, moe_i
 
 def make_tiny_qwen2_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **overrides: Any) -> Path:
     """A randomly initialised tiny Qwen2-MoE (`TINY_QWEN2_MOE`, with `overrides`), saved to `out_dir` (fp32)."""
+    return _save(qwen2_moe_config(**(TINY_QWEN2_MOE | overrides)), out_dir, seed, init_std)
+
+
+def qwen2_moe_config(**kw: Any) -> Any:
+    """transformers' Qwen2MoeConfig, its architecture named."""
     from transformers import Qwen2MoeConfig
 
-    cfg = Qwen2MoeConfig(**(TINY_QWEN2_MOE | overrides))
+    cfg = Qwen2MoeConfig(**kw)
     cfg.architectures = ["Qwen2MoeForCausalLM"]
-    return _save(cfg, out_dir, seed, init_std)
+    return cfg
 
 
 def mixtral_config(**kw: Any) -> Any:
@@ -113,13 +117,9 @@ def tiny_hf_config(family: str, config: TinyMoEConfig) -> Any:
     if family == "qwen3_moe":
         return config.to_hf()
     if family == "qwen2_moe":  # its shared expert as wide as a routed one
-        from transformers import Qwen2MoeConfig
-
         kw = {k: v for k, v in c.__dict__.items() if k not in ("head_dim", "rope_theta")}
-        cfg = Qwen2MoeConfig(**kw, shared_expert_intermediate_size=c.moe_intermediate_size, use_sliding_window=False,
-                             rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
-        cfg.architectures = ["Qwen2MoeForCausalLM"]
-        return cfg
+        return qwen2_moe_config(**kw, shared_expert_intermediate_size=c.moe_intermediate_size, use_sliding_window=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
     if family != "mixtral":
         raise ValueError(f"model.tiny.family must be 'qwen3_moe', 'qwen2_moe' or 'mixtral', got {family!r}")
     return mixtral_config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.moe_intermediate_size,
