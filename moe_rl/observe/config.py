@@ -28,6 +28,9 @@ class LogConfig:
     """Log to Weights & Biases; off because it needs network access and an account."""
     wandb_project: str = "moe_rl"
     """W&B project when `wandb` is on."""
+    report: bool = True
+    """Write the report (`report/index.md` and its figures) when the run ends; off, `moe-rl report
+    RUN_DIR` writes it later from `metrics.jsonl`."""
     progress: bool = True
     """Live progress display on rank 0; turn off for batch logs without a terminal."""
     all_ranks: bool = False

@@ -232,7 +232,7 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
         sinks.close()
         recipe.close()
     recipe.finish(out)
-    if rank == 0:
+    if rank == 0 and cfg.log.report:
         figures = write_report(out)
         log.info("report: %s", ", ".join(str(f) for f in figures))
     return 0

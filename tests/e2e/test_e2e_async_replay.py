@@ -17,7 +17,7 @@ OVERRIDES = ["train.world_size=1", "parallel.ep=1", "rollout.engine=inprocess", 
              "algo.max_staleness=2", "algo.tis_cap=2", "algo.replay=r3", "rollout.return_routed_experts=true",
              "data.train=toy:echo-tail", "data.eval=null", "rollout.max_new_tokens=24", "rollout.n_samples=4",
              "data.prompts_per_step=4", "algo.num_minibatches=1", "algo.shuffle_minibatches=false",
-             "drift.enabled=false", "train.eval_every=0", "train.save_every=0", "log.tensorboard=false",
+             "drift.enabled=false", "train.eval_every=0", "train.save_every=0", "log.tensorboard=false", "log.report=false",
              "log.progress=false", "train.lr=1e-2", "reward.name=moe_rl.testing.e2e:varied_reward"]
 
 

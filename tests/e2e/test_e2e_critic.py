@@ -18,7 +18,7 @@ from moe_rl.testing.e2e import critic_steps_worker
 GAE = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=2",
        "parallel.max_tokens_per_microbatch=null", "rollout.n_samples=4", "rollout.max_new_tokens=2",
        "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2", "train.lr=1e-3",
-       "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy", "train.eval_every=0",
+       "log.tensorboard=false", "log.report=false", "log.progress=false", "data.train=toy:add-easy", "train.eval_every=0",
        "reward.name=moe_rl.testing.e2e:digit_first_reward", "algo.advantage=gae", "algo.loss=dapo",
        "algo.lam=adaptive", "algo.lam_alpha=1.0", "algo.ntp_coef=0.1", "critic.lr=1e-3",
        "critic.warmup_steps=1", "critic.updates_per_step=2", "drift.probe_size=4", "drift.every=1"]

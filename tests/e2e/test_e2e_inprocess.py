@@ -17,7 +17,7 @@ from moe_rl.testing import free_ports
 
 BASE = ["--config", "launch/configs/tiny_cpu.yaml", "train.world_size=1", "parallel.ep=1", "train.steps=2",
         "train.save_every=0", "train.eval_every=0", "rollout.n_samples=4", "rollout.max_new_tokens=2",
-        "data.prompts_per_step=4", "log.tensorboard=false", "log.progress=false", "drift.probe_every=1",
+        "data.prompts_per_step=4", "log.tensorboard=false", "log.report=false", "log.progress=false", "drift.probe_every=1",
         "drift.every=1"]
 
 

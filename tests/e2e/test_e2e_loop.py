@@ -27,7 +27,7 @@ REPLAYS = ["off", "r2", "r3"]
 SMALL = ["model.tiny.vocab_size=16", "parallel.ep=2", "parallel.micro_batch_size=2",
          "parallel.max_tokens_per_microbatch=null",  # padded micro-batches; the matrix ends with packed steps
          "rollout.n_samples=4", "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
-         "train.lr=1e-3", "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy",
+         "train.lr=1e-3", "log.tensorboard=false", "log.report=false", "log.progress=false", "data.train=toy:add-easy",
          "drift.every=1", "drift.probe_every=1"]  # the demo measures drift every 5th step; these check every step
 KEYS = ["reward/mean", "reward/success_rate", "loss/pg_loss", "perf/grad_norm", "loss/ratio_mean",
         "drift/volatility", "drift/rollout_mismatch", "drift/logp_abs_diff", "perf/tokens_per_s",
@@ -104,6 +104,7 @@ def test_resume_gives_the_same_next_steps(tmp_path):
     c = _cli(["train", *base, "train.steps=4", f"train.resume={step2}", f"log.run_dir={resumed}"], timeout=900)
     assert c.returncode == 0, c.stderr[-3000:]
     assert "resumed from" in (resumed / "train.log").read_text()
+    assert not (straight / "report").exists()  # log.report=false: `moe-rl report` writes it later
     ma, mb = _metrics(straight), _metrics(resumed)
     assert sorted(mb) == [3, 4]
     for step in (3, 4):

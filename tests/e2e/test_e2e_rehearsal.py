@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def _train(config: str, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "moe_rl.cli", "train", "--config", config, f"log.run_dir={run_dir}",
-            f"rollout.base_port={free_ports(4)}", *overrides]  # 2 servers, the router and its metrics
+            f"rollout.base_port={free_ports(4)}", "log.report=false", *overrides]  # 2 servers, the router and its metrics
     return subprocess.run(args, capture_output=True, text=True, timeout=600)
 
 

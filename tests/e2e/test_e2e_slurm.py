@@ -162,7 +162,7 @@ def test_e2e_slurm_run_submitted_again_on_fewer_nodes_continues_resharded(tmp_pa
     state, run_dir = tmp_path / "state", tmp_path / "run"
     opts = SlurmOptions(nccl_ifname="lo", gloo_ifname="lo", health_timeout=180, stop_timeout=20,
                         container_image=IMAGE, python=_image_python(tmp_path))
-    base = [o for o in OVERRIDES if not o.startswith("train.steps=")]
+    base = [o for o in OVERRIDES if not o.startswith("train.steps=")] + ["log.report=false"]
     for nodes, world, ep, steps in ((3, 2, 2, 1), (2, 1, 1, 2)):
         rendered = render_script("launch/configs/tiny_cpu.yaml",
                                  [*base, f"train.steps={steps}", f"train.world_size={world}", f"parallel.ep={ep}"],

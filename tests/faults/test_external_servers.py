@@ -63,7 +63,7 @@ def _train(run_dir: Path, model: Path, url: str, *extra: str) -> subprocess.Pope
     args = ["--config", "launch/configs/tiny_cpu.yaml", f"model.hf_path={model}", "parallel.ep=2",
             "parallel.micro_batch_size=2", "parallel.max_tokens_per_microbatch=null", "rollout.n_samples=4",
             "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2", f"train.steps={STEPS}",
-            "train.save_every=1", "train.eval_every=0", "log.tensorboard=false", "log.progress=false",
+            "train.save_every=1", "train.eval_every=0", "log.tensorboard=false", "log.report=false", "log.progress=false",
             "rollout.weight_sync=nccl", f"rollout.urls=[{url}]", f"log.run_dir={run_dir}", *extra]
     return subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

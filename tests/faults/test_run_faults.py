@@ -22,7 +22,7 @@ STEPS = 4
 ARGS = ["--config", "launch/configs/tiny_cpu.yaml", "model.tiny.vocab_size=16", "parallel.ep=2",
         "parallel.micro_batch_size=2", "parallel.max_tokens_per_microbatch=null", "rollout.n_samples=4",
         "rollout.max_new_tokens=2", "data.prompts_per_step=4", "algo.num_minibatches=2", "train.world_size=2",
-        "train.lr=1e-3", "log.tensorboard=false", "log.progress=false", "data.train=toy:add-easy",
+        "train.lr=1e-3", "log.tensorboard=false", "log.report=false", "log.progress=false", "data.train=toy:add-easy",
         f"train.steps={STEPS}", "train.save_every=1", "train.eval_every=0"]
 COMPARED = ("reward", "loss", "adv")
 

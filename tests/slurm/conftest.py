@@ -76,7 +76,7 @@ class SlurmCluster:
                "--nodes", str(nodes), "--rollout-nodes", str(rollout_nodes), "--gpus-per-node", "0",
                "--run-dir", str(run_dir), "--python", sys.executable,
                # ports of its own (servers, router, its metrics), below the ephemeral range
-               f"rollout.base_port={free_ports(4)}", *overrides]
+               f"rollout.base_port={free_ports(4)}", "log.report=false", *overrides]
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, f"moe-rl launch slurm failed:\n{res.stdout}\n{res.stderr}"
         match = re.search(r"submitted job (\d+)", res.stdout)
