@@ -202,6 +202,22 @@ def _build(layers: list[tuple[dict[str, Any], str]]) -> RunConfig:
     return cfg.validate()
 
 
+def named_run_dir(path: str | Path | None, overrides: Sequence[str] = ()) -> str | None:
+    """The `log.run_dir` a config that failed to load names (the last layer that names it wins),
+    so the refusal can go to that run's `train.log` too; None when no readable layer names one."""
+    named = None
+    layers = [lambda: _read_yaml(Path(path))] if path is not None else []
+    layers += [lambda item=item: _parse_override(item) for item in overrides]
+    for read in layers:
+        try:
+            log = read().get("log")
+        except (ConfigError, AttributeError):
+            continue  # this layer is what failed, or is not a mapping: it names nothing
+        if isinstance(log, dict) and isinstance(log.get("run_dir"), str) and log["run_dir"].strip():
+            named = log["run_dir"]
+    return named
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     """Parse a YAML config file; errors name the file (and line for syntax errors)."""
     if not path.exists():

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.config import ConfigError, RunConfig, load_config
+from moe_rl.config import ConfigError, RunConfig, load_config, named_run_dir
 from moe_rl.dist.collectives import agree
 from moe_rl.dist.ports import free_port
 from moe_rl.dist.spawn import set_local_rank_env
@@ -43,24 +43,30 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"moe-rl train: {e}", file=sys.stderr)
-        return 2
+        named = named_run_dir(args.config, args.overrides)
+        return _refuse(str(e), Path(named) if named else None)
     run_dir = resolve_run_dir(cfg)
     launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
     problem = _preflight(cfg, launched)
-    if problem:
-        print(f"moe-rl train: {problem}", file=sys.stderr)
-        if run_dir.is_dir() or cfg.log.run_dir:  # a run directory that exists or was named gets it too
-            run_dir.mkdir(parents=True, exist_ok=True)
-            with open(run_dir / "train.log", "a") as f:
-                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR moe_rl: {problem}\n")
-        return 2
+    if problem:  # a run directory that exists or was named gets it too
+        return _refuse(problem, run_dir if run_dir.is_dir() or cfg.log.run_dir else None)
     if launched:
         return train_rank(cfg, str(run_dir))
     print(f"run directory: {run_dir}", flush=True)
     if cfg.train.world_size == 1:
         return _single(cfg, str(run_dir))
     return spawn(cfg, str(run_dir))
+
+
+def _refuse(problem: str, run_dir: Path | None) -> int:
+    """A config or preflight refusal: one message on stderr, and in `run_dir/train.log` when there
+    is one (the place a batch job's user looks); exit status 2."""
+    print(f"moe-rl train: {problem}", file=sys.stderr)
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "train.log", "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR moe_rl: {problem}\n")
+    return 2
 
 
 def _preflight(cfg: RunConfig, launched: bool) -> str | None:

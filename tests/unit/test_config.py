@@ -445,3 +445,17 @@ def test_off_policy_overlap_is_the_deprecated_name_of_max_staleness_1(caplog):
     assert staleness_bound(old.algo) == staleness_bound(new.algo) == 1
     assert handoff_budget_s(old) == handoff_budget_s(new) == 2 * handoff_budget_s(load_config(None))
     assert handoff_budget_s(load_config(None, ["algo.max_staleness=3"])) == 4 * handoff_budget_s(load_config(None))
+
+
+def test_named_run_dir_is_read_from_the_layers_of_a_config_that_does_not_load(tmp_path):
+    from moe_rl.config import named_run_dir
+
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("log:\n  run_dir: runs/from-yaml\nalgo:\n  loss: gspox\n")
+    assert named_run_dir(yaml_file) == "runs/from-yaml"
+    assert named_run_dir(yaml_file, ["log.run_dir=runs/override", "train.stepz=3"]) == "runs/override"  # last wins
+    assert named_run_dir(yaml_file, ["not-an-override", "log=5"]) == "runs/from-yaml"  # broken layers name nothing
+    assert named_run_dir(tmp_path / "missing.yaml", ["train.steps=3"]) is None
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("log: [unclosed\n")
+    assert named_run_dir(broken, ["log.run_dir=r"]) == "r"
