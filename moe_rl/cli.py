@@ -34,16 +34,27 @@ def _available() -> dict[str, tuple[str, str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: `moe-rl --help`, no command, or an unknown one. It names the
+    subcommands without importing them (torch and megatron would cost seconds); `moe-rl
+    COMMAND --help` builds that command's own parser in `main`."""
     parser = argparse.ArgumentParser(
         prog="moe-rl",
         description="RL post-training for Mixture-of-Experts models on megatron-core, "
-                    "with SGLang rollouts, routing replay and expert-drift metrics.")
+                    "with SGLang rollouts, routing replay and expert-drift metrics.",
+        epilog="`moe-rl COMMAND --help` explains a command and its options.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (mod, text) in _available().items():
-        p = sub.add_parser(name, help=text, description=text)
-        p.set_defaults(_module=mod)
-        importlib.import_module(mod).add_arguments(p)
+    for name, (_mod, text) in _available().items():
+        sub.add_parser(name, help=text, description=text)
     return parser
+
+
+def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
+    """`moe-rl NAME`'s parser and module (only that subcommand's module is imported)."""
+    module, text = _available()[name]
+    mod = importlib.import_module(module)
+    p = argparse.ArgumentParser(prog=f"moe-rl {name}", description=text)
+    mod.add_arguments(p)
+    return p, mod
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,10 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     # cannot take the whole CLI down.
     cmds = _available()
     if argv and argv[0] in cmds:
-        name = argv[0]
-        mod = importlib.import_module(cmds[name][0])
-        p = argparse.ArgumentParser(prog=f"moe-rl {name}", description=cmds[name][1])
-        mod.add_arguments(p)
+        p, mod = command_parser(argv[0])
         args = p.parse_args(argv[1:])
         return int(mod.run(args) or 0)
     parser = build_parser()

@@ -10,8 +10,8 @@ per node with `--cpus-per-task` CPUs each, and the servers are `moe-rl serve`:
 
     moe-rl launch slurm --config launch/configs/rehearsal_cpu.yaml --nodes 2 --rollout-nodes 1 \\
         --gpus-per-node 0 train.steps=3
- Trailing `key.sub=value` words override the config
-for the trainer (and are checked now). Without `--dry-run` the config is copied to
+
+Trailing `key.sub=value` words override the config for the trainer (and are checked now). Without `--dry-run` the config is copied to
 `RUN_DIR/launch/config.yaml`, the script written to `RUN_DIR/launch/job.sbatch` and
 submitted with sbatch; the job id is printed.
 """

@@ -241,7 +241,7 @@ class ServerPool:
                 raise Retryable(f"{path} answered HTTP {status}")
             if not server.healthy and server in self._admin:  # a server we update directly, recovering
                 await self._on_recovered(server)
-            if not server.healthy:
+            if not server.healthy and server.last_error is not None:  # not a first probe at start-up
                 log.info("server %s is healthy again", server.url)
             server.healthy, server.last_error = True, None
             return True

@@ -105,6 +105,7 @@ def test_resume_gives_the_same_next_steps(tmp_path):
     assert c.returncode == 0, c.stderr[-3000:]
     assert "resumed from" in (resumed / "train.log").read_text()
     assert not (straight / "report").exists()  # log.report=false: `moe-rl report` writes it later
+    assert "healthy again" not in (straight / "train.log").read_text()  # it never was unhealthy
     ma, mb = _metrics(straight), _metrics(resumed)
     assert sorted(mb) == [3, 4]
     for step in (3, 4):

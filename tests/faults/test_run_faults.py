@@ -140,7 +140,8 @@ def test_server_killed_mid_async_run_is_restarted_and_no_step_trains_on_older_to
     os.kill(victim, signal.SIGKILL)
     code, out = _finish(proc)
     assert code == 0, out[-3000:]
-    assert "restarting it (1 of 3)" in (tmp_path / "train.log").read_text()
+    log = (tmp_path / "train.log").read_text()
+    assert "restarting it (1 of 3)" in log and "is healthy again" in log
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in rows if "rollout/staleness_max" in r]
     assert sorted(r["step"] for r in steps) == list(range(1, STEPS + 1))
