@@ -116,6 +116,27 @@ def test_keyed_server_refuses_strangers(tiny_hf_dir, tmp_path):
     assert stat.S_IMODE(os.stat(group.log_paths["server-0"]).st_mode) == 0o600
 
 
+def test_serve_takes_sglangs_key_flags_over_its_config_file_and_warns(tiny_hf_dir, tmp_path):
+    """`moe-rl serve --api-key K --admin-api-key A`, SGLang's own flags, as SGLang takes them: a flag
+    wins over the --config file's line (CLI > config), with a warning that argv is visible."""
+    from moe_rl.testing.serve import start_serve_process, stop_process
+
+    conf = tmp_path / "keys.yaml"
+    conf.write_text("api-key: from-file\nadmin-api-key: admin-from-file\n")
+    srv = start_serve_process(tiny_hf_dir, "--config", str(conf), "--api-key", "from-argv",
+                              "--admin-api-key", "admin-from-argv")
+    gen = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    try:
+        assert _call(srv.url, "/generate", "from-argv", gen) == 200
+        assert _call(srv.url, "/generate", "from-file", gen) == 401
+        assert _call(srv.url, "/flush_cache", "from-argv", {}) == 401  # admin endpoints: the admin key only
+        assert _call(srv.url, "/flush_cache", "admin-from-argv", {}) == 200
+    finally:
+        stop_process(srv.proc)
+    printed = "".join(srv.log)
+    assert "visible to other users of this machine" in printed and "--config FILE" in printed
+
+
 def test_unreadable_or_malformed_key_file_is_refused_before_any_work(tmp_path):
     from moe_rl.config import load_config
     from moe_rl.train.preflight import preflight

@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="YAML file with 'api-key: KEY' and 'admin-api-key: KEY' lines (as SGLang's --config): "
                              "every endpoint but /health* then needs 'Authorization: Bearer KEY', weight and "
                              "control endpoints the admin key; keep the file mode 600")
+    parser.add_argument("--api-key", default=None,
+                        help="SGLang's flag: the key every endpoint but /health* needs. A key on the command line "
+                             "is visible to other users of this machine (ps, /proc); prefer --config")
+    parser.add_argument("--admin-api-key", default=None,
+                        help="SGLang's flag: the key weight and control endpoints need (same warning; prefer "
+                             "--config). Either flag wins over the --config file's line, as in SGLang")
     parser.add_argument("--trusted-dir", action="append", default=None,
                         help="a directory /update_weights_from_disk may load from (repeatable); default: the "
                              "directory that holds --model. Other paths are refused with 403")
@@ -69,6 +75,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"moe-rl serve: --config: {e}", file=sys.stderr)
         return 2
+    # SGLang's precedence: a flag on the command line, then the --config file, then no key
+    api_key = args.api_key or (keys.api_key if keys else None)
+    admin_api_key = args.admin_api_key or (keys.admin_api_key if keys else None)
+    if args.api_key or args.admin_api_key:
+        print("moe-rl serve: warning: a key given on the command line is visible to other users of this "
+              "machine (ps, /proc/PID/cmdline); put 'api-key: KEY' / 'admin-api-key: KEY' in a file of mode "
+              "600 and pass --config FILE instead", file=sys.stderr, flush=True)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     engine = LocalEngine(args.model, seed=args.seed, dtype=args.dtype, device=device,
                          max_batch=args.max_batch, logprob_mode=args.logprob_mode,
@@ -87,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                        health_timeout=args.health_check_timeout, max_request_tokens=args.max_request_tokens,
                        server_args={"host": args.host, "random_seed": args.seed,
                                     "served_model_name": args.served_model_name},
-                       api_key=keys.api_key if keys else None, admin_api_key=keys.admin_api_key if keys else None,
+                       api_key=api_key, admin_api_key=admin_api_key,
                        trusted_dirs=args.trusted_dir or [Path(args.model).resolve().parent])
         # handler_cancellation: a client that disconnects cancels its call (and its queued chunks)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
