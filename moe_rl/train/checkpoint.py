@@ -27,6 +27,7 @@ import torch
 from moe_rl.config import RunConfig
 from moe_rl.dist.collectives import agree, all_gather_objects, barrier, world_size
 from moe_rl.train.integrity import check_file, file_record, read_meta
+from moe_rl.train.model_shape import model_shape
 
 CHECKPOINTS = "checkpoints"
 SHARDED = "sharded"  # meta.json "format": the models are megatron distributed checkpoints
@@ -121,7 +122,7 @@ class Checkpoints:
         records = all_gather_objects(mine)  # the files hashed in parallel, each rank its share
         if self.recipe.rank == 0:
             meta = {"step": step, "world_size": world_size(), "format": SHARDED,
-                    "layout": layout_name(self.recipe.cfg), "files": {k: v for part in records for k, v in part.items()}}
+                    "layout": layout_name(self.recipe.cfg), "model": model_shape(self.recipe.cfg), "files": {k: v for part in records for k, v in part.items()}}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)

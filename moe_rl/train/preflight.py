@@ -8,12 +8,11 @@ checkpoint, the data files and their token ids against the vocabulary.
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any
 
 from moe_rl.config import RunConfig
 from moe_rl.recipes.build import hf_tokenizer
+from moe_rl.train.model_shape import model_shape, run_hf_config
 
 
 def preflight(cfg: RunConfig, world_size: int) -> str | None:
@@ -23,17 +22,6 @@ def preflight(cfg: RunConfig, world_size: int) -> str | None:
         if problem:
             return problem
     return None
-
-
-def _hf_config(cfg: RunConfig) -> dict[str, Any]:
-    import json
-
-    if cfg.model.hf_path:
-        return json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
-    from moe_rl.policy.tiny import TinyMoEConfig, tiny_hf_config
-
-    shape = {k: v for k, v in dataclasses.asdict(cfg.model.tiny).items() if k not in ("init_std", "family")}
-    return tiny_hf_config(cfg.model.tiny.family, TinyMoEConfig(**shape)).to_dict()
 
 
 def _model(cfg: RunConfig) -> str | None:
@@ -49,7 +37,7 @@ def _layout(cfg: RunConfig, world_size: int) -> str | None:
 
     layout = ParallelLayout.of(cfg.parallel, world_size)
     try:
-        layout.validate(arch_from_hf_dict(_hf_config(cfg), cfg.model.hf_path or "model.tiny"))
+        layout.validate(arch_from_hf_dict(run_hf_config(cfg), cfg.model.hf_path or "model.tiny"))
     except LayoutError as e:
         return f"parallel / train.world_size={world_size}: {e}"
     except Exception as e:  # noqa: BLE001 - an unsupported architecture says so itself
@@ -58,10 +46,27 @@ def _layout(cfg: RunConfig, world_size: int) -> str | None:
 
 
 def _resume(cfg: RunConfig) -> str | None:
+    import json
+
+    from moe_rl.train.checkpoint import latest_checkpoint
+
     r = cfg.train.resume
     if r and r != "auto" and not (Path(r) / "meta.json").is_file():
         return (f"train.resume: {r} is not a finished checkpoint directory (no meta.json); give a "
                 "checkpoints/step_N directory or train.resume=auto")
+    path = latest_checkpoint(Path(cfg.log.run_dir)) if r == "auto" and cfg.log.run_dir else Path(r) if r else None
+    if path is None:
+        return None
+    try:
+        saved = json.loads((path / "meta.json").read_text()).get("model") or {}
+    except (OSError, ValueError, AttributeError):
+        return None  # an unreadable meta.json is resume's to report, with the file named
+    ours = model_shape(cfg)
+    for key in saved:
+        if key in ours and ours[key] != saved[key]:
+            return (f"train.resume: {path} holds a model with {key}={saved[key]}, this run's model has "
+                    f"{key}={ours[key]} (model.hf_path / model.tiny); resume with the checkpoint's model, or "
+                    "start a new run directory")
     return None
 
 
@@ -69,7 +74,7 @@ def _data(cfg: RunConfig) -> str | None:
     from moe_rl.data.dataset import DataError, load_dataset
     from moe_rl.data.preference import load_preference_dataset
 
-    vocab = int(_hf_config(cfg)["vocab_size"])
+    vocab = int(run_hf_config(cfg)["vocab_size"])
     tok = hf_tokenizer(cfg)
     for key, spec in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval if cfg.train.eval_every else None)):
         if not spec:

@@ -128,6 +128,10 @@ def test_resume_gives_the_same_next_steps(tmp_path):
             assert md[3][key] == value, key
         elif key.split("/")[0] == "loss" or key == "perf/grad_norm":
             assert md[3][key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+    # a checkpoint of another model: refused before any rank starts, one line naming the key, exit 2
+    bad = _cli(["train", *base, "model.tiny.num_experts=8", f"train.resume={step2}", f"log.run_dir={tmp_path}/other"])
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert len(bad.stderr.strip().splitlines()) == 1 and "num_local_experts=4" in bad.stderr, bad.stderr
     # moe-rl export: the step-2 checkpoint as a HF checkpoint, with the run's tokenizer-free source files
     hf = tmp_path / "hf"
     e = _cli(["export", "--checkpoint", str(step2), "--out", str(hf)], timeout=600)

@@ -1,0 +1,40 @@
+"""`moe_rl.train.preflight`: a checkpoint of another model is refused before any rank starts."""
+from __future__ import annotations
+
+import json
+
+from moe_rl.config import load_config
+from moe_rl.train.model_shape import model_shape
+from moe_rl.train.preflight import preflight
+
+CONFIG = "launch/configs/tiny_cpu.yaml"
+
+
+def _checkpoint(run_dir, model: dict | None, step: int = 1):
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    path.mkdir(parents=True)
+    meta = {"step": step, "world_size": 2, "format": "sharded", "files": {}}
+    if model is not None:
+        meta["model"] = model
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_key(tmp_path):
+    saved = model_shape(load_config(CONFIG))  # what a run of the config's model records
+    assert saved["num_local_experts"] == 4 and saved["vocab_size"] == 16
+    ckpt = _checkpoint(tmp_path, json.loads(json.dumps(saved)))  # as read back from meta.json
+    same = load_config(CONFIG, [f"train.resume={ckpt}"])
+    assert preflight(same, 2) is None
+    other = load_config(CONFIG, [f"train.resume={ckpt}", "model.tiny.num_experts=8"])
+    problem = preflight(other, 2)
+    assert problem.startswith("train.resume: ") and "num_local_experts=4" in problem and "num_local_experts=8" in problem
+    # train.resume=auto checks the run directory's newest checkpoint the same way
+    auto = load_config(CONFIG, ["train.resume=auto", f"log.run_dir={tmp_path}", "model.tiny.hidden_size=32"])
+    assert "hidden_size=64" in preflight(auto, 2)
+
+
+def test_a_checkpoint_without_the_model_record_is_left_to_resume(tmp_path):
+    """Checkpoints written before meta.json recorded the model: nothing to compare here."""
+    ckpt = _checkpoint(tmp_path, None)
+    assert preflight(load_config(CONFIG, [f"train.resume={ckpt}", "model.tiny.num_experts=8"]), 2) is None
