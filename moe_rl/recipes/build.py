@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from moe_rl.algo.config import staleness_bound
 from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
+from moe_rl.data.toy import ToyTokenizer
 from moe_rl.dist.collectives import barrier, broadcast_object, init_control_group
 from moe_rl.dist.ports import free_port
 from moe_rl.rollout.config import pause_mode, pushes_in_place
@@ -31,7 +32,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     from moe_rl.reward.runner import RewardRunner
     from moe_rl.rollout.weight_sync import make_weight_sync
 
-    dataset = load_dataset(cfg.data.train, hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
+    dataset = load_dataset(cfg.data.train, run_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                            cfg.data.max_prompt_len)
     runner = RewardRunner(get_reward(cfg.reward.name, data=cfg.data.train), cfg.reward.max_failure_frac)
     if getattr(dataset.tokenizer, "decode", None) is None and not runner.reads_ids:
@@ -54,7 +55,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
               critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None,
               pipeline=RolloutPipeline(depth) if depth and rank == 0 else None)
-    eval_set = load_dataset(cfg.data.eval, hf_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
+    eval_set = load_dataset(cfg.data.eval, run_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                             cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None
     return {"run": run, "eval": eval_set, "servers": servers}
 
@@ -108,9 +109,14 @@ def build_critic(cfg: RunConfig, policy_spec: Any) -> Any:
     return Critic(replace(policy_spec, hf_dir=c.hf_path or policy_spec.hf_dir, optim=optim))
 
 
-def hf_tokenizer(cfg: RunConfig) -> Any:
+def run_tokenizer(cfg: RunConfig) -> Any:
+    """The tokenizer text rows are encoded with: `model.hf_path`'s own (None for a checkpoint without
+    tokenizer files: id rows only); for a fresh tiny model whose vocabulary is the toy tasks'
+    (`model.tiny.vocab_size=16`, as launch/configs/tiny_cpu.yaml), the toy tokenizer, so rows of your
+    own in its alphabet (digits, `+ - =`) train on CPU; any other fresh model, None."""
     if not cfg.model.hf_path:
-        return None
+        toy = ToyTokenizer()
+        return toy if cfg.model.tiny.vocab_size == toy.vocab_size else None
     try:
         from transformers import AutoTokenizer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moe_rl.config import RunConfig
-from moe_rl.recipes.build import hf_tokenizer
+from moe_rl.recipes.build import run_tokenizer
 from moe_rl.train.model_shape import model_shape, run_hf_config
 
 
@@ -75,7 +75,7 @@ def _data(cfg: RunConfig) -> str | None:
     from moe_rl.data.preference import load_preference_dataset
 
     vocab = int(run_hf_config(cfg)["vocab_size"])
-    tok = hf_tokenizer(cfg)
+    tok = run_tokenizer(cfg)
     for key, spec in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval if cfg.train.eval_every else None)):
         if not spec:
             continue

@@ -29,7 +29,7 @@ from moe_rl.data.preference import PreferenceDataset, PreferencePair, load_prefe
 from moe_rl.data.sampler import PromptSampler
 from moe_rl.dist.collectives import broadcast_object as broadcast, rank
 from moe_rl.policy.policy import Policy
-from moe_rl.recipes.build import hf_tokenizer, initial_model, make_policy
+from moe_rl.recipes.build import run_tokenizer, initial_model, make_policy
 from moe_rl.recipes.common import Stopwatch, all_keys, probe_volatility
 from moe_rl.recipes.rl.batch import share_indices
 
@@ -220,7 +220,7 @@ def probe_drift(run: DPORun) -> dict[str, float]:
 def build_dpo_run(cfg: RunConfig, out: Path, rank: int) -> DPORun:
     """Preference data, the policy, the reference log-probs: what `trainer.train_rank` runs."""
     d = cfg.dpo
-    tokenizer = hf_tokenizer(cfg)
+    tokenizer = run_tokenizer(cfg)
     train = load_preference_dataset(cfg.data.train, tokenizer, d.max_len)
     evals = (load_preference_dataset(cfg.data.eval, tokenizer, d.max_len)
              if cfg.data.eval and cfg.train.eval_every else None)
