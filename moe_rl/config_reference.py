@@ -174,7 +174,7 @@ def _unknown(name: str, part: str, prefix: str, cls: Any) -> str:
         message = f"{name}: unknown key; " + message
     same_leaf = [k.key for k in reference() if k.key.rsplit(".", 1)[-1] == name]
     if same_leaf:  # a bare leaf name: say which sections have it
-        message += f"; keys named {name!r}: {', '.join(same_leaf)}"
+        message += f"; did you mean {' or '.join(repr(k) for k in same_leaf)}?"
     return message
 
 
