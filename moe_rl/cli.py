@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("moe_rl.train.export", "write a HF checkpoint from a run's checkpoint of any layout"),
     "report": ("moe_rl.observe.report", "plot a run directory's metrics (reward, volatility heatmap, mismatch)"),
     "launch": ("moe_rl.launch.cli", "render and submit multi-node launch scripts (SLURM)"),
+    "config": ("moe_rl.config_reference", "list every config key: type, default, allowed values, doc"),
 }
 
 
