@@ -23,7 +23,8 @@ from moe_rl.observe.logging import get_logger
 from moe_rl.observe.report_draw import Metrics, Skip
 from moe_rl.observe.report_drift import (drift_figure, heatmap_figure, staleness_curve, staleness_figure,
                                         volatility_curve)
-from moe_rl.observe.report_train import critic_figure, loss_figure, perf_figure, preference_figure, reward_figure
+from moe_rl.observe.report_train import (bookkeeping_table, critic_figure, loss_figure, perf_figure,
+                                        preference_figure, reward_figure)
 from moe_rl.observe.sinks import METRICS_FILE, latest_history, read_metrics
 
 if TYPE_CHECKING:
@@ -153,6 +154,10 @@ def _index_markdown(run_name: str, metrics: Metrics, results: list[FigureResult]
     if skipped:
         lines += ["", "## Skipped", ""]
         lines += [f"- {r.name}: {r.skipped}" for r in skipped]
+    table = bookkeeping_table(metrics)
+    if table:
+        lines += ["", "## Bookkeeping", "",
+                  "Series that say how large each step was rather than how it went; not plotted.", ""] + table
     return "\n".join(lines) + "\n"
 
 
@@ -172,19 +177,23 @@ _FIGURES = (
                 "volatility per MoE layer (rows) and step (columns): share of each token's top-k experts "
                 "that changed across the step's policy updates.",
                 heatmap_figure("drift/volatility", "Routed-expert volatility between updates, per layer",
-                                "volatility (1 − overlap / k)")),
+                               "volatility (1 − overlap / k)\n0 = routes unchanged",
+                               "0 everywhere: no token's experts changed between updates")),
     _FigureSpec("probe_volatility_heatmap.png", "probe-set volatility",
                 "volatility per MoE layer and step on a fixed probe set: share of each token's top-k experts "
                 "that changed since the previous probe.",
                 heatmap_figure("drift/probe_volatility", "Routed-expert volatility on the probe set, per layer",
-                                "volatility (1 − overlap / k)")),
+                               "volatility (1 − overlap / k)\n0 = routes unchanged",
+                               "0 everywhere: no probe token's experts changed between probes")),
     _FigureSpec("preference.png", "preference (DPO)",
                 "DPO reward accuracy on the step's pairs and on held-out pairs, and the implicit rewards.",
                 preference_figure),
     _FigureSpec("rollout_mismatch_heatmap.png", "rollout vs trainer routes",
-                "route mismatch per MoE layer and step between the rollout engine and the trainer.",
+                "route mismatch per MoE layer and step between the rollout engine and the trainer "
+                "(0 = both chose the same experts; the colour scale starts at 0).",
                 heatmap_figure("drift/rollout_mismatch", "Route mismatch, rollout engine vs trainer, per layer",
-                                "mismatch (1 − overlap / k)")),
+                               "mismatch (1 − overlap / k)\n0 = same experts",
+                               "0 everywhere: engine and trainer chose the same experts")),
     _FigureSpec("drift.png", "drift",
                 "routes over steps (mean volatility, rollout route mismatch, exact-match rate); log-prob "
                 "mismatch (k3 KL, mean |Δ log p|, share of ratios outside [1/2, 2]); expert load change.",
@@ -196,10 +205,13 @@ _FIGURES = (
                 "volatility on the probe set between weights k versions apart.",
                 staleness_figure),
     _FigureSpec("loss.png", "loss",
-                "clip fractions, each loss/* term (e.g. pg_loss) and the gradient norm over steps.",
+                "the loss terms (e.g. pg_loss, dpo), clip fractions, the importance ratio (mean, min, max), "
+                "KL and entropy where logged, and the gradient norm over steps; bookkeeping series (counts, "
+                "the normalised advantages' mean and std, lr) are in index.md's bookkeeping table instead.",
                 loss_figure),
-    _FigureSpec("perf.png", "throughput",
-                "tokens per second and wall time per step.",
+    _FigureSpec("perf.png", "throughput and step time",
+                "tokens per second, and the wall time per step split into its phases (perf/<phase>_s stacked; "
+                "the step total as a line).",
                 perf_figure),
     _FigureSpec("critic.png", "critic",
                 "the critic's value loss and explained variance (before each step's updates) over steps, "

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 __all__ = ["drift_figure", "heatmap_figure", "staleness_curve", "staleness_figure", "volatility_curve"]
 
 
-def heatmap_figure(prefix: str, title: str, cbar_label: str) -> Callable[[Metrics], Figure]:
-    """A builder of a layer × step heatmap from the `<prefix>/layer_NN` keys."""
+def heatmap_figure(prefix: str, title: str, cbar_label: str, zero_note: str) -> Callable[[Metrics], Figure]:
+    """A builder of a layer × step heatmap from the `<prefix>/layer_NN` keys: a share in [0, 1], so the
+    colour scale starts at 0; a map that is 0 in every measured cell says so with `zero_note` under its title."""
 
     def build(m: Metrics) -> Figure:
         layers = m.layers(prefix)
@@ -28,7 +29,9 @@ def heatmap_figure(prefix: str, title: str, cbar_label: str) -> Callable[[Metric
         steps, grid = _layer_grid(m, layers)
         fig, (ax,) = new_figure(1, height=max(3.0, min(0.22 * len(layers), 9.0)))
         _heatmap(fig, ax, steps, list(layers), grid, cbar_label)
-        ax.set_title(title, fontsize=10)
+        measured = grid[np.isfinite(grid)]
+        all_zero = measured.size > 0 and not measured.any()
+        ax.set_title(f"{title}\n{zero_note}" if all_zero else title, fontsize=10)
         return fig
 
     return build
@@ -50,8 +53,12 @@ def _heatmap(fig: Figure, ax: Axes, steps: np.ndarray, layers: list[int], grid: 
     # grey cells: steps where a layer was not measured
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
     # Cell edges halfway between steps: drift may be measured every k steps, or irregularly.
+    # From 0 (no expert changed) up: the largest value, or 0.1 for a map of zeros (else the colour
+    # scale of a constant map would be centred on it, with negative shares below).
+    finite = grid[np.isfinite(grid)]
+    vmax = float(finite.max()) if finite.size and finite.max() > 0 else 0.1
     mesh = ax.pcolormesh(_edges(steps), _edges(np.array(layers, dtype=float)),
-                         np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, shading="flat")
+                         np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=vmax, shading="flat")
     fig.colorbar(mesh, ax=ax, label=cbar_label)
     ax.set_ylabel("MoE layer")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(len(layers), 16)))
