@@ -8,11 +8,12 @@
             progress.update(step, metrics)
 
 In a terminal the live view shows a bar with step/total, the key numbers of
-the last step (reward mean, success rate, volatility, tokens/s, step time),
-the ETA and the current phase. Without a terminal (CI, SLURM output files)
-each `update` prints exactly one line, e.g.
+the last step (reward mean, success rate, volatility, tokens/s, step time; for
+DPO the loss and reward accuracy), the ETA and the current phase. Without a
+terminal (CI, SLURM output files) each `update` prints exactly one line, e.g.
 
     step 12/200 | reward 0.531 | success 41.0% | vol 0.084 | 1,234 tok/s | 12.3 s/step | ETA 0:38:32
+    step 12/200 | loss 0.627 | acc 66.7% | 4,536 tok/s | 0.1 s/step | ETA 0:00:17          (DPO)
 
 and `status` prints nothing, so logs get one line per step, never more.
 Lines are printed to stdout directly rather than through `logging`, so the
@@ -41,6 +42,9 @@ _FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("reward/mean", "reward", lambda v: f"{v:.3f}"),
     ("reward/success_rate", "success", lambda v: f"{100 * v:.1f}%"),
     ("eval/success_rate", "eval", lambda v: f"{100 * v:.1f}%"),
+    ("loss/dpo", "loss", lambda v: f"{v:.3f}"),  # DPO: the loss and the share of pairs ranked right
+    ("dpo/reward_accuracy", "acc", lambda v: f"{100 * v:.1f}%"),
+    ("eval/reward_accuracy", "eval acc", lambda v: f"{100 * v:.1f}%"),
     ("drift/volatility", "vol", lambda v: f"{v:.3f}"),
     ("perf/tokens_per_s", "", lambda v: f"{v:,.0f} tok/s"),
     ("perf/step_s", "", lambda v: f"{v:.1f} s/step"),

@@ -63,3 +63,10 @@ def test_live_view_renders_numbers_and_phase():
         progress.update(2, _metrics(2))
     out = buf.getvalue()
     assert "step 2/4" in out and "reward 0.500" in out and "[sync]" in out and "50%" in out
+
+
+def test_dpo_line_shows_loss_and_reward_accuracy():
+    metrics = {"loss/dpo": 0.6270, "dpo/reward_accuracy": 0.6667, "eval/reward_accuracy": 0.8267,
+               "perf/tokens_per_s": 4536.0, "perf/step_s": 0.09}
+    line = format_step_line(12, 200, metrics, None)
+    assert line == "step 12/200 | loss 0.627 | acc 66.7% | eval acc 82.7% | 4,536 tok/s | 0.1 s/step"
