@@ -102,7 +102,8 @@ def loss_figure(m: Metrics) -> Figure:
         panels.append(([(k, k.split("/", 1)[-1]) for k in ratio], "π / π_old",
                        "Importance ratio over the step's tokens (1 = unchanged policy)", False))
     if kl:
-        title = "KL and entropy" if len(kl) > 1 else f"{kl[0].split('/', 1)[-1]} ({kl[0]})"  # one curve: its name
+        one = "Entropy" if "entropy" in kl[0] else "KL"
+        title = "KL and entropy" if len(kl) > 1 else f"{one} ({kl[0]})"  # one curve: say which
         panels.append(([(k, k.split("/", 1)[-1]) for k in kl], "nats", title, True))
     if grad:
         panels.append(([(k, k) for k in grad], "norm", "Gradient norm (before clipping)", True))
