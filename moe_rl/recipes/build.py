@@ -54,10 +54,26 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
               critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None,
-              pipeline=RolloutPipeline(depth) if depth and rank == 0 else None)
+              pipeline=RolloutPipeline(depth) if depth and rank == 0 else None,
+              episodes=episode_runner(cfg, dataset.tokenizer, policy.hf_config, eos) if rank == 0 else None)
     eval_set = load_dataset(cfg.data.eval, run_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                             cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None
     return {"run": run, "eval": eval_set, "servers": servers}
+
+
+def episode_runner(cfg: RunConfig, tokenizer: Any, hf_config: dict[str, Any], eos_id: int | None) -> Any:
+    """Rank 0's multi-turn episode loop against `rollout.env` (None without one)."""
+    r = cfg.rollout
+    if r.env is None:
+        return None
+    from moe_rl.env.registry import make_env
+    from moe_rl.rollout.episodes import EpisodeRunner
+
+    try:
+        factory = make_env(r.env, eos_id=eos_id, tokenizer=tokenizer, vocab_size=hf_config.get("vocab_size"))
+    except (KeyError, ImportError, TypeError, ValueError) as e:
+        raise ConfigError(str(e.args[0]) if e.args else str(e)) from None
+    return EpisodeRunner(factory, r.max_turns, r.max_episode_tokens, -1 if eos_id is None else int(eos_id))
 
 
 def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature: float = 1.0) -> Any:

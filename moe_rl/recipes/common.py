@@ -34,10 +34,17 @@ class Stopwatch:
 
 
 def response_mask(samples: Samples, width: int) -> torch.Tensor:
-    """`[B, width]`: 1 where position t predicts a completion token (t >= P - 1, t < T - 1)."""
+    """`[B, width]`: 1 where position t predicts a completion token (t >= P - 1, t < T - 1) that
+    the model generated: in multi-turn episodes the environment's tokens are context, not actions,
+    so they are 0 here and count in no loss, KL, entropy, ratio or normaliser."""
     t = torch.arange(width).view(1, -1)
     lengths = torch.tensor(samples.lengths()).view(-1, 1)
-    return ((t >= samples.prompt_lens.view(-1, 1) - 1) & (t < lengths - 1)).float()
+    mask = ((t >= samples.prompt_lens.view(-1, 1) - 1) & (t < lengths - 1)).float()
+    if samples.action_masks is not None:
+        for i, (p, action) in enumerate(zip(samples.prompt_lens.tolist(), samples.action_masks)):
+            row = mask[i, p - 1: p - 1 + action.numel()]  # position p-1+j predicts completion token j
+            row *= action[: row.numel()].float()
+    return mask
 
 
 # Loss metrics that are shares of a globally normalised total (summed over microbatches

@@ -92,7 +92,15 @@ class RolloutConfig:
     whose log-probs neither it (SGLang returns them before truncation) nor the trainer
     reproduce, so the update is silently off-policy; true says you accept that."""
     max_new_tokens: int = ranged(64, ge=1)
-    """Response length cap; 64 fits the toy tasks."""
+    """Response length cap; 64 fits the toy tasks. In a multi-turn episode, the cap of each model turn."""
+    env: str | None = None
+    """Multi-turn rollouts: the environment each sample is an episode with (moe_rl/env/): a built-in
+    (`calculator`, `guess`) or your own class as `module:Class`; None = one completion per prompt,
+    scored by `reward.name`."""
+    max_turns: int = ranged(4, ge=1)
+    """With `env`: the most model turns per episode."""
+    max_episode_tokens: int = ranged(64, ge=1)
+    """With `env`: the most tokens after the prompt per episode, the model's and the environment's."""
     concurrency: int = ranged(64, ge=1)
     """Requests in flight across all servers; bounds client memory and server queueing."""
     timeout_s: float = ranged(120.0, gt=0.0)
@@ -171,6 +179,8 @@ def check_rollout(cfg: Any) -> Iterator[str]:
                "rollout.weight_sync=disk (colocated runs elsewhere send tensors by CUDA IPC, "
                "update_weights_from_tensor, which moe_rl does not do yet)")
     k = staleness_bound(cfg.algo)
+    if r.env is not None:
+        yield from _check_episodes(cfg, k)
     if r.inflight_update in ("in_place", "retract") and not k:
         yield (f"rollout.inflight_update: {r.inflight_update!r} needs algo.max_staleness >= 1: without it no "
                "request is generating when the weights are pushed")
@@ -217,3 +227,17 @@ _UNREACHABLE = {
     "nccl": ("rollout.weight_sync: 'nccl' broadcasts to server processes; rollout.engine=inprocess has none: "
              "use rollout.weight_sync=tensor (or disk)"),
 }
+
+
+def _check_episodes(cfg: Any, staleness: int) -> Iterator[str]:
+    """What multi-turn episodes (rollout.env) do not do yet, said before any work."""
+    if cfg.algo.replay == "r3":
+        yield ("algo.replay: r3 is not supported with rollout.env yet: replaying an episode's routes needs each "
+               "turn's engine routes merged (an environment token keeps the routes of the prefill that first read "
+               "it); use algo.replay=r2 or off")
+    if staleness:
+        yield (f"algo.max_staleness: {staleness} is not supported with rollout.env yet (episodes are generated "
+               "turn by turn within the step); use algo.max_staleness=0")
+    if cfg.algo.advantage == "gae":
+        yield ("algo.advantage: gae is not supported with rollout.env yet (values at the model's tokens only, the "
+               "environment's skipped, is not built); use a group advantage (grpo, ...)")

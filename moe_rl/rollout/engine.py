@@ -209,6 +209,11 @@ class GenerateResult:
     # SGLang's meta_info["num_retractions"]: how often the sample's KV was dropped and prefilled again
     # (a retract pause, or memory pressure); its routes are then the latest prefill's
     num_retractions: int = 0
+    # A multi-turn episode (moe_rl/rollout/episodes.py): True at the model's tokens of output_ids, False
+    # at the environment's; the episode's reward (the sum of its turns') and its number of model turns
+    action_mask: tuple[bool, ...] | None = None
+    reward: float | None = None
+    turns: int = 1
 
     def token_versions(self) -> list[str] | None:
         """The weight version of each output token (None when the engine did not say)."""
@@ -222,6 +227,8 @@ class GenerateResult:
         self.output_logprobs = np.asarray(self.output_logprobs, dtype=np.float32)
         if self.weight_versions is not None:
             check_version_spans(self.weight_versions, len(self.output_ids))
+        if self.action_mask is not None and len(self.action_mask) != len(self.output_ids):
+            raise ValueError(f"action_mask has {len(self.action_mask)} entries, expected {len(self.output_ids)}")
         if self.output_logprobs.shape != (len(self.output_ids),):
             raise ValueError(f"output_logprobs has shape {self.output_logprobs.shape}, "
                              f"expected ({len(self.output_ids)},)")

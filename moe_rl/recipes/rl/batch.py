@@ -39,6 +39,9 @@ class Samples:
     not return them); completions: the text before EOS; rewards: the task's `[N]`;
     versions: the weight version each completion token was generated with, each `[T_i - P_i]`
     int32 (SGLang's weight_versions spans; None when the engine does not say).
+    Multi-turn episodes (`rollout.env`, moe_rl/rollout/episodes.py): action_masks, each `[T_i - P_i]`
+    bool, True at the model's tokens and False at the environment's (masked out of the loss);
+    env_rewards `[N]` the episodes' rewards; turns `[N]` their model turns. None for single turns.
     """
 
     prompts: list[Prompt]
@@ -50,13 +53,17 @@ class Samples:
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     versions: list[torch.Tensor] | None = None
+    action_masks: list[torch.Tensor] | None = None
+    env_rewards: torch.Tensor | None = None
+    turns: torch.Tensor | None = None
 
     def select(self, idx: list[int]) -> "Samples":
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        rows = lambda t: None if t is None else t[idx]  # noqa: E731
         return Samples([self.prompts[i] for i in idx], pick(self.sequences), self.prompt_lens[idx],
-                       pick(self.engine_logp), pick(self.routes), pick(self.completions),
-                       None if self.rewards is None else self.rewards[idx],
-                       None if self.advantages is None else self.advantages[idx], pick(self.versions))
+                       pick(self.engine_logp), pick(self.routes), pick(self.completions), rows(self.rewards),
+                       rows(self.advantages), pick(self.versions), pick(self.action_masks), rows(self.env_rewards),
+                       rows(self.turns))
 
     def lengths(self) -> list[int]:
         """Each sequence's length T_i (`shape[0]`: `len()` of a tensor costs several times more)."""
@@ -73,7 +80,8 @@ class Samples:
                        torch.cat([self.prompt_lens, other.prompt_lens]), self.engine_logp + other.engine_logp,
                        both(self.routes, other.routes), self.completions + other.completions,
                        cat(self.rewards, other.rewards), cat(self.advantages, other.advantages),
-                       both(self.versions, other.versions))
+                       both(self.versions, other.versions), both(self.action_masks, other.action_masks),
+                       cat(self.env_rewards, other.env_rewards), cat(self.turns, other.turns))
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -120,31 +128,57 @@ def _request(run: Any, prompts: list[Prompt], step: int, greedy: bool) -> list:
                                 sampling=sampling_params(run, base + i * 101, greedy),
                                 return_routed_experts=run.cfg.rollout.return_routed_experts)
                 for i, p in enumerate(prompts)]
-    results = run.engine.generate(requests)  # resumes colocated servers released by the last call
+    # resumes colocated servers released by the last call; rollout.env: each sample an episode of turns
+    results = run.engine.generate(requests) if run.episodes is None else \
+        run.episodes.generate(run.engine, prompts, requests)
     if run.cfg.rollout.colocated:
         run.engine.release_memory_occupation()  # training gets the GPU memory back
-    return [[(r.output_ids, r.output_logprobs, r.routed_experts, r.token_versions()) for r in per_prompt]
+    episode = lambda r: () if r.action_mask is None else (r.action_mask, r.reward, r.turns)  # noqa: E731
+    return [[(r.output_ids, r.output_logprobs, r.routed_experts, r.token_versions(), *episode(r)) for r in per_prompt]
             for per_prompt in results]
 
 
 def _samples(run: Any, prompts: list[Prompt], payload: list) -> Samples:
     seqs, plens, logps, routes, texts, owners, versions = [], [], [], [], [], [], []
+    actions, env_rewards, turns = [], [], []
     decode = getattr(run.dataset.tokenizer, "decode", None)
     for prompt, per_prompt in zip(prompts, payload):
-        for out_ids, out_logp, rts, token_versions in per_prompt:
+        for out_ids, out_logp, rts, token_versions, *episode in per_prompt:
+            action, reward, n_turns = episode or (None, None, 1)  # an episode's mask, reward and turns
+            actions.append(None if action is None else torch.tensor(action, dtype=torch.bool))
+            env_rewards.append(reward)
+            turns.append(n_turns)
             ids = list(out_ids)
+            # an episode's text: its model's last turn, after the environment's last answer (for logs)
+            body_from = len(action) - action[::-1].index(False) if action is not None and False in action else 0
             seqs.append(torch.tensor(list(prompt.prompt_ids) + ids, dtype=torch.long))
             plens.append(len(prompt.prompt_ids))
             logps.append(torch.as_tensor(out_logp, dtype=torch.float32))
             routes.append(None if rts is None else torch.as_tensor(rts))
-            body = ids[: ids.index(run.eos_id)] if run.eos_id in ids else ids
-            texts.append(decode(body) if decode else " ".join(map(str, body)))
+            body = ids[body_from:]
+            body = body[: body.index(run.eos_id)] if run.eos_id in body else body
+            texts.append(_text(decode, body))
             owners.append(prompt)
             versions.append(None if token_versions is None else
                             torch.tensor([version_number(v) for v in token_versions], dtype=torch.int32))
     has_routes = all(r is not None for r in routes)
+    episodes = all(a is not None for a in actions) and bool(actions)
     return Samples(owners, seqs, torch.tensor(plens), logps, routes if has_routes else None, texts,
-                   versions=versions if all(v is not None for v in versions) else None)
+                   versions=versions if all(v is not None for v in versions) else None,
+                   action_masks=actions if episodes else None,
+                   env_rewards=torch.tensor(env_rewards, dtype=torch.float32) if episodes else None,
+                   turns=torch.tensor(turns, dtype=torch.float32) if episodes else None)
+
+
+def _text(decode: Any, ids: list[int]) -> str:
+    """The completion's text: decoded (an id the tokenizer lacks, e.g. an environment's tool token,
+    as `<id N>`), or the ids themselves without a tokenizer."""
+    if decode is None:
+        return " ".join(map(str, ids))
+    try:
+        return decode(ids)
+    except (ValueError, KeyError, IndexError):
+        return "".join(_text(decode, [t]) if len(ids) > 1 else f"<id {t}>" for t in ids)
 
 
 def version_number(label: str) -> int:
@@ -166,16 +200,27 @@ def staleness_metrics(run: Any, samples: Samples) -> dict[str, float]:
 
 # ---------------------------------------------------------------- rewards and advantages
 
+def task_rewards(run: Any, samples: Samples) -> torch.Tensor:
+    """`[N]`: the episodes' rewards from their environment (rollout.env), else the reward function's."""
+    if samples.env_rewards is not None:
+        return samples.env_rewards.clone()
+    return torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()),
+                        dtype=torch.float32)
+
+
 def score(run: Any, samples: Samples) -> dict[str, float]:
     """Task rewards of every sample (rank 0: the reward functions run once, where the samples are)."""
-    rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()),
-                           dtype=torch.float32)
-    samples.rewards = rewards
+    rewards = samples.rewards = task_rewards(run, samples)
     lengths = torch.tensor(samples.lengths()) - samples.prompt_lens
-    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "reward/success_rate": float((rewards >= 1.0).float().mean()),
-            "reward/failures": float(run.rewards.failures),
-            "rollout/response_len": float(lengths.float().mean())}
+    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+           "reward/success_rate": float((rewards >= 1.0).float().mean()),
+           "reward/failures": float(run.rewards.failures),
+           "rollout/response_len": float(lengths.float().mean())}
+    if samples.action_masks is not None:  # multi-turn: how many turns, how much of the context is the environment's
+        env_tokens = sum(int((~a).sum()) for a in samples.action_masks)
+        out |= {"rollout/turns_mean": float(samples.turns.mean()),
+                "rollout/env_token_frac": env_tokens / max(1, int(lengths.sum()))}
+    return out
 
 
 def dynamic_sampling_rounds(run: Any, samples: Samples, step: int) -> tuple[Samples | None, dict[str, float]]:
@@ -325,7 +370,7 @@ def evaluate(run: Any, dataset: PromptDataset, step: int) -> dict[str, float]:
     """Greedy success rate on a held-out prompt set (rank 0 generates and scores, every rank gets it)."""
     def on_rank0() -> dict[str, float]:
         samples = generate(run, list(dataset), step, greedy=True)
-        rewards = torch.tensor(run.rewards.score(samples.prompts, samples.completions, samples.completion_ids()))
+        rewards = task_rewards(run, samples)
         return {"eval/success_rate": float((rewards >= 1.0).float().mean()),
                 "eval/reward_mean": float(rewards.mean())}
     return unwrap(broadcast_object(attempt(on_rank0) if run.rank == 0 else None))

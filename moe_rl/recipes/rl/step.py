@@ -49,6 +49,7 @@ class Run:
     drift_state: dict[str, Any] = field(default_factory=dict)
     pipeline: Any = None  # rank 0's RolloutPipeline when algo.max_staleness >= 1 (recipes/rl/pipeline.py)
     critic: Any = None  # moe_rl.policy.critic.Critic when algo.advantage=gae
+    episodes: Any = None  # rank 0's EpisodeRunner when rollout.env is set (moe_rl/rollout/episodes.py)
 
 
 def rl_step(run: Run, step: int) -> dict[str, float]:

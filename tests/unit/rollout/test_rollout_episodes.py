@@ -1,0 +1,92 @@
+"""EpisodeRunner: turns against a scripted engine. Token in, token out (the context of every turn
+is exactly the prompt, the model's ids and the environment's ids so far), the action mask, the
+budget of turns and tokens, one seed per turn, the environment's stop ids, weight versions."""
+from __future__ import annotations
+
+import numpy as np
+
+from moe_rl.data.dataset import Prompt
+from moe_rl.env.base import Turn
+from moe_rl.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
+from moe_rl.rollout.episodes import TURN_SEED_STRIDE, EpisodeRunner
+
+EOS, STOP = 2, 9
+
+
+class Echo:
+    """Answers every turn with [40 + turn number]; ends the episode at turn `end` (done)."""
+
+    stop_token_ids = (STOP,)
+
+    def __init__(self, end: int = 99):
+        self.end, self.seen = end, []
+
+    def reset(self, prompt):
+        return [30]  # an opening observation
+
+    def step(self, ids):
+        self.seen.append(list(ids))
+        n = len(self.seen)
+        return Turn(observation=[40 + n, 50 + n], reward=0.5, done=n >= self.end)
+
+
+class Scripted:
+    """A fake engine: sample = [seed % 7 + 10, 20 + turn length of the context]; records the calls."""
+
+    def __init__(self, version: str = "3"):
+        self.calls: list[list[GenerateRequest]] = []
+        self.version = version
+
+    def generate(self, requests):
+        self.calls.append(list(requests))
+        out = []
+        for r in requests:
+            ids = [r.sampling.seed % 7 + 10, len(r.prompt_ids)][: r.sampling.max_new_tokens]
+            out.append([GenerateResult(list(r.prompt_ids), ids, np.full(len(ids), -0.25), "stop",
+                                       weight_version=self.version)])
+        return out
+
+
+def _run(envs, max_turns=3, max_tokens=64, n=2):
+    made = iter(envs)
+    runner = EpisodeRunner(lambda: next(made), max_turns, max_tokens, EOS)
+    engine = Scripted()
+    prompt = Prompt("p", [1, 4, 5], "", None)
+    req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, stop_token_ids=(EOS,), seed=100, n=n))
+    return engine, runner.generate(engine, [prompt], [req])[0]
+
+
+def test_every_turn_sees_exactly_the_ids_so_far_and_the_mask_marks_the_models():
+    envs = [Echo(), Echo()]
+    engine, (a, b) = _run(envs, max_turns=3)
+    assert len(engine.calls) == 3 and [len(c) for c in engine.calls] == [2, 2, 2]  # both episodes each turn
+    ctx = [1, 4, 5, 30]
+    for turn, call in enumerate(engine.calls):
+        req = call[0]
+        assert list(req.prompt_ids) == ctx  # the whole context, as ids: nothing decoded and encoded
+        assert req.sampling.n == 1 and req.sampling.seed == 100 + turn * TURN_SEED_STRIDE
+        assert req.sampling.stop_token_ids == (EOS, STOP) and not req.return_routed_experts
+        model = [(100 + turn * TURN_SEED_STRIDE) % 7 + 10, len(ctx)]
+        assert envs[0].seen[turn] == model
+        ctx = ctx + model + ([40 + turn + 1, 50 + turn + 1] if turn < 2 else [])
+    assert a.output_ids == ctx[3:]  # everything after the prompt
+    assert list(a.action_mask) == [False] + [True, True, False, False] * 2 + [True, True]
+    assert a.output_logprobs.tolist() == [0.0] + [-0.25, -0.25, 0.0, 0.0] * 2 + [-0.25, -0.25]
+    assert a.reward == 1.5 and a.turns == 3
+    assert a.weight_versions == (("3", 0, len(a.output_ids)),)  # the environment's tokens take their turn's version
+    assert b.output_ids[1] == (101 % 7) + 10  # the second episode: its own seed
+
+
+def test_an_episode_ends_when_done_and_the_others_go_on():
+    envs = [Echo(end=1), Echo()]
+    engine, (a, b) = _run(envs, max_turns=3)
+    assert a.turns == 1 and list(a.action_mask) == [False, True, True] and a.reward == 0.5
+    assert [len(c) for c in engine.calls] == [2, 1, 1] and b.turns == 3
+
+
+def test_the_token_budget_cuts_the_observation_and_the_turn():
+    engine, (a, _) = _run([Echo(), Echo()], max_turns=5, max_tokens=5)
+    # [30] + 2 model + 2 env = 5: the budget is spent after the first answer
+    assert len(a.output_ids) == 5 and a.turns == 1 and a.finish_reason == "length"
+    engine, (a, _) = _run([Echo(), Echo()], max_turns=5, max_tokens=6)
+    assert engine.calls[1][0].sampling.max_new_tokens == 1 and len(a.output_ids) == 6 and a.turns == 2
