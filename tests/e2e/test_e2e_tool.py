@@ -1,0 +1,34 @@
+"""Multi-turn rollouts end to end (launch/configs/tiny_cpu_tool.yaml, 2 ranks EP2, `moe-rl serve`):
+episodes with the calculator tool run, are logged, and only the model's tokens are trained."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moe_rl.testing import free_ports
+
+
+def test_tool_config_runs_episodes_and_trains_only_the_models_tokens(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu_tool.yaml",
+                        "train.steps=2", "train.eval_every=2", "log.progress=false", "log.report=false",
+                        "log.tensorboard=false", f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert 1.0 < row["rollout/turns_mean"] <= 2.0 and row["rollout/env_token_frac"] > 0  # some episodes called
+        completion_tokens = row["rollout/response_len"] * row["loss/num_seqs"]
+        model_tokens = completion_tokens * (1 - row["rollout/env_token_frac"])
+        assert row["loss/num_tokens"] == pytest.approx(model_tokens, abs=1e-3)  # the environment's are not trained
+        assert 0.0 <= row["reward/mean"] <= 1.2
+    assert "eval/success_rate" in rows[-1]
+
+
+def test_what_episodes_do_not_do_yet_is_refused_before_any_work(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu_tool.yaml",
+                        "algo.replay=r3", f"log.run_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "algo.replay: r3 is not supported with rollout.env yet" in r.stderr, r.stderr
