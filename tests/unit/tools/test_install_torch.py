@@ -118,6 +118,8 @@ def test_pip_resolves_torch_from_the_cpu_index(tmp_path, stand_in):
     res, _ = run(tmp_path, url, "--", "-q", "--dry-run", "--no-deps", "--ignore-installed",
                  "--report", str(report), PIP_INDEX_URL=url)
     assert res.returncode == 0, res.stdout + res.stderr
+    ran = shlex.split(res.stderr.split("running ", 1)[1].splitlines()[0])
+    assert ran[ran.index("--extra-index-url") + 1] == url  # the default index is $PIP_INDEX_URL's
     (item,) = json.loads(report.read_text())["install"]
     assert item["metadata"]["name"] == "torch" and item["metadata"]["version"] == "2.13.0"
     assert item["download_info"]["url"] == f"{url}/torch/{WHEEL}"
