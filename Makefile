@@ -3,8 +3,6 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The CPU build of torch on machines without CUDA; the default (CUDA) build otherwise.
-TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
 .PHONY: test test-fast demo bench venv clean
 
@@ -13,7 +11,9 @@ venv: $(STAMP)
 $(STAMP): setup.py
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_PIN)"
+	# the CUDA build with a GPU; without one the CPU build from PyTorch's CPU index (TORCH_CPU_INDEX)
+	# when it answers within 3 s, else the default index: tools/install_torch.py says which, and why
+	$(BIN)/python tools/install_torch.py -- -q
 	$(BIN)/pip install -q -e ".[dev]"
 	# sglang's request types and argument parser, for tests/contract/; --no-deps because its
 	# requirements pin a CUDA torch (setup.py's [dev] holds what it imports on CPU)
