@@ -231,10 +231,6 @@ _UNREACHABLE = {
 
 def _check_episodes(cfg: Any, staleness: int) -> Iterator[str]:
     """What multi-turn episodes (rollout.env) do not do yet, said before any work."""
-    if cfg.algo.replay == "r3":
-        yield ("algo.replay: r3 is not supported with rollout.env yet: replaying an episode's routes needs each "
-               "turn's engine routes merged (an environment token keeps the routes of the prefill that first read "
-               "it); use algo.replay=r2 or off")
     if staleness:
         yield (f"algo.max_staleness: {staleness} is not supported with rollout.env yet (episodes are generated "
                "turn by turn within the step); use algo.max_staleness=0")

@@ -148,11 +148,17 @@ class GenerateRequest:
     prompt_ids: Sequence[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     return_routed_experts: bool = True
+    # SGLang's routed_experts_start_len: the routes of positions [start, len(prompt + output) - 1) only,
+    # the rows not known yet (a multi-turn episode's earlier turns have the others). In [0, len(prompt)].
+    routed_experts_start_len: int = 0
 
     def __post_init__(self) -> None:
         ids = [int(t) for t in self.prompt_ids]
         if not ids:
             raise ValueError("prompt_ids must not be empty")
+        if not 0 <= self.routed_experts_start_len <= len(ids):
+            raise ValueError(f"routed_experts_start_len must be in [0, {len(ids)}] (the prompt's tokens), "
+                             f"got {self.routed_experts_start_len}")
         object.__setattr__(self, "prompt_ids", tuple(ids))
 
     def single_samples(self) -> list["GenerateRequest"]:
@@ -214,6 +220,8 @@ class GenerateResult:
     action_mask: tuple[bool, ...] | None = None
     reward: float | None = None
     turns: int = 1
+    # the position of routed_experts' first row (a request's routed_experts_start_len; 0: all of them)
+    routes_start: int = 0
 
     def token_versions(self) -> list[str] | None:
         """The weight version of each output token (None when the engine did not say)."""
@@ -233,10 +241,10 @@ class GenerateResult:
             raise ValueError(f"output_logprobs has shape {self.output_logprobs.shape}, "
                              f"expected ({len(self.output_ids)},)")
         if self.routed_experts is not None:
-            want = len(self.prompt_ids) + len(self.output_ids) - 1
+            want = len(self.prompt_ids) + len(self.output_ids) - 1 - self.routes_start
             if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != want:
                 raise ValueError(f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
-                                 f"[{want}, num_moe_layers, topk] (len(prompt + output) - 1 rows)")
+                                 f"[{want}, num_moe_layers, topk] (len(prompt + output) - 1 - start rows)")
 
     @property
     def token_ids(self) -> list[int]:

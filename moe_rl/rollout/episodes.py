@@ -11,10 +11,17 @@ environment appended. An episode ends when the environment says `done`, after
 The result of an episode is one `GenerateResult` over everything after the prompt, with
 `action_mask` True at the model's tokens and False at the environment's (context, not actions:
 masked out of the loss), the engine's log-probs at model tokens (0 at the others), `reward`
-the sum of the turns' rewards and `turns` the number of model turns. Routes are not asked for:
-replaying them needs each turn's routes merged (an environment token keeps the routes of the
-prefill that first read it), which this runner does not do yet, so R3 is refused with
-`rollout.env` (moe_rl/rollout/config.py).
+the sum of the turns' rewards and `turns` the number of model turns. An environment's answer
+after the last model turn is dropped: nothing reads it.
+
+Routes, merged turn by turn: each turn asks only for the rows no earlier turn has
+(`routed_experts_start_len`, SGLang's: rows [start, len(context + output) - 1)), so every
+position keeps the routes of the forward that first processed it: the prompt's and an
+environment answer's, the prefill that first read them; a model token's, the decode step that
+fed it (its turn's last token, the next turn's prefill). Re-sending the conversation and keeping
+the last request's routes instead would give the earlier turns' tokens the last prefill's routes,
+which differ as soon as the weights changed between turns or a near-tie flips. Engines that
+return every row (`routes_start` 0) are sliced the same way.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ class _Episode:
     logp: list[float] = field(default_factory=list)
     action: list[bool] = field(default_factory=list)
     versions: list[str | None] = field(default_factory=list)
+    routes: list[np.ndarray] | None = field(default_factory=list)  # row chunks; None once a turn gave none
     reward: float = 0.0
     turns: int = 0
     finish: str = "stop"
@@ -86,17 +94,29 @@ class EpisodeRunner:
             live = [ep for ep in flat if not ep.done]
             if not live:
                 break
-            base = requests[0].sampling
+            base, routes = requests[0].sampling, requests[0].return_routed_experts
             calls = [GenerateRequest(ep.prompt_ids + tuple(ep.ids), replace(
                 base, n=1, seed=None if ep.seed is None else ep.seed + turn * TURN_SEED_STRIDE,
                 max_new_tokens=min(base.max_new_tokens, self.max_tokens - len(ep.ids)),
                 stop_token_ids=tuple(dict.fromkeys((*base.stop_token_ids, *ep.env.stop_token_ids)))),
-                return_routed_experts=False) for ep in live]
+                return_routed_experts=routes and ep.routes is not None,
+                routed_experts_start_len=self._covered(ep) if routes and ep.routes is not None else 0)
+                for ep in live]
             for ep, (res,) in zip(live, engine.generate(calls)):
                 self._play(ep, res, turn)
         return [[self._result(ep) for ep in group] for group in episodes]
 
+    @staticmethod
+    def _covered(ep: _Episode) -> int:
+        """Route rows this episode has (positions 0..n-1)."""
+        return sum(chunk.shape[0] for chunk in ep.routes or [])
+
     def _play(self, ep: _Episode, res: GenerateResult, turn: int) -> None:
+        if ep.routes is not None:
+            if res.routed_experts is None:
+                ep.routes = None  # an engine without routes: the episode has none
+            else:  # the rows past what the earlier turns have (an engine may return every row)
+                ep.routes.append(res.routed_experts[self._covered(ep) - res.routes_start:])
         out = list(res.output_ids)
         versions = res.token_versions() or [None] * len(out)
         ep.append(out, res.output_logprobs.tolist(), True, versions)
@@ -113,6 +133,9 @@ class EpisodeRunner:
             ep.done, ep.finish = True, "length"
 
     def _result(self, ep: _Episode) -> GenerateResult:
+        while ep.action and not ep.action[-1]:  # an answer after the last model turn: never read
+            for xs in (ep.ids, ep.logp, ep.action, ep.versions):
+                xs.pop()
         # an environment's opening tokens get the version of the first model token (they are not trained)
         known = [v for v in ep.versions if v is not None]
         if known:
@@ -125,7 +148,8 @@ class EpisodeRunner:
                     spans.append((known[start], start, i))
                     start = i
             versions = tuple(spans)
+        routes = np.concatenate(ep.routes) if ep.routes else None
         return GenerateResult(prompt_ids=list(ep.prompt_ids), output_ids=ep.ids,
                               output_logprobs=np.asarray(ep.logp, dtype=np.float32), finish_reason=ep.finish,
-                              weight_versions=versions, action_mask=tuple(ep.action), reward=ep.reward,
-                              turns=ep.turns)
+                              routed_experts=routes, weight_versions=versions, action_mask=tuple(ep.action),
+                              reward=ep.reward, turns=ep.turns)

@@ -39,8 +39,11 @@ class Geometry:
 
 def generate_payload(req: GenerateRequest) -> dict[str, Any]:
     # SGLang GenerateReqInput (sglang/srt/managers/io_struct.py)
-    return {"input_ids": list(req.prompt_ids), "sampling_params": req.sampling.to_sglang(),
+    body = {"input_ids": list(req.prompt_ids), "sampling_params": req.sampling.to_sglang(),
             "return_logprob": True, "return_routed_experts": bool(req.return_routed_experts)}
+    if req.return_routed_experts and req.routed_experts_start_len:
+        body["routed_experts_start_len"] = req.routed_experts_start_len  # rows [start, len - 1) only
+    return body
 
 
 def parse_reply(url: str, req: GenerateRequest, data: Any, geo: Geometry | None) -> list[GenerateResult]:
@@ -81,13 +84,14 @@ def parse_reply(url: str, req: GenerateRequest, data: Any, geo: Geometry | None)
         routes = None
         if req.return_routed_experts and geo is not None and geo.moe_layers \
                 and not (ftype == "abort" and meta.get("routed_experts") is None):
-            routes = decode_routes(where, meta.get("routed_experts"), P + T - 1, geo)
+            routes = decode_routes(where, meta.get("routed_experts"), P + T - 1 - req.routed_experts_start_len, geo)
         wv = meta.get("weight_version")
         out.append(GenerateResult(prompt_ids=list(req.prompt_ids), output_ids=output_ids,
                                   output_logprobs=np.asarray(vals, dtype=np.float32), finish_reason=ftype,
                                   routed_experts=routes, weight_version=None if wv is None else str(wv),
                                   server=url, weight_versions=parse_version_spans(where, meta, T),
-                                  num_retractions=int(meta.get("num_retractions") or 0)))
+                                  num_retractions=int(meta.get("num_retractions") or 0),
+                                  routes_start=req.routed_experts_start_len if routes is not None else 0))
     return out
 
 

@@ -12,8 +12,11 @@ from moe_rl.testing import free_ports
 
 
 def test_tool_config_runs_episodes_and_trains_only_the_models_tokens(tmp_path):
+    """With R3 and drift every step: the episodes' routes, merged turn by turn over HTTP
+    (routed_experts_start_len), are the ones the trainer's routers choose on the same weights."""
     r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu_tool.yaml",
                         "train.steps=2", "train.eval_every=2", "log.progress=false", "log.report=false",
+                        "algo.replay=r3", "drift.every=1", "rollout.max_new_tokens=2", "rollout.max_episode_tokens=6",
                         "log.tensorboard=false", f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -25,10 +28,12 @@ def test_tool_config_runs_episodes_and_trains_only_the_models_tokens(tmp_path):
         model_tokens = completion_tokens * (1 - row["rollout/env_token_frac"])
         assert row["loss/num_tokens"] == pytest.approx(model_tokens, abs=1e-3)  # the environment's are not trained
         assert 0.0 <= row["reward/mean"] <= 1.2
+        assert row["drift/rollout_mismatch"] < 0.01, row["drift/rollout_mismatch"]  # routes off by one position: 0.38
     assert "eval/success_rate" in rows[-1]
 
 
 def test_what_episodes_do_not_do_yet_is_refused_before_any_work(tmp_path):
     r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu_tool.yaml",
-                        "algo.replay=r3", f"log.run_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "algo.replay: r3 is not supported with rollout.env yet" in r.stderr, r.stderr
+                        "algo.max_staleness=1", f"log.run_dir={tmp_path}"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "algo.max_staleness: 1 is not supported with rollout.env yet" in r.stderr, r.stderr

@@ -65,7 +65,8 @@ def test_every_turn_sees_exactly_the_ids_so_far_and_the_mask_marks_the_models():
         req = call[0]
         assert list(req.prompt_ids) == ctx  # the whole context, as ids: nothing decoded and encoded
         assert req.sampling.n == 1 and req.sampling.seed == 100 + turn * TURN_SEED_STRIDE
-        assert req.sampling.stop_token_ids == (EOS, STOP) and not req.return_routed_experts
+        assert req.sampling.stop_token_ids == (EOS, STOP)
+        assert req.return_routed_experts == (turn == 0)  # asked for; this engine gave none, so not again
         model = [(100 + turn * TURN_SEED_STRIDE) % 7 + 10, len(ctx)]
         assert envs[0].seen[turn] == model
         ctx = ctx + model + ([40 + turn + 1, 50 + turn + 1] if turn < 2 else [])
@@ -86,7 +87,49 @@ def test_an_episode_ends_when_done_and_the_others_go_on():
 
 def test_the_token_budget_cuts_the_observation_and_the_turn():
     engine, (a, _) = _run([Echo(), Echo()], max_turns=5, max_tokens=5)
-    # [30] + 2 model + 2 env = 5: the budget is spent after the first answer
-    assert len(a.output_ids) == 5 and a.turns == 1 and a.finish_reason == "length"
+    # [30] + 2 model + 2 env = 5: the budget is spent by the first answer, which nothing reads: dropped
+    assert a.output_ids == [30, 100 % 7 + 10, 4] and a.turns == 1 and a.finish_reason == "length"
     engine, (a, _) = _run([Echo(), Echo()], max_turns=5, max_tokens=6)
     assert engine.calls[1][0].sampling.max_new_tokens == 1 and len(a.output_ids) == 6 and a.turns == 2
+
+
+class Routed(Scripted):
+    """Routes as SGLang returns them with routed_experts_start_len: rows [start, len - 1) only, each
+    row tagged with its turn (so the merge can be read back)."""
+
+    def generate(self, requests):
+        out = super().generate(requests)
+        turn = len(self.calls) - 1
+        for r, (res,) in zip(requests, out):
+            rows = len(r.prompt_ids) + len(res.output_ids) - 1 - r.routed_experts_start_len
+            res.routed_experts = np.full((rows, 1, 1), turn, dtype=np.uint8)
+            res.routes_start = r.routed_experts_start_len
+        return out
+
+
+def test_each_turn_asks_only_for_the_rows_not_covered_and_they_are_merged_in_order():
+    from moe_rl.rollout.wire import generate_payload
+
+    made = iter([Echo(), Echo()])
+    engine = Routed()
+    prompt = Prompt("p", [1, 4, 5], "", None)
+    req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
+    (ep,), = EpisodeRunner(lambda: next(made), 3, 64, EOS).generate(engine, [prompt], [req])
+    starts = [c[0].routed_experts_start_len for c in engine.calls]
+    lengths = [len(c[0].prompt_ids) for c in engine.calls]
+    assert starts == [0, lengths[0] + 2 - 1, lengths[1] + 2 - 1]  # each turn's last token: the next prefill's
+    assert all(generate_payload(c[0])["routed_experts_start_len"] == s for c, s in zip(engine.calls[1:], starts[1:]))
+    rows = ep.routed_experts[:, 0, 0].tolist()
+    assert len(rows) == len(prompt.prompt_ids) + len(ep.output_ids) - 1
+    assert rows == [0] * starts[1] + [1] * (starts[2] - starts[1]) + [2] * (len(rows) - starts[2])
+
+
+def test_an_answer_after_the_last_turn_is_dropped_with_its_missing_routes():
+    made = iter([Echo(), Echo()])
+    engine = Routed()
+    prompt = Prompt("p", [1, 4, 5], "", None)
+    req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
+    (ep,), = EpisodeRunner(lambda: next(made), 5, 7, EOS).generate(engine, [prompt], [req])
+    # [30] + 2 model + 2 env = 5, then a 2-token turn hits the budget of 7: no environment answer after it
+    assert ep.action_mask[-1] and len(ep.output_ids) == 7
+    assert ep.routed_experts.shape[0] == len(prompt.prompt_ids) + 7 - 1
