@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 from moe_rl.observe.logging import get_logger
 from moe_rl.observe.report_draw import Metrics, Skip
-from moe_rl.observe.report_drift import (drift_figure, heatmap_figure, staleness_curve, staleness_figure,
+from moe_rl.observe.report_drift import (drift_figure, heatmap_figure, staleness_curve, staleness_figure, turns_figure,
                                         volatility_curve)
 from moe_rl.observe.report_train import (bookkeeping_table, critic_figure, loss_figure, perf_figure,
                                         preference_figure, reward_figure)
@@ -204,6 +204,11 @@ _FIGURES = (
                 "(algo.max_staleness >= 1), token-weighted over the run; with the trainer's own route "
                 "volatility on the probe set between weights k versions apart.",
                 staleness_figure),
+    _FigureSpec("turns.png", "drift by episode turn",
+                "multi-turn rollouts (rollout.env): the routed-expert volatility of each turn's tokens across the "
+                "step's updates, the engine-vs-trainer route mismatch and log-prob mismatch, by turn of the "
+                "episode, token-weighted over the run.",
+                turns_figure),
     _FigureSpec("loss.png", "loss",
                 "the loss terms (e.g. pg_loss, dpo), clip fractions, the importance ratio (mean, min, max), "
                 "KL and entropy where logged, and the gradient norm over steps; bookkeeping series (counts, "

@@ -155,3 +155,46 @@ def staleness_figure(m: Metrics) -> Figure:
         ax.set_xlabel("staleness: versions behind the trained weights")
         decorate(ax, ylabel, title)
     return fig
+
+
+_BY_TURN = re.compile(r"^drift/volatility_by_turn/(\d+)$")
+
+
+def turn_curve(m: Metrics) -> dict[int, dict[str, float]]:
+    """Episode turn t -> token-weighted means over the run of the step's volatility, the engine-vs-
+    trainer route mismatch and mean |Δ log p| of turn t's tokens (`drift/*_by_turn/t`)."""
+    out: dict[int, dict[str, float]] = {}
+    for t in sorted(int(g.group(1)) for g in map(_BY_TURN.match, m.keys) if g):
+        row = {}
+        for name, key in (("volatility", f"drift/volatility_by_turn/{t}"),
+                          ("mismatch", f"drift/rollout_mismatch_by_turn/{t}"),
+                          ("logp", f"drift/logp_by_turn/{t}/abs_diff")):
+            weight = f"drift/volatility_by_turn/{t}/num_tokens" if name != "mismatch" else f"{key}/num_tokens"
+            pairs = [(r[key], r[weight]) for r in m.records if is_number(r.get(key)) and is_number(r.get(weight))
+                     and math.isfinite(r[key]) and r[weight] > 0]
+            total = sum(w for _, w in pairs)
+            if total:
+                row[name] = sum(v * w for v, w in pairs) / total
+        if row:
+            out[t] = row
+    return out
+
+
+def turns_figure(m: Metrics) -> Figure:
+    """How far routes and log-probs move by episode turn (multi-turn rollouts)."""
+    curve = turn_curve(m)
+    if not curve:
+        raise Skip(f"no drift/volatility_by_turn/t metrics in {METRICS_FILE} (no rollout.env, or drift off)")
+    turns = list(curve)
+    fig, axes = new_figure(2, ncols=2, width=11.0, height=3.4)
+    for name, label in (("volatility", "trainer before vs after the updates"),
+                        ("mismatch", "engine vs trainer")):
+        if any(name in curve[t] for t in turns):
+            axes[0].plot(turns, [curve[t].get(name, math.nan) for t in turns], marker="o", label=label)
+    axes[1].plot(turns, [curve[t].get("logp", math.nan) for t in turns], marker="o", label="engine vs trainer")
+    for ax, ylabel, title in ((axes[0], "1 − overlap / k", "Routes by episode turn"),
+                              (axes[1], "mean |Δ log p|", "Log-prob mismatch by turn")):
+        ax.set_xticks(turns)
+        ax.set_xlabel("turn of the episode (0 = the first model turn)")
+        decorate(ax, ylabel, title)
+    return fig

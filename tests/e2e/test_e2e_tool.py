@@ -29,6 +29,11 @@ def test_tool_config_runs_episodes_and_trains_only_the_models_tokens(tmp_path):
         assert row["loss/num_tokens"] == pytest.approx(model_tokens, abs=1e-3)  # the environment's are not trained
         assert 0.0 <= row["reward/mean"] <= 1.2
         assert row["drift/rollout_mismatch"] < 0.01, row["drift/rollout_mismatch"]  # routes off by one position: 0.38
+        # drift by turn: every routed position in exactly one turn's count
+        by_turn = [row[f"drift/volatility_by_turn/{t}/num_tokens"] for t in (0, 1)]
+        assert sum(by_turn) == row["drift/volatility/num_tokens"] and by_turn[1] > 0
+        assert all(row[f"drift/rollout_mismatch_by_turn/{t}"] < 0.01 for t in (0, 1))
+        assert row["drift/logp_by_turn/1/abs_diff"] < 1e-4
     assert "eval/success_rate" in rows[-1]
 
 

@@ -310,6 +310,9 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
             "drift/rollout_mismatch", layer_ids)
         if mine.versions is not None and staleness_bound(run.cfg.algo):
             out |= drift_by_staleness(run, mine, old, flat(engine), flat(old.free_routes), tokens, resp, engine_logp)
+    if mine.action_masks is not None:  # multi-turn episodes: late turns are where off-policy routing compounds
+        engine = None if mine.routes is None else flat(engine)
+        out |= drift_by_turn(run, mine, old, flat(old.free_routes), flat(after), engine, tokens, resp, engine_logp)
     out |= logprob_mismatch(old.trainer_logp[resp], engine_logp[resp]).all_reduce(run.policy.dp_group).summary()
     load = run.policy.all_reduce_sum(expert_load(flat(after), arch.num_moe_experts).to(torch.float64))
     if "load" in run.drift_state:
@@ -350,4 +353,38 @@ def drift_by_staleness(run: Run, mine: Samples, old: OldPass, engine: torch.Tens
         at = resp & (lags == k)
         logp = logprob_mismatch(old.trainer_logp[at], engine_logp[at]).all_reduce(run.policy.dp_group).summary("x")
         out |= {f"drift/logp_by_staleness/{k}/{name[2:]}": v for name, v in logp.items()}
+    return out
+
+
+def position_turns(mine: Samples, width: int) -> torch.Tensor:
+    """`[B, width]`: the episode turn of the token at each position: the prompt's and an environment's
+    opening ids turn 0, model turn t's tokens and the environment's answer to them turn t; -1 past it."""
+    out = torch.full((len(mine), width), -1, dtype=torch.long)
+    for i, (p, action, n) in enumerate(zip(mine.prompt_lens.tolist(), mine.action_masks, mine.lengths())):
+        starts = action & ~torch.cat([torch.zeros(1, dtype=torch.bool), action[:-1]])  # a model turn begins
+        turn = (starts.long().cumsum(0) - 1).clamp(min=0)
+        out[i, :min(p, width)] = 0
+        out[i, p:min(n, width)] = turn[: max(min(n, width) - p, 0)]
+    return out
+
+
+def drift_by_turn(run: Run, mine: Samples, old: OldPass, before: torch.Tensor, after: torch.Tensor,
+                  engine: torch.Tensor | None, tokens: torch.Tensor, resp: torch.Tensor,
+                  engine_logp: torch.Tensor) -> dict[str, float]:
+    """By episode turn t = 0..rollout.max_turns - 1: the step's volatility (`before` / `after` the
+    updates: [N, L, K] of the routed `tokens`), the engine-vs-trainer route mismatch (`engine` vs
+    `before`, None without engine routes) and log-prob mismatch of the model's tokens of turn t."""
+    width, layers, group = resp.shape[1], list(run.policy.arch.moe_layers), run.policy.dp_group
+    turns = position_turns(mine, width + 1)
+    routed, predicted = turns[:, :width][tokens], turns[:, 1:]  # position t routes token t, predicts t + 1
+    out = {}
+    for t in range(run.cfg.rollout.max_turns):
+        out |= route_stats(before, after, mask=routed == t).all_reduce(group).summary(f"drift/volatility_by_turn/{t}",
+                                                                                    layers)
+        if engine is not None:
+            out |= route_stats(engine, before, mask=routed == t).all_reduce(group).summary(
+                f"drift/rollout_mismatch_by_turn/{t}", layers)
+        at = resp & (predicted == t)
+        logp = logprob_mismatch(old.trainer_logp[at], engine_logp[at]).all_reduce(group).summary("x")
+        out |= {f"drift/logp_by_turn/{t}/{name[2:]}": v for name, v in logp.items()}
     return out

@@ -151,3 +151,23 @@ def test_drift_by_staleness_is_token_weighted_over_the_run(tmp_path):
     sink.close()
     written = {p.name for p in write_report(tmp_path)}
     assert "staleness.png" in written
+
+
+def test_drift_by_turn_is_token_weighted_over_the_run_and_drawn(tmp_path):
+    from moe_rl.observe.report_drift import turn_curve
+
+    def row(t, vol, mismatch, logp, n, n_mismatch):
+        return {f"drift/volatility_by_turn/{t}": vol, f"drift/volatility_by_turn/{t}/num_tokens": n,
+                f"drift/rollout_mismatch_by_turn/{t}": mismatch,
+                f"drift/rollout_mismatch_by_turn/{t}/num_tokens": n_mismatch, f"drift/logp_by_turn/{t}/abs_diff": logp}
+
+    records = [{"step": 1, **row(0, 0.1, 0.0, 1e-7, 100, 100), **row(1, float("nan"), float("nan"), float("nan"), 0, 0)},
+               {"step": 2, **row(0, 0.3, 0.2, 3e-7, 300, 100), **row(1, 0.5, 0.4, 5e-7, 50, 50)}]
+    curve = turn_curve(Metrics(records))
+    assert curve[0] == pytest.approx({"volatility": 0.25, "mismatch": 0.1, "logp": 2.5e-7})
+    assert curve[1] == pytest.approx({"volatility": 0.5, "mismatch": 0.4, "logp": 5e-7})  # the empty step left out
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for r in records:
+        sink.log(r["step"], {k: v for k, v in r.items() if k != "step"})
+    sink.close()
+    assert "turns.png" in {p.name for p in write_report(tmp_path)}

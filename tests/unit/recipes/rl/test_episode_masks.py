@@ -72,3 +72,13 @@ def test_single_turn_samples_keep_the_whole_completion():
     s.action_masks = None
     width = max(p + len(a) for p, a in EPISODES) - 1
     assert response_mask(s, width).sum() == sum(len(a) for _, a in EPISODES)
+
+
+def test_position_turns_give_each_token_its_episode_turn():
+    from moe_rl.recipes.rl.step import position_turns
+
+    # prompt 3, then: env opening [F], turn 0 [T, T], answer [F, F], turn 1 [T], answer [F], turn 2 [T, T]
+    s = _samples([(3, [0, 1, 1, 0, 0, 1, 0, 1, 1])])
+    turns = position_turns(s, 14)[0].tolist()
+    assert turns == [0, 0, 0] + [0, 0, 0, 0, 0, 1, 1, 2, 2] + [-1, -1]
+    assert position_turns(s, 6)[0].tolist() == [0, 0, 0, 0, 0, 0]  # cut at the width
