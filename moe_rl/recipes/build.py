@@ -73,7 +73,8 @@ def episode_runner(cfg: RunConfig, tokenizer: Any, hf_config: dict[str, Any], eo
         factory = make_env(r.env, eos_id=eos_id, tokenizer=tokenizer, vocab_size=hf_config.get("vocab_size"))
     except (KeyError, ImportError, TypeError, ValueError) as e:
         raise ConfigError(str(e.args[0]) if e.args else str(e)) from None
-    return EpisodeRunner(factory, r.max_turns, r.max_episode_tokens, -1 if eos_id is None else int(eos_id))
+    return EpisodeRunner(factory, r.max_turns, r.max_episode_tokens, -1 if eos_id is None else int(eos_id),
+                         r.episode_reward)
 
 
 def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature: float = 1.0) -> Any:

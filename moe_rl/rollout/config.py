@@ -101,6 +101,9 @@ class RolloutConfig:
     """With `env`: the most model turns per episode."""
     max_episode_tokens: int = ranged(64, ge=1)
     """With `env`: the most tokens after the prompt per episode, the model's and the environment's."""
+    episode_reward: str = choice("sum", ("sum", "last"))
+    """With `env`: an episode's reward from its turns' rewards: sum = all of them (per-turn shaping
+    included); last = the last turn's alone (the outcome, e.g. the answer without a tool-call bonus)."""
     concurrency: int = ranged(64, ge=1)
     """Requests in flight across all servers; bounds client memory and server queueing."""
     timeout_s: float = ranged(120.0, gt=0.0)
@@ -234,6 +237,3 @@ def _check_episodes(cfg: Any, staleness: int) -> Iterator[str]:
     if staleness:
         yield (f"algo.max_staleness: {staleness} is not supported with rollout.env yet (episodes are generated "
                "turn by turn within the step); use algo.max_staleness=0")
-    if cfg.algo.advantage == "gae":
-        yield ("algo.advantage: gae is not supported with rollout.env yet (values at the model's tokens only, the "
-               "environment's skipped, is not built); use a group advantage (grpo, ...)")

@@ -11,7 +11,8 @@ environment appended. An episode ends when the environment says `done`, after
 The result of an episode is one `GenerateResult` over everything after the prompt, with
 `action_mask` True at the model's tokens and False at the environment's (context, not actions:
 masked out of the loss), the engine's log-probs at model tokens (0 at the others), `reward`
-the sum of the turns' rewards and `turns` the number of model turns. An environment's answer
+the sum of the turns' rewards (or the last turn's: `rollout.episode_reward`) and `turns` the
+number of model turns. An environment's answer
 after the last model turn is dropped: nothing reads it.
 
 Routes, merged turn by turn: each turn asks only for the rows no earlier turn has
@@ -73,8 +74,12 @@ def _answer(env: Environment, ids: list[int]) -> Turn:
 class EpisodeRunner:
     """Plays episodes against an environment (see the module docstring)."""
 
-    def __init__(self, make_env: Callable[[], Environment], max_turns: int, max_episode_tokens: int, eos_id: int):
+    def __init__(self, make_env: Callable[[], Environment], max_turns: int, max_episode_tokens: int, eos_id: int,
+                 episode_reward: str = "sum"):
+        if episode_reward not in ("sum", "last"):
+            raise ValueError(f"episode_reward must be 'sum' or 'last', got {episode_reward!r}")
         self.make_env, self.max_turns, self.max_tokens, self.eos_id = make_env, max_turns, max_episode_tokens, eos_id
+        self.last_only = episode_reward == "last"
 
     def generate(self, engine: Any, prompts: Sequence[Prompt], requests: Sequence[GenerateRequest]
                  ) -> list[list[GenerateResult]]:
@@ -122,7 +127,7 @@ class EpisodeRunner:
         ep.append(out, res.output_logprobs.tolist(), True, versions)
         ep.turns, ep.finish = turn + 1, res.finish_reason
         answer = _answer(ep.env, out)
-        ep.reward += float(answer.reward)
+        ep.reward = float(answer.reward) + (0.0 if self.last_only else ep.reward)  # rollout.episode_reward
         room = self.max_tokens - len(ep.ids)
         if answer.done or res.finish_reason == "abort" or room <= 0 or turn + 1 == self.max_turns:
             ep.done = True

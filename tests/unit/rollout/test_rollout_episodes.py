@@ -133,3 +133,20 @@ def test_an_answer_after_the_last_turn_is_dropped_with_its_missing_routes():
     # [30] + 2 model + 2 env = 5, then a 2-token turn hits the budget of 7: no environment answer after it
     assert ep.action_mask[-1] and len(ep.output_ids) == 7
     assert ep.routed_experts.shape[0] == len(prompt.prompt_ids) + 7 - 1
+
+
+class Counting(Echo):
+    def step(self, ids):
+        turn = super().step(ids)
+        turn.reward = float(len(self.seen))  # 1, 2, 3
+        return turn
+
+
+def test_the_episode_reward_is_the_sum_of_the_turns_or_the_last_ones():
+    for how, want in (("sum", 6.0), ("last", 3.0)):
+        made = iter([Counting(), Counting()])
+        runner = EpisodeRunner(lambda: next(made), 3, 64, EOS, episode_reward=how)
+        prompt = Prompt("p", [1, 4, 5], "", None)
+        req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
+        (ep,), = runner.generate(Scripted(), [prompt], [req])
+        assert ep.turns == 3 and ep.reward == want, how

@@ -82,3 +82,29 @@ def test_position_turns_give_each_token_its_episode_turn():
     turns = position_turns(s, 14)[0].tolist()
     assert turns == [0, 0, 0] + [0, 0, 0, 0, 0, 1, 1, 2, 2] + [-1, -1]
     assert position_turns(s, 6)[0].tolist() == [0, 0, 0, 0, 0, 0]  # cut at the width
+
+
+@pytest.mark.parametrize("lam", [0.95, 1.0, "adaptive"])
+def test_gae_over_an_episode_is_gae_over_its_model_tokens_alone(lam):
+    """Values at the model's tokens only: the environment's are skipped, the next model token's value
+    and the running sum carried across them, so the advantages and returns at the model's tokens are
+    those of the same samples with the environment's tokens cut out."""
+    from moe_rl.algo.advantages import compute_gae, length_adaptive_lambda, token_rewards
+
+    width = max(p + len(a) for p, a in EPISODES) - 1
+    mask = response_mask(_samples(EPISODES), width)
+    keep = mask.bool()
+    short = response_mask(_samples([(p, [1] * sum(a)) for p, a in EPISODES]), width)
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(len(EPISODES), width, generator=g, dtype=DT)
+    rewards = torch.randn(len(EPISODES), generator=g, dtype=DT)
+
+    def gae(m, v):
+        lam_ = length_adaptive_lambda(m.sum(1), 0.5) if lam == "adaptive" else lam
+        return compute_gae(token_rewards(rewards, m), v, m, gamma=0.99, lam=lam_)
+
+    adv, ret = gae(mask, values)
+    c_adv, c_ret = gae(short, _compact(values, keep, width))
+    torch.testing.assert_close(adv[keep], c_adv[short.bool()], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ret[keep], c_ret[short.bool()], rtol=1e-12, atol=1e-12)
+    assert torch.equal(adv[~keep], torch.zeros_like(adv[~keep]))
