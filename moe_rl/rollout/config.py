@@ -182,8 +182,6 @@ def check_rollout(cfg: Any) -> Iterator[str]:
                "rollout.weight_sync=disk (colocated runs elsewhere send tensors by CUDA IPC, "
                "update_weights_from_tensor, which moe_rl does not do yet)")
     k = staleness_bound(cfg.algo)
-    if r.env is not None:
-        yield from _check_episodes(cfg, k)
     if r.inflight_update in ("in_place", "retract") and not k:
         yield (f"rollout.inflight_update: {r.inflight_update!r} needs algo.max_staleness >= 1: without it no "
                "request is generating when the weights are pushed")
@@ -230,10 +228,3 @@ _UNREACHABLE = {
     "nccl": ("rollout.weight_sync: 'nccl' broadcasts to server processes; rollout.engine=inprocess has none: "
              "use rollout.weight_sync=tensor (or disk)"),
 }
-
-
-def _check_episodes(cfg: Any, staleness: int) -> Iterator[str]:
-    """What multi-turn episodes (rollout.env) do not do yet, said before any work."""
-    if staleness:
-        yield (f"algo.max_staleness: {staleness} is not supported with rollout.env yet (episodes are generated "
-               "turn by turn within the step); use algo.max_staleness=0")

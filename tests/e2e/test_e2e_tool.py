@@ -37,8 +37,16 @@ def test_tool_config_runs_episodes_and_trains_only_the_models_tokens(tmp_path):
     assert "eval/success_rate" in rows[-1]
 
 
-def test_what_episodes_do_not_do_yet_is_refused_before_any_work(tmp_path):
+def test_asynchronous_episodes_keep_the_staleness_bound_across_turns(tmp_path):
+    """algo.max_staleness=2: the servers play the next two steps' episodes while the trainer trains;
+    every token's weight version, the environment's included, is within 2 of the trained weights."""
     r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", "launch/configs/tiny_cpu_tool.yaml",
-                        "algo.max_staleness=1", f"log.run_dir={tmp_path}"], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 2 and "algo.max_staleness: 1 is not supported with rollout.env yet" in r.stderr, r.stderr
+                        "train.steps=4", "train.eval_every=0", "log.progress=false", "log.report=false",
+                        "log.tensorboard=false", "algo.max_staleness=2", "algo.tis_cap=2", "drift.every=1",
+                        f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["rollout/staleness_max"] for row in rows] == [0.0, 1.0, 2.0, 2.0]  # the pipeline fills, then K
+    assert all(row["rollout/turns_mean"] > 1.0 and "drift/rollout_mismatch_by_turn/1" in row for row in rows)

@@ -150,3 +150,21 @@ def test_the_episode_reward_is_the_sum_of_the_turns_or_the_last_ones():
         req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
         (ep,), = runner.generate(Scripted(), [prompt], [req])
         assert ep.turns == 3 and ep.reward == want, how
+
+
+class Pushed(Scripted):
+    """A push lands between turns: each call answers under the next version."""
+
+    def generate(self, requests):
+        self.version = str(len(self.calls) + 1)
+        return super().generate(requests)
+
+
+def test_an_episode_spanning_a_push_carries_each_tokens_version():
+    made = iter([Echo(), Echo()])
+    prompt = Prompt("p", [1, 4, 5], "", None)
+    req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
+    (ep,), = EpisodeRunner(lambda: next(made), 2, 64, EOS).generate(Pushed(), [prompt], [req])
+    # [30] opening, turn 1 (v1) + its answer, turn 2 (v2): the opening takes the first turn's version
+    assert ep.weight_versions == (("1", 0, 5), ("2", 5, 7))
+    assert ep.token_versions() == ["1"] * 5 + ["2"] * 2
