@@ -56,6 +56,15 @@ def _run(envs, max_turns=3, max_tokens=64, n=2):
     return engine, runner.generate(engine, [prompt], [req])[0]
 
 
+def _one(engine, envs, max_turns, max_tokens, **kw):
+    """One episode (n=1, seed 0) of prompt [1, 4, 5] against `engine`."""
+    made = iter(envs)
+    prompt = Prompt("p", [1, 4, 5], "", None)
+    req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
+    (ep,), = EpisodeRunner(lambda: next(made), max_turns, max_tokens, EOS, **kw).generate(engine, [prompt], [req])
+    return ep
+
+
 def test_every_turn_sees_exactly_the_ids_so_far_and_the_mask_marks_the_models():
     envs = [Echo(), Echo()]
     engine, (a, b) = _run(envs, max_turns=3)
@@ -110,29 +119,23 @@ class Routed(Scripted):
 def test_each_turn_asks_only_for_the_rows_not_covered_and_they_are_merged_in_order():
     from moe_rl.rollout.wire import generate_payload
 
-    made = iter([Echo(), Echo()])
     engine = Routed()
-    prompt = Prompt("p", [1, 4, 5], "", None)
-    req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
-    (ep,), = EpisodeRunner(lambda: next(made), 3, 64, EOS).generate(engine, [prompt], [req])
+    ep = _one(engine, [Echo(), Echo()], 3, 64)
     starts = [c[0].routed_experts_start_len for c in engine.calls]
     lengths = [len(c[0].prompt_ids) for c in engine.calls]
     assert starts == [0, lengths[0] + 2 - 1, lengths[1] + 2 - 1]  # each turn's last token: the next prefill's
     assert all(generate_payload(c[0])["routed_experts_start_len"] == s for c, s in zip(engine.calls[1:], starts[1:]))
     rows = ep.routed_experts[:, 0, 0].tolist()
-    assert len(rows) == len(prompt.prompt_ids) + len(ep.output_ids) - 1
+    assert len(rows) == 3 + len(ep.output_ids) - 1  # the prompt [1, 4, 5]
     assert rows == [0] * starts[1] + [1] * (starts[2] - starts[1]) + [2] * (len(rows) - starts[2])
 
 
 def test_an_answer_after_the_last_turn_is_dropped_with_its_missing_routes():
-    made = iter([Echo(), Echo()])
     engine = Routed()
-    prompt = Prompt("p", [1, 4, 5], "", None)
-    req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
-    (ep,), = EpisodeRunner(lambda: next(made), 5, 7, EOS).generate(engine, [prompt], [req])
+    ep = _one(engine, [Echo(), Echo()], 5, 7)
     # [30] + 2 model + 2 env = 5, then a 2-token turn hits the budget of 7: no environment answer after it
     assert ep.action_mask[-1] and len(ep.output_ids) == 7
-    assert ep.routed_experts.shape[0] == len(prompt.prompt_ids) + 7 - 1
+    assert ep.routed_experts.shape[0] == 3 + 7 - 1
 
 
 class Counting(Echo):
@@ -144,11 +147,7 @@ class Counting(Echo):
 
 def test_the_episode_reward_is_the_sum_of_the_turns_or_the_last_ones():
     for how, want in (("sum", 6.0), ("last", 3.0)):
-        made = iter([Counting(), Counting()])
-        runner = EpisodeRunner(lambda: next(made), 3, 64, EOS, episode_reward=how)
-        prompt = Prompt("p", [1, 4, 5], "", None)
-        req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
-        (ep,), = runner.generate(Scripted(), [prompt], [req])
+        ep = _one(Scripted(), [Counting(), Counting()], 3, 64, episode_reward=how)
         assert ep.turns == 3 and ep.reward == want, how
 
 
@@ -161,10 +160,7 @@ class Pushed(Scripted):
 
 
 def test_an_episode_spanning_a_push_carries_each_tokens_version():
-    made = iter([Echo(), Echo()])
-    prompt = Prompt("p", [1, 4, 5], "", None)
-    req = GenerateRequest(prompt.prompt_ids, SamplingParams(max_new_tokens=2, seed=0, n=1))
-    (ep,), = EpisodeRunner(lambda: next(made), 2, 64, EOS).generate(Pushed(), [prompt], [req])
+    ep = _one(Pushed(), [Echo(), Echo()], 2, 64)
     # [30] opening, turn 1 (v1) + its answer, turn 2 (v2): the opening takes the first turn's version
     assert ep.weight_versions == (("1", 0, 5), ("2", 5, 7))
     assert ep.token_versions() == ["1"] * 5 + ["2"] * 2
