@@ -40,6 +40,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
                           "comes without a tokenizer to decode completions with: set model.hf_path to a checkpoint "
                           "with tokenizer files, or use a reward with a completion_ids parameter")
     hf_dir = initial_model(cfg, out, rank, dataset)
+    launched = launch_servers(cfg, hf_dir, out) if rank == 0 else None  # they load while the policy is built
     policy = make_policy(cfg, hf_dir, cfg.algo.num_minibatches, temperature=cfg.rollout.temperature)
     init_control_group(handoff_timeout_s(cfg))  # from here on, waits for rank 0 cannot time out first
     eos = getattr(dataset.tokenizer, "eos_token_id", None)
@@ -47,7 +48,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
         eos = policy.hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
-    engine, servers = (start_engine(cfg, hf_dir, out, policy) if rank == 0 else (None, None))
+    engine, servers = (start_engine(cfg, hf_dir, policy, launched) if rank == 0 else (None, None))
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=getattr(engine, "keys", None),
                             **(update_group(cfg, servers, out) if weight_sync_kind(cfg.rollout).update_group else {}))
     depth = staleness_bound(cfg.algo)
@@ -211,12 +212,33 @@ def cpu_threads_of(cfg: RunConfig) -> tuple[int, int | None]:
     return cpu_threads(int(cfg.train.world_size), here, staleness_bound(cfg.algo) >= 1, os.cpu_count() or 1)
 
 
-def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[Any, Any]:
-    """Rank 0: connect to `rollout.urls`, or start servers and connect; (client, server group or None)."""
+def launch_servers(cfg: RunConfig, hf_dir: Path, out: Path) -> tuple[Any, Any] | None:
+    """Rank 0: start the rollout servers this run launches itself (none with `rollout.urls` or an
+    in-process engine): (server group, run identity), not waited for yet, so that they load their
+    model while the ranks build the policy."""
     from moe_rl.dist.devices import gpu_count, local_trainer_ranks
-    from moe_rl.rollout.auth import read_key_file
     from moe_rl.rollout.launcher import RunIdentity, ServerGroup
     from moe_rl.rollout.placement import server_gpus
+
+    r = cfg.rollout
+    if not engine_kind(r).runs_as_servers or r.urls:
+        return None
+    # fresh run id (and keys off loopback), supervised; weights only from ours: the versions synced and
+    # the checkpoint they started from (reloaded after a colocated release, which loses them)
+    identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights", hf_dir])
+    gpus = server_gpus(r, local_trainer_ranks(cfg.train.world_size), gpu_count())  # after the trainer's GPUs
+    threads = cpu_threads_of(cfg)[1]  # servers that generate while the ranks train share the cores
+    servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity, gpus=gpus,
+                                      env={"OMP_NUM_THREADS": str(threads)} if threads else None).start()
+    if weight_sync_kind(r).update_group:  # a restarted server could not rejoin it: it would serve stale weights
+        servers.max_restarts = 0
+    return servers, identity
+
+
+def start_engine(cfg: RunConfig, hf_dir: Path, policy: Any, launched: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    """Rank 0: connect to `rollout.urls`, or to the servers `launch_servers` started once they are
+    healthy; (client, server group or None)."""
+    from moe_rl.rollout.auth import read_key_file
     from moe_rl.rollout.sglang_client import SGLangClient
 
     if not engine_kind(cfg.rollout).runs_as_servers:  # rollout.engine=inprocess: the engine runs in this process
@@ -228,16 +250,8 @@ def start_engine(cfg: RunConfig, hf_dir: Path, out: Path, policy: Any) -> tuple[
     r = cfg.rollout
     urls, admin = list(r.urls), list(r.admin_urls) or None
     keys, served_name = (read_key_file(r.api_key_file) if r.api_key_file else None), r.served_model_name
-    if not urls:  # launched here: fresh run id (and keys off loopback), supervised, weights only from ours
-        # weights only from ours: the versions synced and the checkpoint they started from (reloaded
-        # after a colocated release, which loses them)
-        identity = RunIdentity.for_run(out, r.host, trusted_dirs=[out / "weights", hf_dir])
-        gpus = server_gpus(r, local_trainer_ranks(cfg.train.world_size), gpu_count())  # after the trainer's GPUs
-        threads = cpu_threads_of(cfg)[1]  # servers that generate while the ranks train share the cores
-        servers = ServerGroup.from_config(r, hf_dir, out / "servers", identity=identity, gpus=gpus,
-                                          env={"OMP_NUM_THREADS": str(threads)} if threads else None).start()
-        if weight_sync_kind(r).update_group:  # a restarted server could not rejoin it: it would serve stale weights
-            servers.max_restarts = 0
+    if launched is not None:  # launched here
+        servers, identity = launched
         servers.wait_healthy(timeout=r.timeout_s)
         servers.watch()
         urls, admin, keys, served_name = servers.urls, servers.admin_urls, identity.keys, identity.run_id

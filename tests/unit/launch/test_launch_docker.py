@@ -104,7 +104,9 @@ def test_launch_cpu_image_matches_ci():
     assert 'pip install "torch==${TORCH_VERSION}"' in text and 'pip install -e ".[dev]"' in text
     assert "shellcheck" in text
     makefile = Path("Makefile").read_text()
-    assert "torch==2.13.0" in makefile and '-e ".[dev]"' in makefile  # the pins CI uses
+    # the pins CI uses: make venv's torch step (tools/install_torch.py) and the editable [dev] install
+    assert "tools/install_torch.py" in makefile and '-e ".[dev]"' in makefile
+    assert 'CPU_PIN = "torch==2.13.0"' in Path("tools/install_torch.py").read_text()
 
 
 @pytest.mark.parametrize("dockerfile", [GPU, CPU])
