@@ -354,11 +354,12 @@ class LocalEngine:
             nxt = torch.tensor(toks, dtype=torch.long, device=dev).view(-1, 1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = pos[:, -1:] + 1
+            kv_epoch = self._retract_epoch  # before the lock: a retract landing before this forward voids it too
             with self._lock:
                 out = self.model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True,
                                  **{self._cache_kw: cache})
                 routes = self._recorder.take() if self._recorder else None
-                version, kv_epoch = self.weight_version, self._retract_epoch
+                version = self.weight_version
                 self.last_forward_time = time.monotonic()
             if routes is not None:
                 for b, k in enumerate(active):
@@ -383,12 +384,13 @@ class LocalEngine:
             mask[i, P - len(t):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        epoch = self._retract_epoch  # before the lock: a retract landing before this forward runs voids it too
         with self._lock:
             cache = DynamicCache(config=self.config)
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                              logits_to_keep=1, **{self._cache_kw: cache})
             routes = self._recorder.take() if self._recorder else None
-            computed = (self.weight_version, self._retract_epoch)
+            computed = (self.weight_version, epoch)
             self.last_forward_time = time.monotonic()
         if routes is not None:
             routes = routes.view(B, P, *routes.shape[1:])
