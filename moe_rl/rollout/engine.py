@@ -216,7 +216,8 @@ class GenerateResult:
     # (a retract pause, or memory pressure); its routes are then the latest prefill's
     num_retractions: int = 0
     # A multi-turn episode (moe_rl/rollout/episodes.py): True at the model's tokens of output_ids, False
-    # at the environment's; the episode's reward (the sum of its turns') and its number of model turns
+    # at the environment's; the episode's reward (rollout.episode_reward: its turns' sum or the last one's)
+    # and its number of model turns
     action_mask: tuple[bool, ...] | None = None
     reward: float | None = None
     turns: int = 1

@@ -56,6 +56,7 @@ class Checkpoints:
         self._hashing: Future | None = None  # this rank's share of the in-flight checkpoint's records
         self._hasher: ThreadPoolExecutor | None = None
         self.blocked_s = 0.0  # seconds the last save held the step (its collective part, its wait)
+        self._model: dict[str, Any] | None = None  # the model's shape keys meta.json records, read once
 
     def save(self, step: int) -> Path:
         start = time.perf_counter()
@@ -121,8 +122,10 @@ class Checkpoints:
         mine = hashing.result() if hashing is not None else _records(tmp, self.recipe.rank, world_size())
         records = all_gather_objects(mine)  # the files hashed in parallel, each rank its share
         if self.recipe.rank == 0:
-            meta = {"step": step, "world_size": world_size(), "format": SHARDED,
-                    "layout": layout_name(self.recipe.cfg), "model": model_shape(self.recipe.cfg), "files": {k: v for part in records for k, v in part.items()}}
+            if self._model is None:
+                self._model = model_shape(self.recipe.cfg)
+            meta = {"step": step, "world_size": world_size(), "format": SHARDED, "layout": layout_name(self.recipe.cfg),
+                    "model": self._model, "files": {k: v for part in records for k, v in part.items()}}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)

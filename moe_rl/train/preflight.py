@@ -46,9 +46,8 @@ def _layout(cfg: RunConfig, world_size: int) -> str | None:
 
 
 def _resume(cfg: RunConfig) -> str | None:
-    import json
-
     from moe_rl.train.checkpoint import latest_checkpoint
+    from moe_rl.train.integrity import read_meta
 
     r = cfg.train.resume
     if r and r != "auto" and not (Path(r) / "meta.json").is_file():
@@ -57,11 +56,10 @@ def _resume(cfg: RunConfig) -> str | None:
     path = latest_checkpoint(Path(cfg.log.run_dir)) if r == "auto" and cfg.log.run_dir else Path(r) if r else None
     if path is None:
         return None
-    try:
-        saved = json.loads((path / "meta.json").read_text()).get("model") or {}
-    except (OSError, ValueError, AttributeError):
+    meta, _ = read_meta(path)
+    if meta is None:
         return None  # an unreadable meta.json is resume's to report, with the file named
-    ours = model_shape(cfg)
+    saved, ours = meta.get("model") or {}, model_shape(cfg)
     for key in saved:
         if key in ours and ours[key] != saved[key]:
             return (f"train.resume: {path} holds a model with {key}={saved[key]}, this run's model has "

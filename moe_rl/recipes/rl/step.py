@@ -298,23 +298,23 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
     after = passed.routes
     flat = lambda r: r[:, :width][tokens]  # noqa: E731  [N, L, K]
     layer_ids = list(arch.moe_layers)
-    out = route_stats(flat(old.free_routes), flat(after)).all_reduce(run.policy.dp_group).summary("drift/volatility", layer_ids)
+    trainer, after = flat(old.free_routes), flat(after)  # the routed tokens' routes before / after the updates
+    out = route_stats(trainer, after).all_reduce(run.policy.dp_group).summary("drift/volatility", layer_ids)
     conf = flat(passed.route_confidence).double()  # [N, L, 2]
     sums = run.policy.all_reduce_sum(torch.cat([conf.sum(0).flatten(), torch.tensor([float(conf.shape[0])])]))
     out |= confidence_summary(sums[:-1].view(-1, 2), float(sums[-1]), layer_ids)
     resp, engine_logp = response_mask(mine, width).bool(), engine_logp_tokens(mine, width)
+    engine = None
     if mine.routes is not None:
         engine = engine_routes(mine)
-        engine = torch.nn.functional.pad(engine, (0, 0, 0, 0, 0, max(width - engine.shape[1], 0)))
-        out |= route_stats(flat(engine), flat(old.free_routes)).all_reduce(run.policy.dp_group).summary(
-            "drift/rollout_mismatch", layer_ids)
+        engine = flat(torch.nn.functional.pad(engine, (0, 0, 0, 0, 0, max(width - engine.shape[1], 0))))
+        out |= route_stats(engine, trainer).all_reduce(run.policy.dp_group).summary("drift/rollout_mismatch", layer_ids)
         if mine.versions is not None and staleness_bound(run.cfg.algo):
-            out |= drift_by_staleness(run, mine, old, flat(engine), flat(old.free_routes), tokens, resp, engine_logp)
+            out |= drift_by_staleness(run, mine, old, engine, trainer, tokens, resp, engine_logp)
     if mine.action_masks is not None:  # multi-turn episodes: late turns are where off-policy routing compounds
-        engine = None if mine.routes is None else flat(engine)
-        out |= drift_by_turn(run, mine, old, flat(old.free_routes), flat(after), engine, tokens, resp, engine_logp)
+        out |= drift_by_turn(run, mine, old, trainer, after, engine, tokens, resp, engine_logp)
     out |= logprob_mismatch(old.trainer_logp[resp], engine_logp[resp]).all_reduce(run.policy.dp_group).summary()
-    load = run.policy.all_reduce_sum(expert_load(flat(after), arch.num_moe_experts).to(torch.float64))
+    load = run.policy.all_reduce_sum(expert_load(after, arch.num_moe_experts).to(torch.float64))
     if "load" in run.drift_state:
         out |= load_change(run.drift_state["load"], load, layer_ids)
     run.drift_state["load"] = load
