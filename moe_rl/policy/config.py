@@ -49,10 +49,12 @@ class TinyModel:
     """Top-k experts per token; 2 so routes can partly change between updates."""
     init_std: float = ranged(0.02, gt=0.0)
     """Std of the random initial weights (HF's default): a near-uniform first policy that explores."""
-    family: str = choice("qwen3_moe", ("qwen3_moe", "qwen2_moe", "mixtral"))
+    family: str = choice("qwen3_moe", ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"))
     """HF architecture of the fresh model: Qwen3-MoE; Qwen2-MoE (q/k/v biases, a gated shared expert
-    as wide as a routed one, head width hidden / heads); or Mixtral (no QK-norm, top-k probabilities
-    renormalised, `moe_intermediate_size` its experts' `intermediate_size`)."""
+    as wide as a routed one, head width hidden / heads); Mixtral (no QK-norm, top-k probabilities
+    renormalised, `moe_intermediate_size` its experts' `intermediate_size`); or GLM-4.5 (the first
+    layer dense, a shared expert, a sigmoid router with a selection bias, RoPE on half of each head,
+    q/k/v biases)."""
 
 
 @dataclass
@@ -85,6 +87,12 @@ class ModelConfig:
     moe_aux_loss_coef: float | None = ranged(None, ge=0.0)
     """Weight of the routers' load-balancing loss; null = the checkpoint's `router_aux_loss_coef`
     (0 when it has none), 0 = off. HF trainers (TRL's GRPOTrainer) take the same default."""
+    expert_bias_update_rate: float = ranged(0.0, ge=0.0)
+    """Sigmoid routers with a selection bias (GLM-4.5, DeepSeek-V3): the step of megatron's
+    aux-loss-free balancing, which moves each expert's bias by this much per update towards an even
+    load. 0 = frozen: routes stay put between updates (what replay and drift measure). Set it (e.g.
+    1e-3, pretraining's value) to keep the load balanced; `moe/expert_bias_change` logs the moves
+    and the engines get the bias with every weight push."""
     seed: int = 1234
     """Seed for model init and megatron's RNG tracker (data order has its own seed)."""
 

@@ -157,11 +157,30 @@ def qwen2_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEA
     return qwen3_moe_shard(name, layer, expert, arch)
 
 
+def glm4_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
+    """Qwen3-MoE's map plus q/k/v biases, ungated shared experts (`mlp.shared_experts.*`, DeepSeek's
+    names) and the router's selection bias (`mlp.gate.e_score_correction_bias`, megatron's buffer
+    `mlp.router.expert_bias`)."""
+    p = f"model.layers.{layer}." if layer is not None else ""
+    extra = {
+        "self_attention.linear_qkv.bias": Shard((f"{p}self_attn.q_proj.bias", f"{p}self_attn.k_proj.bias",
+                                                 f"{p}self_attn.v_proj.bias"), kind="qkv", dim=0),
+        "mlp.shared_experts.linear_fc1.weight": Shard((f"{p}mlp.shared_experts.gate_proj.weight",
+                                                       f"{p}mlp.shared_experts.up_proj.weight"), kind="glu", dim=0),
+        "mlp.shared_experts.linear_fc2.weight": Shard((f"{p}mlp.shared_experts.down_proj.weight",), dim=1),
+        "mlp.router.expert_bias": Shard((f"{p}mlp.gate.e_score_correction_bias",)),
+    }
+    if layer is not None and expert is None and name in extra:
+        return extra[name]
+    return qwen3_moe_shard(name, layer, expert, arch)
+
+
 # HF family -> weight map. New families add their map here and a reader in model.py.
 WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | None]] = {
     "qwen3_moe": qwen3_moe_shard,
     "mixtral": mixtral_shard,
     "qwen2_moe": qwen2_moe_shard,
+    "glm4_moe": glm4_moe_shard,
 }
 
 
@@ -239,8 +258,14 @@ def _local_slice(shard: Shard, parts: list[torch.Tensor], place: RankPlace, arch
     return t if shard.dim is None else t.chunk(size, dim=shard.dim)[rank]
 
 
-def _param_items(chunks: list[Any]) -> Iterator[tuple[int, str, torch.nn.Parameter, int]]:
-    """(chunk index, name, parameter, layer offset) over this rank's chunks, in a fixed order."""
+# Buffers that are weights of the checkpoint: a sigmoid router's selection bias (not trained by the
+# optimizer; megatron's aux-loss-free balancing may update it, and the engines must get it).
+_WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
+
+
+def _param_items(chunks: list[Any], buffers: bool = True) -> Iterator[tuple[int, str, torch.Tensor, int]]:
+    """(chunk index, name, parameter, layer offset) over this rank's chunks, in a fixed order; with
+    `buffers`, the checkpoint's buffers (`_WEIGHT_BUFFERS`) after the parameters."""
     from moe_rl.policy.model import layer_offset
 
     for i, chunk in enumerate(chunks):
@@ -248,6 +273,10 @@ def _param_items(chunks: list[Any]) -> Iterator[tuple[int, str, torch.nn.Paramet
         offset = layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
         for name, param in model.named_parameters():
             yield i, name, param, offset
+        if buffers:
+            for name, buf in model.named_buffers():
+                if buf is not None and name.endswith(_WEIGHT_BUFFERS):
+                    yield i, name, buf, offset
 
 
 def _unwrap(module: Any) -> Any:
@@ -330,14 +359,15 @@ class _ShardWriter:
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks: list[Any], arch: MoEArch) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(chunks: list[Any], arch: MoEArch, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the tensors this rank writes (collective: call on every rank).
 
     Each HF tensor is yielded by exactly one rank of the whole job; the others take
-    part in the TP / ETP gathers and yield nothing for it.
+    part in the TP / ETP gathers and yield nothing for it. `buffers`: with the checkpoint's
+    buffers (a router's selection bias); off for gradients, which buffers have none.
     """
     place = RankPlace.current()
-    for _, name, param, offset in _param_items(chunks):
+    for _, name, param, offset in _param_items(chunks, buffers):
         shard = _shard_for(name, offset, place, arch)
         if shard is None:
             raise ConversionError(f"megatron parameter {name!r} has no HF counterpart for {arch.family}")

@@ -3,8 +3,8 @@
 The HF `config.json` is read into `MoEArch` (a plain description of the network),
 which then becomes a megatron `TransformerConfig` for a given `ParallelLayout`.
 Families are registered in `ARCHITECTURES`: each entry reads one HF config format.
-Qwen3-MoE, Qwen2-MoE and Mixtral are read; DeepSeek-V3 and GLM-4.5 slot in as further
-readers plus their weight maps in `convert.py`.
+Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 are read; DeepSeek-V3 slots in as a further
+reader plus its weight map in `convert.py`.
 
 On GPU the transformer-engine layer spec and the alltoall dispatcher are used; on
 CPU the local spec with a sequence-parallel-capable RMSNorm and the allgather
@@ -56,6 +56,15 @@ class MoEArch:
     qkv_bias: bool = False                  # biases on q/k/v (Qwen2-MoE), none on the output projection
     shared_expert_size: int | None = None   # hidden width of an always-on shared expert (None: none)
     shared_expert_gate: bool = False        # its output scaled by sigmoid(x . w) per token (Qwen2-MoE)
+    # Sigmoid routers (GLM-4.5, DeepSeek-V3): experts are selected on sigmoid(logits) + a per-expert
+    # correction bias (`e_score_correction_bias`, megatron's `expert_bias`), and weighted by the
+    # selected sigmoid scores without the bias, renormalised and scaled by `routed_scaling_factor`.
+    router_score: str = "softmax"           # "softmax" | "sigmoid"
+    expert_bias: bool = False               # the checkpoint's routers carry a selection bias
+    expert_bias_update_rate: float = 0.0    # megatron's aux-loss-free balancing step (0: frozen)
+    routed_scaling_factor: float | None = None
+    router_groups: tuple[int, int] | None = None  # group-limited top-k: (groups, groups kept per token)
+    rotary_percent: float = 1.0             # the fraction of each head's dims RoPE rotates (GLM: 0.5)
     hf_architecture: str = ""
     padding_idx: int | None = None  # HF's `pad_token_id`: its embedding row is never trained (see below)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -136,12 +145,52 @@ def _read_qwen2_moe(cfg: dict[str, Any]) -> MoEArch:
                    hf_architecture="Qwen2MoeForCausalLM")
 
 
+def _read_glm4_moe(cfg: dict[str, Any]) -> MoEArch:
+    """GLM-4.5 / 4.6: GQA with partial rotary (the first `partial_rotary_factor` of each head, halves
+    rotated as Llama's), q/k/v biases (`attention_bias`), optional QK-norm, `first_k_dense_replace`
+    dense layers, `n_shared_experts` always-on experts (no gate) and a sigmoid router with a selection
+    bias, renormalised top-k and `routed_scaling_factor`."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.5)
+    experts = int(cfg["n_routed_experts"])
+    dense = int(cfg.get("first_k_dense_replace", 1))
+    arch = _read_qwen3_moe({**cfg, "num_experts": experts, "decoder_sparse_step": 1,
+                            "mlp_only_layers": list(range(min(dense, int(cfg["num_hidden_layers"]))))})
+    heads = arch.num_attention_heads
+    return replace(arch, family="glm4_moe", qk_layernorm=bool(cfg.get("use_qk_norm", False)),
+                   qkv_bias=bool(cfg.get("attention_bias", False)),
+                   kv_channels=int(cfg.get("head_dim") or arch.hidden_size // heads), rotary_percent=partial,
+                   shared_expert_size=int(cfg.get("n_shared_experts") or 0) * arch.moe_ffn_hidden_size or None,
+                   hf_architecture="Glm4MoeForCausalLM", **_sigmoid_router(cfg, experts, arch.moe_router_topk))
+
+
+def _sigmoid_router(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, Any]:
+    """MoEArch fields of a DeepSeek-style sigmoid router (GLM-4.5, DeepSeek-V3)."""
+    if not cfg.get("norm_topk_prob", True) and topk > 1:
+        # megatron's sigmoid router always renormalises the selected scores (topk_routing_with_score_function)
+        raise UnsupportedModel("a sigmoid router with norm_topk_prob=false is not supported: megatron-core "
+                               "renormalises the selected sigmoid scores")
+    groups, keep = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if groups > 1 and topk // keep != 2:
+        # HF ranks a group by the sum of its top-2 scores; megatron by its top topk // topk_group
+        raise UnsupportedModel(f"group-limited routing with num_experts_per_tok={topk}, topk_group={keep} "
+                               "is not supported: HF ranks groups by their top-2 scores, megatron-core by "
+                               "their top num_experts_per_tok // topk_group (they agree when that is 2)")
+    if experts % groups:
+        raise UnsupportedModel(f"n_routed_experts={experts} does not divide into n_group={groups}")
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    return dict(router_score="sigmoid", expert_bias=True, norm_topk_prob=True,
+                routed_scaling_factor=None if scale == 1.0 else scale,
+                router_groups=(groups, keep) if groups > 1 else None)
+
+
 # HF `architectures[0]` -> reader. Add a family by adding a reader here and its
 # weight map in convert.py.
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], MoEArch]] = {
     "Qwen3MoeForCausalLM": _read_qwen3_moe,
     "MixtralForCausalLM": _read_mixtral,
     "Qwen2MoeForCausalLM": _read_qwen2_moe,
+    "Glm4MoeForCausalLM": _read_glm4_moe,
 }
 
 
@@ -157,7 +206,7 @@ def read_hf_config(model_dir: str | Path) -> MoEArch:
 def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config") -> MoEArch:
     archs = cfg.get("architectures") or []
     name = archs[0] if archs else {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                                   "mixtral": "MixtralForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                   "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}.get(cfg.get("model_type", ""), "")
     if name not in ARCHITECTURES:
         raise UnsupportedModel(f"{source}: architecture {name or cfg.get('model_type')!r} is not supported; "
                                f"supported: {', '.join(sorted(ARCHITECTURES))}")
@@ -278,7 +327,7 @@ def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32
             # norm_topk_prob=True: softmax over the top-k logits (== renormalised top-k
             # probabilities). False: softmax over all experts, then top-k, no renorm.
             moe_router_pre_softmax=not arch.norm_topk_prob,
-            moe_router_score_function="softmax",
+            moe_router_score_function=arch.router_score,
             moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
             moe_router_dtype="fp32",
@@ -289,6 +338,12 @@ def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32
             moe_router_fusion=fused["moe_router_fusion"],  # the config allows it only without replay
             moe_permute_fusion=fused["moe_permute_fusion"],
         )
+        if arch.router_score == "sigmoid":
+            kw.update(moe_router_enable_expert_bias=arch.expert_bias,
+                      moe_router_bias_update_rate=arch.expert_bias_update_rate,
+                      moe_router_topk_scaling_factor=arch.routed_scaling_factor)
+        if arch.router_groups:
+            kw.update(moe_router_num_groups=arch.router_groups[0], moe_router_group_topk=arch.router_groups[1])
         if arch.shared_expert_size:
             kw.update(moe_shared_expert_intermediate_size=arch.shared_expert_size,
                       moe_shared_expert_gate=arch.shared_expert_gate)
@@ -357,6 +412,7 @@ def build_model(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32", reco
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(arch.rope_theta),
+            rotary_percent=arch.rotary_percent,
             vp_stage=vp_stage,
         )
         _mark_expert_params(model)

@@ -135,7 +135,7 @@ def hf_gradients(opt: Any, arch: Any, microbatches: list[Any], loss_fn: Any) -> 
     saved = [p.detach().clone() for c in opt.chunks for p in c.parameters()]
     opt.backward(microbatches, loss_fn)
     grads_as_params(opt.chunks)
-    grads = {k: v.clone() for k, v in iter_hf_tensors(opt.bare_chunks, arch)}
+    grads = {k: v.clone() for k, v in iter_hf_tensors(opt.bare_chunks, arch, buffers=False)}
     with torch.no_grad():
         for p, old in zip((p for c in opt.chunks for p in c.parameters()), saved):
             p.copy_(old)

@@ -23,7 +23,7 @@ from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.perf import PerfRequest, resolve
 from moe_rl.policy.replay import RouteReplay
-from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, frozen_rows, sync_params
+from moe_rl.policy.train_step import NonFiniteLoss, OptimConfig, PolicyOptimizer, frozen_rows, sync_params
 
 # (logp [b, s-1] of the microbatch under the current weights, microbatch) -> (loss, metrics)
 PolicyLoss = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, float]]]
@@ -45,13 +45,17 @@ class PolicySpec:
     collective_timeout_s: float = 1800.0  # of the default and megatron's process groups
     perf: PerfRequest = PerfRequest()  # fused kernels and DDP overlap (moe_rl/policy/perf.py; auto: on GPU)
     moe_aux_loss_coef: float | None = None  # set: replaces the checkpoint's router_aux_loss_coef
+    expert_bias_update_rate: float = 0.0  # sigmoid routers' selection bias: 0 frozen, > 0 balanced per update
 
 
 def with_aux_loss_coef(arch: MoEArch, coef: float | None) -> MoEArch:
     """`arch` with the routers' load-balancing loss weight `coef` (None: the checkpoint's)."""
-    from dataclasses import replace
-
     return arch if coef is None else replace(arch, moe_aux_loss_coeff=float(coef))
+
+
+def expert_biases(chunks: list[Any]) -> list[torch.Tensor]:
+    """The selection biases of this rank's sigmoid routers (megatron's `expert_bias` buffers), in order."""
+    return [m.expert_bias for c in chunks for m in c.modules() if getattr(m, "expert_bias", None) is not None]
 
 
 @dataclass
@@ -76,6 +80,8 @@ class MegatronModel:
     def __init__(self, spec: PolicySpec) -> None:
         self.spec = spec
         arch = with_aux_loss_coef(read_hf_config(spec.hf_dir), spec.moe_aux_loss_coef)
+        if arch.expert_bias:
+            arch = replace(arch, expert_bias_update_rate=float(spec.expert_bias_update_rate))
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(arch)
         init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
@@ -171,7 +177,17 @@ class MegatronModel:
             return value, {"metrics": metrics}
 
         routing = (lambda m: self.replay.replay(replay_routes, m)) if replay_routes is not None else None
-        outputs, step_metrics = self.opt.step(mbs, loss_fn, routing)
+        biases = expert_biases(self.chunks) if self.arch.expert_bias_update_rate > 0 else []
+        before = [b.clone() for b in biases]
+        try:
+            outputs, step_metrics = self.opt.step(mbs, loss_fn, routing)
+        except NonFiniteLoss:  # a skipped update leaves every weight as it was, the selection biases too
+            with torch.no_grad():
+                for b, o in zip(biases, before):
+                    b.copy_(o)
+            raise
+        if biases:  # megatron's balancing moved them in finalize_model_grads: by how much (max over layers)
+            step_metrics["moe/expert_bias_change"] = max(float((b - o).abs().max()) for b, o in zip(biases, before))
         return UpdateResult([{k: float(v) for k, v in out["metrics"].items()} for out in outputs], step_metrics)
 
     def state_dict(self) -> dict[str, Any]:

@@ -253,16 +253,25 @@ class _Feed:
 def route_confidence(router: Any, hidden: torch.Tensor, k: int) -> torch.Tensor:
     """How sure a router is, per token: `[tokens, 2]` on the host.
 
-    Column 0: the top-k gate mass, the softmax probability of the k chosen experts over
-    all of them; column 1: the margin between the k-th and (k+1)-th router logit (small
-    margins are where a route flips). From the router's own gating on its input.
+    Column 0: the top-k gate mass, the share of the router's scores (softmax probabilities, or
+    sigmoid scores for a sigmoid router) on the k chosen experts; column 1: the margin between the
+    k-th and (k+1)-th selection score (small margins are where a route flips): the router logit
+    for softmax routers, sigmoid(logit) + the selection bias for sigmoid ones (GLM-4.5,
+    DeepSeek-V3), which is what they rank. From the router's own gating on its input.
     """
     with torch.no_grad():
         logits = router.gating(hidden).float()
         logits = logits.reshape(-1, logits.shape[-1])
-        top = logits.topk(min(k + 1, logits.shape[-1]), dim=-1).values
-        margin = top[:, k - 1] - top[:, k] if top.shape[-1] > k else torch.zeros_like(top[:, 0])
-        mass = torch.softmax(logits, dim=-1).topk(k, dim=-1).values.sum(-1)
+        if getattr(router, "score_function", "softmax") == "sigmoid":
+            scores = torch.sigmoid(logits)
+            bias = getattr(router, "expert_bias", None)
+            select = scores if bias is None else scores + bias.float()
+        else:
+            scores, select = torch.softmax(logits, dim=-1), logits
+        top = select.topk(min(k + 1, select.shape[-1]), dim=-1)
+        margin = top.values[:, k - 1] - top.values[:, k] if top.values.shape[-1] > k \
+            else torch.zeros_like(top.values[:, 0])
+        mass = scores.gather(1, top.indices[:, :k]).sum(-1) / scores.sum(-1)
     return torch.stack([mass, margin], dim=-1).cpu()
 
 

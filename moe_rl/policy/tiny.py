@@ -1,4 +1,4 @@
-"""Tiny Qwen3-MoE (and Qwen2-MoE, Mixtral) checkpoints built with transformers (nothing is downloaded).
+"""Tiny Qwen3-MoE (and Qwen2-MoE, Mixtral, GLM-4.5) checkpoints built with transformers (nothing is downloaded).
 
 The sizes are chosen so every parallel layout the tests use divides them:
 4 attention heads and 2 query groups (TP2), 4 layers (PP2 x VPP2), 4 experts (EP2).
@@ -99,6 +99,32 @@ def qwen2_moe_config(**kw: Any) -> Any:
     return cfg
 
 
+# A tiny GLM-4.5, unlike the others: head_dim 12 of which RoPE rotates half, q/k/v biases and QK-norm,
+# a dense first layer, a shared expert, 6 experts behind a sigmoid router whose selection bias is not
+# zero (`make_tiny_glm4_moe` draws it), and routed_scaling_factor 2.5.
+TINY_GLM4_MOE = dict(vocab_size=96, hidden_size=40, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=12, n_routed_experts=6, n_shared_experts=1,
+                     num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=1,
+                     topk_group=1, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+                     max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+
+
+def glm4_moe_config(**kw: Any) -> Any:
+    """transformers' Glm4MoeConfig, its architecture named, without multi-token-prediction layers."""
+    from transformers import Glm4MoeConfig
+
+    cfg = Glm4MoeConfig(**({"num_nextn_predict_layers": 0} | kw))
+    cfg.architectures = ["Glm4MoeForCausalLM"]
+    return cfg
+
+
+def make_tiny_glm4_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **overrides: Any) -> Path:
+    """A randomly initialised tiny GLM-4.5 (`TINY_GLM4_MOE`, with `overrides`), saved to `out_dir` (fp32)."""
+    return _save(glm4_moe_config(**(TINY_GLM4_MOE | overrides)), out_dir, seed, init_std)
+
+
 def mixtral_config(**kw: Any) -> Any:
     """transformers' MixtralConfig (no sliding window, no router jitter: what moe_rl reads)."""
     from transformers import MixtralConfig
@@ -109,19 +135,33 @@ def mixtral_config(**kw: Any) -> Any:
 
 
 def tiny_hf_config(family: str, config: TinyMoEConfig) -> Any:
-    """The HF config of a fresh tiny model of `family` ("qwen3_moe", "qwen2_moe" or "mixtral") with
-    `config`'s shape (Mixtral has no dense layers, no QK-norm and always renormalises its top-k:
-    those fields do not apply, and its experts' `intermediate_size` is `moe_intermediate_size`;
-    Qwen2-MoE's head width is hidden / heads)."""
+    """The HF config of a fresh tiny model of `family` ("qwen3_moe", "qwen2_moe", "mixtral" or
+    "glm4_moe") with `config`'s shape (Mixtral has no dense layers, no QK-norm and always renormalises
+    its top-k: those fields do not apply, and its experts' `intermediate_size` is
+    `moe_intermediate_size`; Qwen2-MoE's head width is hidden / heads; GLM-4.5 keeps its own
+    layout: the first layer dense, one shared expert, RoPE on half of each head, q/k/v biases)."""
     c = config
     if family == "qwen3_moe":
         return config.to_hf()
+    if family == "glm4_moe":
+        return glm4_moe_config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                               moe_intermediate_size=c.moe_intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                               head_dim=c.head_dim, n_routed_experts=c.num_experts, n_shared_experts=1,
+                               num_experts_per_tok=c.num_experts_per_tok, first_k_dense_replace=1,
+                               norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+                               max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                               tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
+                               eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+                               rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta,
+                                                "partial_rotary_factor": 0.5})
     if family == "qwen2_moe":  # its shared expert as wide as a routed one
         kw = {k: v for k, v in c.__dict__.items() if k not in ("head_dim", "rope_theta")}
         return qwen2_moe_config(**kw, shared_expert_intermediate_size=c.moe_intermediate_size, use_sliding_window=False,
                                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
     if family != "mixtral":
-        raise ValueError(f"model.tiny.family must be 'qwen3_moe', 'qwen2_moe' or 'mixtral', got {family!r}")
+        raise ValueError(f"model.tiny.family must be 'qwen3_moe', 'qwen2_moe', 'mixtral' or 'glm4_moe', "
+                         f"got {family!r}")
     return mixtral_config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.moe_intermediate_size,
                           num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                           num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
@@ -152,5 +192,10 @@ def _save(cfg: Any, out_dir: str | Path, seed: int, init_std: float) -> Path:
     torch.manual_seed(seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    AutoModelForCausalLM.from_config(cfg).to(torch.float32).save_pretrained(out)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    with torch.no_grad():  # a sigmoid router's selection bias, which HF starts at 0: drawn, so it matters
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape) * init_std)
+    model.save_pretrained(out)
     return out

@@ -89,6 +89,7 @@ def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature
     return Policy(PolicySpec(str(hf_dir), layout, optim_config(cfg, updates_per_step), cfg.model.dtype,
                              cfg.model.recompute, p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch,
                              temperature=temperature, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,
+                             expert_bias_update_rate=cfg.model.expert_bias_update_rate,
                              collective_timeout_s=cfg.train.collective_timeout_s, perf=perf_request(cfg)))
 
 

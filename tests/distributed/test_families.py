@@ -1,7 +1,9 @@
-"""Model families besides Qwen3-MoE against HF transformers: Mixtral and Qwen2-MoE, each a tiny
-checkpoint whose shapes are unlike the Qwen3 fixtures' (Mixtral: 6 heads of 8 over 2 query groups,
-6 experts, no QK-norm; Qwen2-MoE: head_dim 10, q/k/v biases, a dense first layer, a gated shared
-expert, top-k not renormalised), read from its config.json. Per family: log-probs within 1e-4 of
+"""Model families besides Qwen3-MoE against HF transformers: Mixtral, Qwen2-MoE and GLM-4.5, each a
+tiny checkpoint whose shapes are unlike the Qwen3 fixtures' (Mixtral: 6 heads of 8 over 2 query
+groups, 6 experts, no QK-norm; Qwen2-MoE: head_dim 10, q/k/v biases, a dense first layer, a gated
+shared expert, top-k not renormalised; GLM-4.5: head_dim 12 with RoPE on half of it, q/k/v biases
+and QK-norm, a dense first layer, a shared expert, a sigmoid router whose selection bias is drawn
+non-zero, routed_scaling_factor 2.5), read from its config.json. Per family: log-probs within 1e-4 of
 HF in several layouts and the HF -> megatron -> HF round trip bit-exact; `moe-rl serve`'s engine
 with HF's log-probs and routes, before and after a weight push under the checkpoint's own names;
 R2 and R3 replay in EP2."""
@@ -13,9 +15,9 @@ import torch
 
 from moe_rl.policy.convert import HFCheckpoint
 from moe_rl.policy.parity import compare, hf_logprobs, layout_worker, sample_sequences
-from moe_rl.testing import make_tiny_mixtral, make_tiny_qwen2_moe, run_ranks
+from moe_rl.testing import make_tiny_glm4_moe, make_tiny_mixtral, make_tiny_qwen2_moe, run_ranks
 
-BUILDERS = {"mixtral": make_tiny_mixtral, "qwen2_moe": make_tiny_qwen2_moe}
+BUILDERS = {"mixtral": make_tiny_mixtral, "qwen2_moe": make_tiny_qwen2_moe, "glm4_moe": make_tiny_glm4_moe}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -40,12 +42,30 @@ def test_each_family_is_read_as_itself():
     with tempfile.TemporaryDirectory() as tmp:
         mixtral = read(make_tiny_mixtral, f"{tmp}/m")
         qwen2 = read(make_tiny_qwen2_moe, f"{tmp}/q")
+        glm = read(make_tiny_glm4_moe, f"{tmp}/g")
     assert (mixtral.family, mixtral.hf_architecture) == ("mixtral", "MixtralForCausalLM")
     assert not mixtral.qk_layernorm and mixtral.norm_topk_prob  # HF renormalises Mixtral's top-k probabilities
     assert (mixtral.num_moe_experts, mixtral.moe_router_topk, mixtral.moe_layers, mixtral.kv_channels) == (6, 2, (0, 1), 8)
     assert (qwen2.family, qwen2.qkv_bias, qwen2.qk_layernorm, qwen2.norm_topk_prob) == ("qwen2_moe", True, False, False)
     assert (qwen2.shared_expert_size, qwen2.shared_expert_gate, qwen2.moe_layers, qwen2.kv_channels) == (24, True,
                                                                                                         (1, 2, 3), 10)
+    assert (glm.family, glm.router_score, glm.expert_bias, glm.routed_scaling_factor) == ("glm4_moe", "sigmoid", True, 2.5)
+    assert (glm.moe_layers, glm.shared_expert_size, glm.shared_expert_gate, glm.rotary_percent) == ((1, 2, 3), 16, False, 0.5)
+    assert (glm.qkv_bias, glm.qk_layernorm, glm.kv_channels, glm.expert_bias_update_rate) == (True, True, 12, 0.0)
+
+
+def test_sigmoid_routers_megatron_cannot_match_are_refused_by_name():
+    from moe_rl.policy.model import UnsupportedModel, arch_from_hf_dict
+    from moe_rl.policy.tiny import TINY_GLM4_MOE
+
+    base = {**TINY_GLM4_MOE, "architectures": ["Glm4MoeForCausalLM"]}
+    with pytest.raises(UnsupportedModel, match="norm_topk_prob=false"):
+        arch_from_hf_dict({**base, "norm_topk_prob": False})
+    with pytest.raises(UnsupportedModel, match="top-2 scores"):  # groups ranked by their top-1 in megatron
+        arch_from_hf_dict({**base, "n_group": 2, "topk_group": 2})
+    assert arch_from_hf_dict({**base, "n_group": 3, "topk_group": 1, "num_experts_per_tok": 2}).router_groups == (3, 1)
+    with pytest.raises(UnsupportedModel, match="supported: .*Glm4MoeForCausalLM"):
+        arch_from_hf_dict({**base, "architectures": ["Glm4ForCausalLM"]})
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2"])
@@ -158,3 +178,48 @@ def test_routing_replay_r2_and_r3_in_ep2(family):
             assert torch.equal(ordered(r["routes_used_perturbed"][j, :n]), ordered(r["recorded_routes"][j, :n]))
             assert torch.equal(ordered(r["routes_used_r3"][j, :n]), ordered(engine_routes[i])), (name, i)
             assert torch.equal(ordered(r["recorded_routes"][j, :n]), ordered(engine_routes[i])), (name, i)
+
+
+def expert_bias_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], rate: float) -> dict:
+    """One update of a GLM-4.5 policy with `model.expert_bias_update_rate = rate`: its step metrics and
+    the HF-named selection biases (what a weight push sends) before and after."""
+    from moe_rl.policy.parallel import ParallelLayout
+    from moe_rl.policy.policy import Policy, PolicySpec
+    from moe_rl.policy.train_step import OptimConfig
+
+    policy = Policy(PolicySpec(hf_dir, ParallelLayout.parse(layout_name), OptimConfig(lr=1e-3), micro_batch_size=4,
+                               expert_bias_update_rate=rate))
+
+    def biases():
+        return {k: v.clone() for k, v in policy.hf_tensors() if k.endswith("e_score_correction_bias")}
+
+    def loss(logp, mb):
+        return -(logp * mb.loss_mask).sum() / mb.loss_mask.sum() / 2, {}
+
+    before = biases()
+    out = policy.update(sequences, {}, loss)
+    return {"before": before, "after": biases(), "step": out.step}
+
+
+def test_the_selection_bias_is_frozen_by_default_and_balances_when_asked(tmp_path, sequences):
+    # frozen (the default, rate 0): routes stay put between updates; a rate moves every MoE layer's
+    # bias by exactly +-rate (or 0 at the mean load) towards an even load (megatron's aux-loss-free
+    # balancing), the move is logged, and the tensors a weight push sends carry it
+    from moe_rl.policy.model import read_hf_config, transformer_config
+    from moe_rl.policy.parallel import ParallelLayout
+    from moe_rl.policy.policy import PolicySpec
+
+    model_dir = make_tiny_glm4_moe(tmp_path / "glm", seed=0)
+    assert PolicySpec("x", ParallelLayout(), None).expert_bias_update_rate == 0.0
+    config = transformer_config(read_hf_config(model_dir), ParallelLayout())
+    assert (config.moe_router_enable_expert_bias, config.moe_router_bias_update_rate) == (True, 0.0)
+    src = HFCheckpoint(model_dir)
+    (moving,) = run_ranks(expert_bias_worker, 1, "single", str(model_dir), sequences[:4], 0.01)
+    names = sorted(moving["before"])
+    assert names == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]
+    assert all(torch.equal(moving["before"][n], src.get(n)) for n in names)
+    for n in names:
+        step = moving["after"][n] - moving["before"][n]
+        assert all(min(abs(v - 0.01), abs(v + 0.01), abs(v)) < 1e-7 for v in step.tolist()), (n, step)
+        assert (step > 0).any() and (step < 0).any(), n  # the loaded experts down, the idle ones up
+    assert moving["step"]["moe/expert_bias_change"] == pytest.approx(0.01, abs=1e-7)

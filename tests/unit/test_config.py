@@ -11,7 +11,8 @@ from moe_rl.config import ConfigError, RunConfig, load_config
 from moe_rl.policy.parallel import ParallelLayout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
-SHIPPED = ["tiny_cpu.yaml", "qwen3_30b_a3b_gspo.yaml", "tiny_cpu_vapo.yaml", "qwen3_30b_a3b_vapo.yaml"]
+SHIPPED = ["tiny_cpu.yaml", "qwen3_30b_a3b_gspo.yaml", "tiny_cpu_vapo.yaml", "qwen3_30b_a3b_vapo.yaml",
+           "glm45_air_gspo.yaml"]
 
 
 def error_of(overrides: list[str], path: str | Path | None = None) -> str:
@@ -47,6 +48,24 @@ def test_qwen3_config_layout():
     assert cfg.rollout.engine == "sglang" and cfg.algo.replay == "r3"
     assert cfg.train.distributed_optimizer and cfg.train.lr == pytest.approx(1e-6)
     assert cfg.rollout.max_new_tokens == 8192 and cfg.rollout.n_samples == 8
+
+
+def test_glm45_air_config_layout_fits_the_published_model():
+    # GLM-4.5-Air's published config.json dims: the layout divides them on 64 trainer GPUs
+    from moe_rl.policy.model import arch_from_hf_dict
+
+    cfg = load_config(CONFIGS / "glm45_air_gspo.yaml")
+    arch = arch_from_hf_dict({"architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552, "hidden_size": 4096,
+                              "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 46,
+                              "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+                              "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                              "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "n_group": 1,
+                              "topk_group": 1, "norm_topk_prob": True, "attention_bias": True,
+                              "partial_rotary_factor": 0.5, "rope_theta": 1000000, "num_nextn_predict_layers": 1})
+    layout = ParallelLayout.of(cfg.parallel, 64).validate(arch)
+    assert (layout.tp, layout.pp, layout.ep, layout.world_size // (layout.tp * layout.pp)) == (2, 2, 16, 16)
+    assert arch.moe_layers == tuple(range(1, 46)) and arch.router_score == "sigmoid"
+    assert cfg.model.expert_bias_update_rate == 0.0 and cfg.algo.replay == "r3"
 
 
 def test_defaults_validate_without_a_file():
