@@ -180,6 +180,19 @@ def define_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def mla_without_te() -> None:
+    """Without transformer-engine, megatron-core 0.16.1's `extensions/transformer_engine.py` still
+    imports (its `te` a stand-in object), so `multi_latent_attention.HAVE_TE` is True and MLA's
+    `isinstance(self.linear_proj, TELinear)` raises TypeError. Tell MLA the truth. Needed on any
+    machine without transformer-engine (DeepSeek-V3's attention), on GPU too."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        mla.HAVE_TE = False
+
+
 def is_active() -> bool:
     """True once the CPU redirections are installed in this process."""
     return _ACTIVE

@@ -49,12 +49,13 @@ class TinyModel:
     """Top-k experts per token; 2 so routes can partly change between updates."""
     init_std: float = ranged(0.02, gt=0.0)
     """Std of the random initial weights (HF's default): a near-uniform first policy that explores."""
-    family: str = choice("qwen3_moe", ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"))
+    family: str = choice("qwen3_moe", ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"))
     """HF architecture of the fresh model: Qwen3-MoE; Qwen2-MoE (q/k/v biases, a gated shared expert
     as wide as a routed one, head width hidden / heads); Mixtral (no QK-norm, top-k probabilities
     renormalised, `moe_intermediate_size` its experts' `intermediate_size`); or GLM-4.5 (the first
     layer dense, a shared expert, a sigmoid router with a selection bias, RoPE on half of each head,
-    q/k/v biases)."""
+    q/k/v biases); or DeepSeek-V3 (multi-latent attention with widths from `head_dim`, the first
+    layer dense, a shared expert, the sigmoid router with experts in 2 groups of which 1 is kept)."""
 
 
 @dataclass

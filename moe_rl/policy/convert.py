@@ -175,12 +175,41 @@ def glm4_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEAr
     return qwen3_moe_shard(name, layer, expert, arch)
 
 
+def deepseek_v3_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
+    """GLM-4.5's MoE names (shared experts, the router's selection bias) with multi-latent attention.
+    Each HF tensor is one megatron tensor: `kv_a_proj_with_mqa`'s rows are [latent; RoPE] in both,
+    `kv_b_proj`'s per head [k; v], `q_b_proj`'s per head [no-RoPE; RoPE]. The down projections are
+    column-parallel in the local spec (split by rows, gathered inside MLA) and replicated in
+    transformer-engine's, whose up projections also hold the latents' norms."""
+    from moe_rl.policy.model import use_transformer_engine
+
+    if layer is None or expert is not None:
+        return glm4_moe_shard(name, layer, expert, arch)
+    a = f"model.layers.{layer}.self_attn."
+    down = None if use_transformer_engine() else 0
+    attention = {
+        "self_attention.linear_q_down_proj.weight": Shard((f"{a}q_a_proj.weight",), dim=down),
+        "self_attention.q_layernorm.weight": Shard((f"{a}q_a_layernorm.weight",)),
+        "self_attention.linear_q_up_proj.layer_norm_weight": Shard((f"{a}q_a_layernorm.weight",)),
+        "self_attention.linear_q_up_proj.weight": Shard((f"{a}q_b_proj.weight",), dim=0),
+        "self_attention.linear_q_proj.weight": Shard((f"{a}q_proj.weight",), dim=0),  # q_lora_rank None
+        "self_attention.linear_kv_down_proj.weight": Shard((f"{a}kv_a_proj_with_mqa.weight",), dim=down),
+        "self_attention.kv_layernorm.weight": Shard((f"{a}kv_a_layernorm.weight",)),
+        "self_attention.linear_kv_up_proj.layer_norm_weight": Shard((f"{a}kv_a_layernorm.weight",)),
+        "self_attention.linear_kv_up_proj.weight": Shard((f"{a}kv_b_proj.weight",), dim=0),
+    }
+    if name in attention:
+        return attention[name]
+    return glm4_moe_shard(name, layer, expert, arch)
+
+
 # HF family -> weight map. New families add their map here and a reader in model.py.
 WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | None]] = {
     "qwen3_moe": qwen3_moe_shard,
     "mixtral": mixtral_shard,
     "qwen2_moe": qwen2_moe_shard,
     "glm4_moe": glm4_moe_shard,
+    "deepseek_v3": deepseek_v3_shard,
 }
 
 

@@ -3,8 +3,8 @@
 The HF `config.json` is read into `MoEArch` (a plain description of the network),
 which then becomes a megatron `TransformerConfig` for a given `ParallelLayout`.
 Families are registered in `ARCHITECTURES`: each entry reads one HF config format.
-Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 are read; DeepSeek-V3 slots in as a further
-reader plus its weight map in `convert.py`.
+Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 (also Kimi-K2 and Moonlight, which
+share its class) are read; each family's weight map is in `convert.py`.
 
 On GPU the transformer-engine layer spec and the alltoall dispatcher are used; on
 CPU the local spec with a sequence-parallel-capable RMSNorm and the allgather
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.dist.devices import compute_device
+from moe_rl.policy.compat import mla_without_te
 from moe_rl.policy.packing import use_position_ids_for_rope
 from moe_rl.policy.parallel import ParallelLayout
 from moe_rl.policy.perf import PerfSettings
@@ -28,6 +29,20 @@ from moe_rl.policy.perf import PerfSettings
 
 class UnsupportedModel(ValueError):
     """The checkpoint's architecture has no reader here."""
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """Multi-latent attention (DeepSeek-V3): queries through a `q_lora_rank` bottleneck (None: a
+    plain projection), keys and values from a `kv_lora_rank` latent, each head's q/k split into a
+    position-free part and a RoPE part shared by all heads; `yarn`: megatron's YaRN fields."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    yarn: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,7 @@ class MoEArch:
     routed_scaling_factor: float | None = None
     router_groups: tuple[int, int] | None = None  # group-limited top-k: (groups, groups kept per token)
     rotary_percent: float = 1.0             # the fraction of each head's dims RoPE rotates (GLM: 0.5)
+    mla: MLADims | None = None              # multi-latent attention (DeepSeek-V3) instead of GQA
     hf_architecture: str = ""
     padding_idx: int | None = None  # HF's `pad_token_id`: its embedding row is never trained (see below)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -164,6 +180,43 @@ def _read_glm4_moe(cfg: dict[str, Any]) -> MoEArch:
                    hf_architecture="Glm4MoeForCausalLM", **_sigmoid_router(cfg, experts, arch.moe_router_topk))
 
 
+def _read_deepseek_v3(cfg: dict[str, Any]) -> MoEArch:
+    """DeepSeek-V3 (and Kimi-K2, Moonlight: the same class): multi-latent attention with interleaved
+    RoPE (plain or YaRN), `first_k_dense_replace` dense layers, shared experts and a sigmoid router
+    with a selection bias, group-limited top-k and `routed_scaling_factor`. Multi-token-prediction
+    layers (`num_nextn_predict_layers`) are not read: RL trains the decoder layers."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if not cfg.get("rope_interleave", True):
+        raise UnsupportedModel("DeepSeek-V3 with rope_interleave=false is not supported (released checkpoints "
+                               "interleave, as megatron's multi-latent attention does)")
+    yarn: tuple[tuple[str, float], ...] = ()
+    if rope_type == "yarn":
+        if params.get("truncate", True) is False or params.get("attention_factor") is not None:
+            raise UnsupportedModel("YaRN with truncate=false or an explicit attention_factor has no megatron-core "
+                                   "counterpart")
+        if float(params.get("mscale") or 1.0) != 1.0 and not params.get("mscale_all_dim"):
+            raise UnsupportedModel("YaRN with mscale != 1 and no mscale_all_dim is scaled otherwise by megatron-core")
+        yarn = (("rotary_scaling_factor", float(params["factor"])),
+                ("original_max_position_embeddings", int(params["original_max_position_embeddings"])),
+                ("beta_fast", float(params.get("beta_fast") or 32)), ("beta_slow", float(params.get("beta_slow") or 1)),
+                ("mscale", float(params.get("mscale") or 1.0)), ("mscale_all_dim", float(params.get("mscale_all_dim") or 0)))
+    elif rope_type not in (None, "default"):
+        raise UnsupportedModel(f"DeepSeek-V3 with rope_type={rope_type!r} is not supported (default or yarn)")
+    experts, heads = int(cfg["n_routed_experts"]), int(cfg["num_attention_heads"])
+    dense = min(int(cfg.get("first_k_dense_replace", 0)), int(cfg["num_hidden_layers"]))
+    mla = MLADims(q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+                  kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+                  qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]), yarn=yarn)
+    arch = _read_qwen3_moe({**cfg, "num_experts": experts, "decoder_sparse_step": 1, "num_key_value_heads": heads,
+                            "head_dim": mla.v_head_dim, "mlp_only_layers": list(range(dense)),
+                            "rope_parameters": {"rope_theta": _rope_theta(cfg)}, "rope_scaling": None})
+    mtp = int(cfg.get("num_nextn_predict_layers") or 0)
+    return replace(arch, family="deepseek_v3", qk_layernorm=False, mla=mla, hf_architecture="DeepseekV3ForCausalLM",
+                   shared_expert_size=int(cfg.get("n_shared_experts") or 0) * arch.moe_ffn_hidden_size or None,
+                   extra={"mtp_layers": mtp} if mtp else {}, **_sigmoid_router(cfg, experts, arch.moe_router_topk))
+
+
 def _sigmoid_router(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, Any]:
     """MoEArch fields of a DeepSeek-style sigmoid router (GLM-4.5, DeepSeek-V3)."""
     if not cfg.get("norm_topk_prob", True) and topk > 1:
@@ -191,6 +244,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], MoEArch]] = {
     "MixtralForCausalLM": _read_mixtral,
     "Qwen2MoeForCausalLM": _read_qwen2_moe,
     "Glm4MoeForCausalLM": _read_glm4_moe,
+    "DeepseekV3ForCausalLM": _read_deepseek_v3,
 }
 
 
@@ -206,7 +260,8 @@ def read_hf_config(model_dir: str | Path) -> MoEArch:
 def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config") -> MoEArch:
     archs = cfg.get("architectures") or []
     name = archs[0] if archs else {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                                   "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                   "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                                   "deepseek_v3": "DeepseekV3ForCausalLM"}.get(cfg.get("model_type", ""), "")
     if name not in ARCHITECTURES:
         raise UnsupportedModel(f"{source}: architecture {name or cfg.get('model_type')!r} is not supported; "
                                f"supported: {', '.join(sorted(ARCHITECTURES))}")
@@ -349,17 +404,60 @@ def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32
                       moe_shared_expert_gate=arch.shared_expert_gate)
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if arch.mla is not None:
+        return _mla_config(arch, kw)
     return TransformerConfig(**kw)
 
 
-def _swap_norms(spec: Any, qk_layernorm: bool) -> None:
-    """Replace the local spec's torch norms with SequenceParallelRMSNorm, in place."""
+def _mla_config(arch: MoEArch, kw: dict[str, Any]) -> Any:
+    """megatron's `MLATransformerConfig` for DeepSeek-V3's attention. `qk_layernorm` builds the
+    latents' norms (q_a_layernorm, kv_a_layernorm); megatron's MLA de-interleaves the RoPE dims
+    itself (as HF's `rope_interleave`), so `rotary_interleaved` stays off; the fused RoPE kernel
+    is off (megatron refuses it for plain RoPE under MLA). Plain RoPE sets mscale_all_dim 0, which
+    makes MLA's softmax scale 1 / sqrt(head dim) as HF's."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    m = arch.mla
+    kw.update(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+              qk_head_dim=m.qk_nope_head_dim, qk_pos_emb_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+              qk_layernorm=True, rotary_interleaved=False, apply_rope_fusion=False, rotary_base=arch.rope_theta)
+    if m.yarn:
+        kw.update(rope_type="yarn", **dict(m.yarn))
+    else:
+        kw.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return MLATransformerConfig(**kw)
+
+
+def _swap_norms(spec: Any, config: Any) -> None:
+    """Replace the local spec's torch norms with SequenceParallelRMSNorm, in place (and give
+    multi-latent attention a core attention that takes its head widths)."""
     sub = spec.submodules
     sub.input_layernorm = SequenceParallelRMSNorm
     sub.pre_mlp_layernorm = SequenceParallelRMSNorm
-    if qk_layernorm:
-        sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
-        sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+    attn = sub.self_attention.submodules
+    if getattr(config, "multi_latent_attention", False):
+        attn.q_layernorm = attn.kv_layernorm = SequenceParallelRMSNorm
+        attn.core_attention = _mla_core_attention()
+    elif config.qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = SequenceParallelRMSNorm
+
+
+def _mla_core_attention() -> type:
+    """megatron-core 0.16.1's local `DotProductAttention` refuses the `k_channels` / `v_channels`
+    keywords MLA passes and sizes its output by `kv_channels`: take them and size it by the value
+    heads. (The scale is MLA's own, passed in; the maths is the local path's.)"""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, config: Any, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads,
+                                                        self.pg_collection.tp.size())
+
+    return MLADotProductAttention
 
 
 def layer_spec(config: Any, vp_stage: int | None = None) -> Any:
@@ -375,7 +473,7 @@ def layer_spec(config: Any, vp_stage: int | None = None) -> Any:
         return block
     block = copy.deepcopy(block)
     for spec in block.layer_specs:
-        _swap_norms(spec, config.qk_layernorm)
+        _swap_norms(spec, config)
     block.layer_norm = SequenceParallelRMSNorm
     return block
 
@@ -392,6 +490,8 @@ def build_model(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32", reco
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     config = transformer_config(arch, layout, dtype, recompute, perf)
+    if arch.mla is not None:
+        mla_without_te()
     # RouterReplay keeps a class-level list of every router ever built; a second
     # model in the same process would otherwise mix its routers into ours.
     RouterReplay.clear_global_router_replay_instances()

@@ -102,21 +102,29 @@ def use_position_ids_for_rope(model: Any) -> None:
     A pre-hook on the model keeps the call's `position_ids` `[b, s]`; a hook on the
     rotary module turns its `[s, 1, 1, d]` table for positions 0..s-1 into
     `[s, b, 1, d]` rows for the given positions (identical values when positions are
-    0..s-1, as for unpacked microbatches).
+    0..s-1, as for unpacked microbatches). Under multi-latent attention (DeepSeek-V3) the
+    model has no rotary module of its own: each layer's attention holds one (YaRN's returns
+    `(table, mscale)`), and each is hooked the same way.
     """
     rope = getattr(model, "rotary_pos_emb", None)
-    if rope is None:
+    ropes = [rope] if rope is not None else [m for name, m in model.named_modules()
+                                             if name.endswith("self_attention.rotary_pos_emb")]
+    if not ropes:
         return  # no rotary embedding: position_ids reach the (learned) position embedding as they are
     seen: dict[str, torch.Tensor | None] = {"pos": None}
 
     def keep_positions(module: Any, args: tuple, kwargs: dict) -> None:
         seen["pos"] = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
 
-    def gather(module: Any, args: tuple, table: torch.Tensor) -> torch.Tensor:
+    def at_positions(table: torch.Tensor) -> torch.Tensor:
         pos = seen["pos"]
         if pos is None or table.dim() != 4:
             return table
         return table[:, 0, 0, :][pos.t().to(table.device)].unsqueeze(2)
 
+    def gather(module: Any, args: tuple, out: Any) -> Any:
+        return (at_positions(out[0]), *out[1:]) if isinstance(out, tuple) else at_positions(out)
+
     model.register_forward_pre_hook(keep_positions, with_kwargs=True)
-    rope.register_forward_hook(gather)
+    for r in ropes:
+        r.register_forward_hook(gather)

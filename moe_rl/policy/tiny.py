@@ -1,4 +1,4 @@
-"""Tiny Qwen3-MoE (and Qwen2-MoE, Mixtral, GLM-4.5) checkpoints built with transformers (nothing is downloaded).
+"""Tiny Qwen3-MoE (and Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3) checkpoints built with transformers (nothing is downloaded).
 
 The sizes are chosen so every parallel layout the tests use divides them:
 4 attention heads and 2 query groups (TP2), 4 layers (PP2 x VPP2), 4 experts (EP2).
@@ -125,6 +125,33 @@ def make_tiny_glm4_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0.2
     return _save(glm4_moe_config(**(TINY_GLM4_MOE | overrides)), out_dir, seed, init_std)
 
 
+# A tiny DeepSeek-V3: multi-latent attention (a query bottleneck of 24, a key/value latent of 16, per
+# head 8 dims without RoPE and 4 with it, values of 8), a dense first layer, a shared expert, 8 experts
+# top-4 in 4 groups of which 2 are kept (4 // 2 = 2: megatron ranks groups by their top-2 as HF does),
+# a drawn selection bias and routed_scaling_factor 2.5. Every 2-rank layout divides it.
+TINY_DEEPSEEK_V3 = dict(vocab_size=96, hidden_size=48, intermediate_size=32, moe_intermediate_size=16,
+                        num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                        n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=256,
+                        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def deepseek_v3_config(**kw: Any) -> Any:
+    """transformers' DeepseekV3Config, its architecture named, without multi-token-prediction layers."""
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config(**({"num_nextn_predict_layers": 0} | kw))
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    return cfg
+
+
+def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **overrides: Any) -> Path:
+    """A randomly initialised tiny DeepSeek-V3 (`TINY_DEEPSEEK_V3`, with `overrides`), saved to `out_dir` (fp32)."""
+    return _save(deepseek_v3_config(**(TINY_DEEPSEEK_V3 | overrides)), out_dir, seed, init_std)
+
+
 def mixtral_config(**kw: Any) -> Any:
     """transformers' MixtralConfig (no sliding window, no router jitter: what moe_rl reads)."""
     from transformers import MixtralConfig
@@ -143,6 +170,19 @@ def tiny_hf_config(family: str, config: TinyMoEConfig) -> Any:
     c = config
     if family == "qwen3_moe":
         return config.to_hf()
+    if family == "deepseek_v3":  # MLA widths from head_dim; experts in 2 groups, 1 kept when top-2
+        groups = 2 if c.num_experts % 2 == 0 and c.num_experts_per_tok == 2 else 1
+        return deepseek_v3_config(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            moe_intermediate_size=c.moe_intermediate_size, num_hidden_layers=c.num_hidden_layers,
+            first_k_dense_replace=1, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_attention_heads, q_lora_rank=c.hidden_size // 2, kv_lora_rank=c.head_dim,
+            qk_nope_head_dim=c.head_dim // 2, qk_rope_head_dim=max(2, c.head_dim // 4 // 2 * 2),
+            v_head_dim=c.head_dim // 2, n_routed_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+            n_group=groups, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+            pad_token_id=c.pad_token_id, rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
     if family == "glm4_moe":
         return glm4_moe_config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                                moe_intermediate_size=c.moe_intermediate_size, num_hidden_layers=c.num_hidden_layers,
@@ -160,8 +200,8 @@ def tiny_hf_config(family: str, config: TinyMoEConfig) -> Any:
         return qwen2_moe_config(**kw, shared_expert_intermediate_size=c.moe_intermediate_size, use_sliding_window=False,
                                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
     if family != "mixtral":
-        raise ValueError(f"model.tiny.family must be 'qwen3_moe', 'qwen2_moe', 'mixtral' or 'glm4_moe', "
-                         f"got {family!r}")
+        raise ValueError(f"model.tiny.family must be 'qwen3_moe', 'qwen2_moe', 'mixtral', 'glm4_moe' or "
+                         f"'deepseek_v3', got {family!r}")
     return mixtral_config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.moe_intermediate_size,
                           num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                           num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,

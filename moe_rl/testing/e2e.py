@@ -22,10 +22,11 @@ def varied_reward(completion_text: str, answer: str | None, *, completion_ids: l
     return float(sum(completion_ids) % 5) / 4
 
 
-def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list[tuple[str, str]]
-                            ) -> list[dict[str, Any]]:
+def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list[tuple[str, str]],
+                            then_overlap_and_packed: bool = True) -> list[dict[str, Any]]:
     """For each (loss, replay) pair: one RL step; returns metrics, whether weights moved, and
-    what the updates replayed (`replay_check`: "ok" or what differed)."""
+    what the updates replayed (`replay_check`: "ok" or what differed). Then (unless told not
+    to) overlapped steps, in-place pushes and packed micro-batches under R2 and R3."""
     from moe_rl.config import RunConfig
     from moe_rl.recipes.build import build_run, inflight_client_args
     from moe_rl.recipes.rl.pipeline import RolloutPipeline
@@ -46,6 +47,8 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
             moved = _weights_fingerprint(run.policy) - before
             out.append({"loss": loss, "replay": replay, "metrics": metrics, "weight_change": float(moved.abs().sum()),
                         "replay_check": spy.check(replay)})
+        if not then_overlap_and_packed:
+            return out
         # One-step off-policy overlap: the next rollout runs while this step trains.
         run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, max_staleness=1, tis_cap=2.0))
         if rank == 0:

@@ -3,7 +3,9 @@ tiny checkpoint whose shapes are unlike the Qwen3 fixtures' (Mixtral: 6 heads of
 groups, 6 experts, no QK-norm; Qwen2-MoE: head_dim 10, q/k/v biases, a dense first layer, a gated
 shared expert, top-k not renormalised; GLM-4.5: head_dim 12 with RoPE on half of it, q/k/v biases
 and QK-norm, a dense first layer, a shared expert, a sigmoid router whose selection bias is drawn
-non-zero, routed_scaling_factor 2.5), read from its config.json. Per family: log-probs within 1e-4 of
+non-zero, routed_scaling_factor 2.5; DeepSeek-V3: multi-latent attention with YaRN RoPE, 8 experts
+top-4 in 4 groups of which 2 are kept, a dense first layer, a shared expert, a drawn selection bias),
+read from its config.json. Per family: log-probs within 1e-4 of
 HF in several layouts and the HF -> megatron -> HF round trip bit-exact; `moe-rl serve`'s engine
 with HF's log-probs and routes, before and after a weight push under the checkpoint's own names;
 R2 and R3 replay in EP2."""
@@ -15,9 +17,20 @@ import torch
 
 from moe_rl.policy.convert import HFCheckpoint
 from moe_rl.policy.parity import compare, hf_logprobs, layout_worker, sample_sequences
-from moe_rl.testing import make_tiny_glm4_moe, make_tiny_mixtral, make_tiny_qwen2_moe, run_ranks
+from moe_rl.testing import make_tiny_deepseek_v3, make_tiny_glm4_moe, make_tiny_mixtral, make_tiny_qwen2_moe, run_ranks
 
-BUILDERS = {"mixtral": make_tiny_mixtral, "qwen2_moe": make_tiny_qwen2_moe, "glm4_moe": make_tiny_glm4_moe}
+# YaRN as DeepSeek-V3's released checkpoints use it (factor 40, beta 32 / 1, mscale 1 / 1), over an
+# original context of 64 so that the tiny RoPE's frequencies really mix interpolated and kept ones.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def _deepseek_v3_yarn(out_dir, seed=0):
+    return make_tiny_deepseek_v3(out_dir, seed=seed, rope_parameters=YARN, max_position_embeddings=2560)
+
+
+BUILDERS = {"mixtral": make_tiny_mixtral, "qwen2_moe": make_tiny_qwen2_moe, "glm4_moe": make_tiny_glm4_moe,
+            "deepseek_v3": _deepseek_v3_yarn}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -43,6 +56,7 @@ def test_each_family_is_read_as_itself():
         mixtral = read(make_tiny_mixtral, f"{tmp}/m")
         qwen2 = read(make_tiny_qwen2_moe, f"{tmp}/q")
         glm = read(make_tiny_glm4_moe, f"{tmp}/g")
+        ds = read(_deepseek_v3_yarn, f"{tmp}/d")
     assert (mixtral.family, mixtral.hf_architecture) == ("mixtral", "MixtralForCausalLM")
     assert not mixtral.qk_layernorm and mixtral.norm_topk_prob  # HF renormalises Mixtral's top-k probabilities
     assert (mixtral.num_moe_experts, mixtral.moe_router_topk, mixtral.moe_layers, mixtral.kv_channels) == (6, 2, (0, 1), 8)
@@ -52,6 +66,11 @@ def test_each_family_is_read_as_itself():
     assert (glm.family, glm.router_score, glm.expert_bias, glm.routed_scaling_factor) == ("glm4_moe", "sigmoid", True, 2.5)
     assert (glm.moe_layers, glm.shared_expert_size, glm.shared_expert_gate, glm.rotary_percent) == ((1, 2, 3), 16, False, 0.5)
     assert (glm.qkv_bias, glm.qk_layernorm, glm.kv_channels, glm.expert_bias_update_rate) == (True, True, 12, 0.0)
+    assert (ds.family, ds.router_score, ds.router_groups, ds.routed_scaling_factor) == ("deepseek_v3", "sigmoid", (4, 2),
+                                                                                         2.5)
+    assert (ds.moe_layers, ds.shared_expert_size, ds.num_query_groups, ds.kv_channels) == ((1, 2, 3), 16, 4, 8)
+    assert (ds.mla.q_lora_rank, ds.mla.kv_lora_rank, ds.mla.qk_rope_head_dim) == (24, 16, 4)
+    assert dict(ds.mla.yarn)["rotary_scaling_factor"] == 40.0 and dict(ds.mla.yarn)["mscale_all_dim"] == 1.0
 
 
 def test_sigmoid_routers_megatron_cannot_match_are_refused_by_name():
@@ -64,8 +83,16 @@ def test_sigmoid_routers_megatron_cannot_match_are_refused_by_name():
     with pytest.raises(UnsupportedModel, match="top-2 scores"):  # groups ranked by their top-1 in megatron
         arch_from_hf_dict({**base, "n_group": 2, "topk_group": 2})
     assert arch_from_hf_dict({**base, "n_group": 3, "topk_group": 1, "num_experts_per_tok": 2}).router_groups == (3, 1)
-    with pytest.raises(UnsupportedModel, match="supported: .*Glm4MoeForCausalLM"):
+    with pytest.raises(UnsupportedModel, match="supported: .*DeepseekV3ForCausalLM, Glm4MoeForCausalLM"):
         arch_from_hf_dict({**base, "architectures": ["Glm4ForCausalLM"]})
+    from moe_rl.policy.tiny import TINY_DEEPSEEK_V3
+
+    ds = {**TINY_DEEPSEEK_V3, "architectures": ["DeepseekV3ForCausalLM"]}
+    with pytest.raises(UnsupportedModel, match="rope_interleave=false"):
+        arch_from_hf_dict({**ds, "rope_interleave": False})
+    with pytest.raises(UnsupportedModel, match="attention_factor"):
+        arch_from_hf_dict({**ds, "rope_parameters": {**YARN, "attention_factor": 1.2}})
+    assert arch_from_hf_dict({**ds, "num_nextn_predict_layers": 1}).extra == {"mtp_layers": 1}
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2"])
@@ -75,6 +102,8 @@ def test_layouts_give_hfs_logprobs_and_export_the_checkpoint(family, layout, seq
     name, model_dir = family
     if (name, layout) == ("mixtral", "pp2"):  # suite time: Qwen2-MoE's pp2 also splits around a dense layer
         pytest.skip("pp2 splits Mixtral's all-MoE layers as it splits Qwen3-MoE's (tests/distributed/test_policy_layouts.py)")
+    if (name, layout) == ("glm4_moe", "pp2"):  # suite time: the same split as Qwen2-MoE's and DeepSeek-V3's
+        pytest.skip("pp2 splits GLM-4.5 after its dense first layer as it splits Qwen2-MoE and DeepSeek-V3")
     out = tmp_path / "export"
     results = run_ranks(layout_worker, ParallelLayout.parse(layout).world_size, layout, str(model_dir), sequences,
                         export_dir=str(out), timeout=600)
