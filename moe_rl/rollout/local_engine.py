@@ -37,13 +37,14 @@ import torch
 
 from moe_rl.drift.routes import RouteCaptureError, router_modules, router_topk
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, SamplingParams,
-                                   WeightsSource, to_route_dtype, version_spans)
+                                   WeightsSource, num_experts_of, to_route_dtype, version_spans)
+from moe_rl.rollout.fused_weights import partner, split_pairs
 from moe_rl.rollout.memory import MEMORY_TAGS, MemoryRegions
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# Mixtral's checkpoint names, which pushes send (as SGLang's mixtral loader reads them), as transformers' modules
+# Mixtral's checkpoint names (pushes send them, as SGLang's mixtral loader reads them) as transformers' modules
 _MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
 _MIXTRAL_RE = re.compile(r"\.block_sparse_moe\.|\.w[123]\.")
 
@@ -193,10 +194,8 @@ class LocalEngine:
 
     @property
     def num_experts(self) -> int | None:
-        cfg = self.config
-        n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) \
-            or getattr(cfg, "n_routed_experts", None)
-        return int(n) if n and self._recorder else None
+        n = num_experts_of(self.config)
+        return n if n and self._recorder else None
 
     @property
     def vocab_size(self) -> int:
@@ -482,7 +481,8 @@ class LocalEngine:
         state = dict(self.model.named_parameters())
         state.update(dict(self.model.named_buffers()))
         plan: list[tuple[torch.Tensor, tuple, torch.Tensor, str]] = []
-        errors: list[str] = []
+        errors = [f"{n} without {partner(n)}: SGLang fuses the two in one load and drops a lone one"
+                  for n in split_pairs((n for n, _ in items), state)]
         for name, value in items:
             value = torch.as_tensor(value)
             target, index = self._resolve(name, state)

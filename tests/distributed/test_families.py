@@ -157,6 +157,27 @@ def test_moe_rl_serve_engine_routes_as_hf_and_takes_a_push_in_the_familys_names(
     assert not np.array_equal(routes, reference(hf_model(), after)[1]), name  # the push changed some route
 
 
+def test_moe_rl_serve_refuses_a_push_that_splits_a_pair_sglang_fuses(tmp_path):
+    # SGLang's DeepSeek loader fuses q_a_proj and kv_a_proj_with_mqa inside one load and drops a lone
+    # one (that layer keeps its old weights); moe-rl serve refuses it and changes nothing
+    from moe_rl.rollout.local_engine import LocalEngine
+
+    model_dir = make_tiny_deepseek_v3(tmp_path / "ds", seed=0)
+    a = "model.layers.2.self_attn."
+    ckpt = HFCheckpoint(model_dir)
+    eng = LocalEngine(model_dir, seed=0)
+    try:
+        before = eng.model.state_dict()[f"{a}q_a_proj.weight"].clone()
+        with pytest.raises(ValueError, match="q_a_proj.weight without .*kv_a_proj_with_mqa.weight"):
+            eng.update_weights_from_tensors([(f"{a}q_a_proj.weight", ckpt.get(f"{a}q_a_proj.weight") + 1)])
+        assert torch.equal(eng.model.state_dict()[f"{a}q_a_proj.weight"], before)
+        pair = [(f"{a}{n}.weight", ckpt.get(f"{a}{n}.weight") + 1) for n in ("q_a_proj", "kv_a_proj_with_mqa")]
+        eng.update_weights_from_tensors(pair)
+        assert torch.equal(eng.model.state_dict()[f"{a}q_a_proj.weight"], before + 1)
+    finally:
+        eng.close()
+
+
 def _in_memory(model, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint-named tensors as transformers' module state: Mixtral's names (block_sparse_moe,
     w1/w2/w3) as Qwen's, and each layer's experts fused (gate_up_proj = [gate; up], down_proj)."""

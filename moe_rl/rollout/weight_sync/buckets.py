@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from moe_rl.dist.collectives import all_gather_objects, rank
 from moe_rl.dist.devices import compute_device
+from moe_rl.rollout.fused_weights import fused_key, pair_fused
 from moe_rl.rollout.weight_sync.common import NamedTensors, WeightSyncError, _from_rank0, _global_rank
 
 @dataclass(frozen=True)
@@ -56,23 +57,40 @@ def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[Te
     within `bucket_bytes` and the tensor's byte offset in the flattened bucket is a
     multiple of its element size (SGLang's FlattenedTensorBucket requires it);
     otherwise it starts a new bucket. A tensor larger than `bucket_bytes` gets a
-    bucket of its own. No bucket is empty.
+    bucket of its own. No bucket is empty. Adjacent tensors that SGLang fuses inside one load
+    (`moe_rl.rollout.fused_weights`) join or start a bucket together.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     buckets: list[list[TensorMeta]] = []
     current: list[TensorMeta] = []
     used = 0
-    for m in metas:
-        fits = used + m.nbytes <= bucket_bytes and used % m.itemsize == 0
-        if current and not fits:
+    for unit in _units(metas):
+        end, fits = used, True
+        for m in unit:
+            fits = fits and end % m.itemsize == 0
+            end += m.nbytes
+        if current and not (fits and end <= bucket_bytes):
             buckets.append(current)
             current, used = [], 0
-        current.append(m)
-        used += m.nbytes
+        current += unit
+        used += sum(m.nbytes for m in unit)
     if current:
         buckets.append(current)
     return buckets
+
+
+def _units(metas: Sequence[TensorMeta]) -> Iterator[list[TensorMeta]]:
+    """The tensors one by one, adjacent partners of a fused pair as one unit."""
+    unit: list[TensorMeta] = []
+    for m in metas:
+        key = fused_key(m.name)
+        if unit and (key is None or key != fused_key(unit[-1].name)):
+            yield unit
+            unit = []
+        unit.append(m)
+    if unit:
+        yield unit
 
 
 def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -124,7 +142,7 @@ def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any 
     two buckets more.
     """
     me = rank(group)
-    local: list[tuple[str, torch.Tensor]] = [(n, t.detach()) for n, t in named_tensors]
+    local: list[tuple[str, torch.Tensor]] = pair_fused([(n, t.detach()) for n, t in named_tensors])
     metas_per_rank = all_gather_objects([TensorMeta.of(n, t, me) for n, t in local], group)
     metas = [m for per_rank in metas_per_rank for m in per_rank]
     _check_unique(metas)

@@ -51,6 +51,25 @@ def test_buckets_respect_sglang_alignment():
             off += m.nbytes
 
 
+def test_a_pair_sglang_fuses_stays_together_in_one_bucket():
+    # SGLang's DeepSeek loader fuses a layer's q_a_proj and kv_a_proj_with_mqa only when both come in
+    # the same load; a bucket boundary between them would leave that layer's old weights serving
+    from moe_rl.rollout.fused_weights import pair_fused, split_pairs
+
+    a = "model.layers.3.self_attn."
+    names = [f"{a}q_a_proj.weight", f"{a}q_a_layernorm.weight", f"{a}q_b_proj.weight",
+             f"{a}kv_a_proj_with_mqa.weight", f"{a}kv_b_proj.weight", "model.norm.weight"]
+    ordered = [n for n, _ in pair_fused([(n, i) for i, n in enumerate(names)])]
+    assert ordered == [names[0], names[3], names[1], names[2], names[4], names[5]]  # the partner moved up only
+    metas = [M(names[5], [15]), M(ordered[0], [10]), M(ordered[1], [10]), M(ordered[2], [5])]  # 60, 40, 40, 20 B
+    buckets = [[m.name for m in b] for b in plan_buckets(metas, bucket_bytes=100)]
+    assert buckets == [[names[5]], [ordered[0], ordered[1], ordered[2]]]  # the pair did not fit beside 60 B
+    assert split_pairs([names[0]], names) == [names[0]]  # a lone one
+    assert split_pairs(names[:1] + names[3:4], names) == []
+    assert split_pairs([f"{a}kv_a_proj_with_mqa.weight"], [f"{a}kv_a_proj_with_mqa.weight"]) == []  # no q_a_proj:
+    # (q_lora_rank None) SGLang loads kv_a_proj_with_mqa alone
+
+
 def _sglang_receive(payload, flat):
     """What SGLang does with a flattened bucket (FlattenedTensorBucket.empty + reconstruct_tensors)."""
     out, offset = [], 0
