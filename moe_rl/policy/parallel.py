@@ -126,6 +126,11 @@ class ParallelLayout:
             raise LayoutError(f"num_experts={m.num_moe_experts} is not divisible by ep={self.ep}")
         if not m.num_moe_experts and self.ep > 1:
             raise LayoutError(f"ep={self.ep} but the model has no MoE layers")
+        mla = getattr(m, "mla", None)  # multi-latent attention splits its down projections' rows over TP
+        for name, rows in (("q_lora_rank", mla and mla.q_lora_rank),
+                           ("kv_lora_rank + qk_rope_head_dim", mla and mla.kv_lora_rank + mla.qk_rope_head_dim)):
+            if rows and rows % self.tp:
+                raise LayoutError(f"{name}={rows} is not divisible by tp={self.tp} (multi-latent attention)")
 
 
 # ---------------------------------------------------------------- launch environment

@@ -8,6 +8,8 @@ and state for checkpoints. Inputs and outputs are plain tensors, so code outside
 from __future__ import annotations
 
 import json
+import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -24,6 +26,8 @@ from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, 
 from moe_rl.policy.perf import PerfRequest, resolve
 from moe_rl.policy.replay import RouteReplay
 from moe_rl.policy.train_step import NonFiniteLoss, OptimConfig, PolicyOptimizer, frozen_rows, sync_params
+
+log = logging.getLogger(__name__)
 
 # (logp [b, s-1] of the microbatch under the current weights, microbatch) -> (loss, metrics)
 PolicyLoss = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, float]]]
@@ -84,6 +88,9 @@ class MegatronModel:
             arch = replace(arch, expert_bias_update_rate=float(spec.expert_bias_update_rate))
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(arch)
+        if arch.extra.get("mtp_layers") and os.environ.get("RANK", "0") == "0":
+            log.info("%s: its %d multi-token-prediction layer(s) are not read: RL trains the decoder layers",
+                     spec.hf_dir, arch.extra["mtp_layers"])
         init_distributed(spec.layout, timeout_s=spec.collective_timeout_s, seed=spec.seed)
         self.arch: MoEArch = self._model_arch(arch)
         self.perf = resolve(spec.perf, distributed_optimizer=spec.optim.distributed_optimizer,

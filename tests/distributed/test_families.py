@@ -93,6 +93,10 @@ def test_sigmoid_routers_megatron_cannot_match_are_refused_by_name():
     with pytest.raises(UnsupportedModel, match="attention_factor"):
         arch_from_hf_dict({**ds, "rope_parameters": {**YARN, "attention_factor": 1.2}})
     assert arch_from_hf_dict({**ds, "num_nextn_predict_layers": 1}).extra == {"mtp_layers": 1}
+    from moe_rl.policy.parallel import LayoutError, ParallelLayout
+
+    with pytest.raises(LayoutError, match="kv_lora_rank \\+ qk_rope_head_dim=21 is not divisible by tp=2"):
+        ParallelLayout(tp=2, world_size=2).validate(arch_from_hf_dict({**ds, "kv_lora_rank": 17}))
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2"])
@@ -112,6 +116,13 @@ def test_layouts_give_hfs_logprobs_and_export_the_checkpoint(family, layout, seq
     src, back = HFCheckpoint(model_dir), HFCheckpoint(out)
     assert sorted(back.weight_map) == sorted(src.weight_map)  # the family's own names
     assert all(torch.equal(back.get(n), src.get(n)) for n in src.weight_map)
+
+
+def test_deepseek_v3_without_a_query_bottleneck_gives_hfs_logprobs(sequences, tmp_path):
+    # q_lora_rank null (DeepSeek-V2-Lite, Moonlight's smaller cousins): megatron's linear_q_proj is HF's q_proj
+    model_dir = make_tiny_deepseek_v3(tmp_path / "ds", seed=1, q_lora_rank=None)
+    results = run_ranks(layout_worker, 1, "single", str(model_dir), sequences, timeout=600)
+    assert compare(results, hf_logprobs(model_dir, sequences))[0] <= 1e-4
 
 
 def test_moe_rl_serve_engine_routes_as_hf_and_takes_a_push_in_the_familys_names(family):
