@@ -105,9 +105,14 @@ class ParallelConfig:
     tp: int = ranged(1, ge=1)
     """Tensor parallel size; must divide attention heads and KV heads."""
     pp: int = ranged(1, ge=1)
-    """Pipeline parallel stages; pp * vpp must divide the layer count."""
+    """Pipeline parallel stages; pp * vpp must divide the layer count (or see first_stage_layers)."""
     vpp: int | None = ranged(None, ge=1)
     """Virtual pipeline chunks per stage (interleaved 1F1B); None = not interleaved. Needs pp > 1."""
+    first_stage_layers: int | None = ranged(None, ge=1)
+    """Layers on the first pipeline stage when they do not split evenly (DeepSeek-V3's 61, GLM-4.5-Air's
+    46); the stages without a count share the rest evenly. None = an even split (pp * vpp divides them)."""
+    last_stage_layers: int | None = ranged(None, ge=1)
+    """Layers on the last pipeline stage (it also holds the output layer and the loss), as above."""
     ep: int = ranged(1, ge=1)
     """Expert parallel size; must divide the number of experts."""
     etp: int = ranged(1, ge=1)
@@ -212,8 +217,18 @@ def check_parallel(cfg: Any) -> Iterator[str]:
     yield from _divides("parallel.tp", p.tp, shape, "num_key_value_heads")
     yield from _divides("parallel.ep", p.ep, shape, "num_experts")
     yield from _divides("parallel.etp", p.etp, shape, "moe_intermediate_size")
-    if p.vpp is None:
+    uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
+    if not uneven and p.vpp is None:
         yield from _divides("parallel.pp", p.pp, shape, "num_hidden_layers")
-    else:
+    elif not uneven:
         yield from _divides("parallel.vpp", p.pp * p.vpp, shape, "num_hidden_layers",
                             f"pp*vpp={p.pp}*{p.vpp}=")
+    elif "num_hidden_layers" in shape:
+        from moe_rl.policy.parallel import LayoutError, ParallelLayout
+
+        stages = ParallelLayout(pp=p.pp, vpp=p.vpp, first_stage_layers=p.first_stage_layers,
+                                last_stage_layers=p.last_stage_layers)
+        try:
+            stages._validate_stages(shape["num_hidden_layers"][0])
+        except LayoutError as e:
+            yield f"parallel.first_stage_layers: {e} ({shape['num_hidden_layers'][1]})"

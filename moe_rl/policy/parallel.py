@@ -37,7 +37,9 @@ class ParallelLayout:
 
     tp: tensor parallel; pp: pipeline stages; vpp: virtual stages per pipeline rank
     (interleaved schedule) or None; ep: expert parallel; etp: expert tensor parallel;
-    sp: sequence parallel (None = on exactly when tp > 1, which MoE requires).
+    sp: sequence parallel (None = on exactly when tp > 1, which MoE requires);
+    first_stage_layers / last_stage_layers: uneven pipelines (megatron's
+    `num_layers_in_first/last_pipeline_stage`), the other stages sharing the rest evenly.
     """
 
     tp: int = 1
@@ -47,6 +49,8 @@ class ParallelLayout:
     etp: int = 1
     sp: bool | None = None
     world_size: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     @property
     def sequence_parallel(self) -> bool:
@@ -61,6 +65,7 @@ class ParallelLayout:
         """Dash-joined short name, e.g. `tp2-pp2` (dimensions of size 1 left out)."""
         parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vpp", self.vpp or 1),
                                          ("ep", self.ep), ("etp", self.etp), ("dp", self.dp)) if v > 1]
+        parts += [f"{k}{v}" for k, v in (("first", self.first_stage_layers), ("last", self.last_stage_layers)) if v]
         return "-".join(parts) or "single"
 
     @classmethod
@@ -68,16 +73,18 @@ class ParallelLayout:
         """The layout a config's `parallel` section (`moe_rl.policy.config.ParallelConfig`) asks
         for on `world_size` ranks."""
         return cls(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, ep=parallel.ep, etp=parallel.etp,
-                   sp=parallel.sp, world_size=world_size)
+                   sp=parallel.sp, world_size=world_size, first_stage_layers=parallel.first_stage_layers,
+                   last_stage_layers=parallel.last_stage_layers)
 
     @classmethod
     def parse(cls, name: str) -> "ParallelLayout":
-        """Parse a layout name like `tp2-pp2-vpp2` or `tp2-ep2-dp2` (world size = product, vpp aside)."""
-        sizes = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "etp": 1, "dp": 1}
+        """Parse a layout name like `tp2-pp2-vpp2`, `tp2-ep2-dp2` or `pp2-first1` (world size = product,
+        vpp and the uneven stages' `firstN` / `lastN` layer counts aside)."""
+        sizes = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "etp": 1, "dp": 1, "first": 0, "last": 0}
         seen: set[str] = set()
         if name not in ("", "single", "dp1"):
             for part in name.split("-"):
-                m = re.fullmatch(r"(tp|pp|vpp|ep|etp|dp)(\d+)", part)
+                m = re.fullmatch(r"(tp|pp|vpp|ep|etp|dp|first|last)(\d+)", part)
                 if not m or int(m.group(2)) < 1:
                     raise LayoutError(f"layout {name!r}: bad part {part!r}; use dash-joined tpN, ppN, vppN, "
                                       f"epN, etpN, dpN (e.g. tp2-pp2)")
@@ -92,7 +99,28 @@ class ParallelLayout:
         for key in ("tp", "pp", "ep", "etp", "dp"):
             world *= sizes[key]
         return cls(tp=sizes["tp"], pp=sizes["pp"], vpp=sizes["vpp"] if sizes["vpp"] > 1 else None,
-                   ep=sizes["ep"], etp=sizes["etp"], world_size=world)
+                   ep=sizes["ep"], etp=sizes["etp"], world_size=world, first_stage_layers=sizes["first"] or None,
+                   last_stage_layers=sizes["last"] or None)
+
+    def _validate_stages(self, num_layers: int) -> None:
+        """Every pipeline stage (and virtual chunk) gets a whole number of layers, as megatron needs."""
+        v = self.vpp or 1
+        uneven = {k: n for k, n in (("first_stage_layers", self.first_stage_layers),
+                                    ("last_stage_layers", self.last_stage_layers)) if n is not None}
+        if not uneven:
+            if num_layers % (self.pp * v):
+                raise LayoutError(f"num_layers={num_layers} is not divisible by pp*vpp = {self.pp * v}; "
+                                  "parallel.first_stage_layers / last_stage_layers give uneven stages")
+            return
+        if self.pp < 2:
+            raise LayoutError(f"parallel.{' and '.join(uneven)} need parallel.pp >= 2 (got pp={self.pp})")
+        for key, n in uneven.items():
+            if n < 1 or n % v:
+                raise LayoutError(f"parallel.{key}={n} must be >= 1 and divisible by vpp={v}")
+        middle, stages = num_layers - sum(uneven.values()), self.pp - len(uneven)
+        if middle < 0 or bool(middle) != bool(stages) or (stages and (middle % stages or middle // stages % v)):
+            raise LayoutError(f"num_layers={num_layers} minus parallel.{' + '.join(uneven)} = {middle} layers do "
+                              f"not split evenly over the other {stages} pipeline stage(s) (x vpp={v})")
 
     def validate(self, model: ModelDims | None = None) -> "ParallelLayout":
         """Raise LayoutError naming the first dimension that does not fit; return self."""
@@ -115,9 +143,7 @@ class ParallelLayout:
         return self
 
     def _validate_model(self, m: ModelDims) -> None:
-        stages = self.pp * (self.vpp or 1)
-        if m.num_layers % stages:
-            raise LayoutError(f"num_layers={m.num_layers} is not divisible by pp*vpp = {stages}")
+        self._validate_stages(m.num_layers)
         if m.num_attention_heads % self.tp:
             raise LayoutError(f"num_attention_heads={m.num_attention_heads} is not divisible by tp={self.tp}")
         if m.num_query_groups % self.tp:

@@ -84,8 +84,27 @@ def test_padding_row_is_the_configs_pad_token_and_frozen_only_when_untied():
     assert tied.padding_idx == 0 and frozen_rows(tied) == ()  # the row is also the pad token's output row
 
 
+def test_uneven_pipeline_stages_are_checked_as_megatron_does():
+    def fails(layout, layers, needle):
+        with pytest.raises(LayoutError, match=needle):
+            layout._validate_stages(layers)
+
+    ParallelLayout(pp=2, first_stage_layers=1, world_size=2)._validate_stages(4)  # 1 + 3
+    ParallelLayout(pp=4, first_stage_layers=13, last_stage_layers=12, world_size=4)._validate_stages(61)  # 13+18+18+12
+    ParallelLayout(pp=2, vpp=2, first_stage_layers=2, world_size=2)._validate_stages(6)  # 2 + 4, 2 per chunk
+    fails(ParallelLayout(pp=4, world_size=4), 61, "not divisible by pp\\*vpp = 4; parallel.first_stage_layers")
+    fails(ParallelLayout(pp=4, first_stage_layers=12, world_size=4), 61, "49 layers do not split evenly over the other 3")
+    fails(ParallelLayout(pp=2, first_stage_layers=1, last_stage_layers=2, world_size=2), 4, "1 layers do not split")
+    fails(ParallelLayout(pp=2, vpp=2, first_stage_layers=1, world_size=2), 5, "first_stage_layers=1 must be >= 1 and "
+          "divisible by vpp=2")
+    fails(ParallelLayout(first_stage_layers=1), 4, "need parallel.pp >= 2")
+    assert ParallelLayout.parse("pp2-first1").first_stage_layers == 1 and ParallelLayout.parse("pp2-first1").world_size == 2
+    assert ParallelLayout.parse("pp2-first1").name == "pp2-first1"
+
+
 def test_unsupported_architecture_lists_supported():
-    with pytest.raises(UnsupportedModel, match="'LlamaForCausalLM' is not supported; supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(UnsupportedModel, match="'LlamaForCausalLM' is not supported; supported: DeepseekV3ForCausalLM, "
+                       "Glm4MoeForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
         arch_from_hf_dict({"architectures": ["LlamaForCausalLM"]})
 
 
