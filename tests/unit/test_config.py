@@ -12,7 +12,7 @@ from moe_rl.policy.parallel import ParallelLayout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 SHIPPED = ["tiny_cpu.yaml", "qwen3_30b_a3b_gspo.yaml", "tiny_cpu_vapo.yaml", "qwen3_30b_a3b_vapo.yaml",
-           "glm45_air_gspo.yaml"]
+           "glm45_air_gspo.yaml", "moonlight_16b_a3b_gspo.yaml", "deepseek_v3_671b_gspo.yaml"]
 
 
 def error_of(overrides: list[str], path: str | Path | None = None) -> str:
@@ -66,6 +66,34 @@ def test_glm45_air_config_layout_fits_the_published_model():
     assert (layout.tp, layout.pp, layout.ep, layout.world_size // (layout.tp * layout.pp)) == (2, 2, 16, 16)
     assert arch.moe_layers == tuple(range(1, 46)) and arch.router_score == "sigmoid"
     assert cfg.model.expert_bias_update_rate == 0.0 and cfg.algo.replay == "r3"
+
+
+@pytest.mark.parametrize("name,world,hf", [
+    # the published config.json dims of each (the fields the readers use)
+    ("moonlight_16b_a3b_gspo.yaml", 8, {
+        "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 64, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "norm_topk_prob": True, "rope_theta": 50000}),
+    ("deepseek_v3_671b_gspo.yaml", 512, {
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+        "first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 1,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, "rope_theta": 10000}),
+])
+def test_deepseek_v3_class_configs_fit_the_published_models(name, world, hf):
+    from moe_rl.policy.model import arch_from_hf_dict
+
+    cfg = load_config(CONFIGS / name)
+    arch = arch_from_hf_dict({"architectures": ["DeepseekV3ForCausalLM"], **hf})
+    layout = ParallelLayout.of(cfg.parallel, world).validate(arch)
+    assert arch.family == "deepseek_v3" and arch.moe_layers[0] == hf["first_k_dense_replace"]
+    assert layout.world_size // (layout.tp * layout.pp) % layout.ep == 0
+    assert cfg.algo.replay == "r3" and cfg.model.expert_bias_update_rate == 0.0
 
 
 def test_defaults_validate_without_a_file():
