@@ -141,38 +141,34 @@ def mixtral_shard(name: str, layer: int | None, expert: int | None, arch: MoEArc
     return replace(shard, hf=tuple(names))
 
 
-def qwen2_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
-    """Qwen3-MoE's map plus q/k/v biases and the gated shared expert (`mlp.shared_expert*`)."""
-    p = f"model.layers.{layer}." if layer is not None else ""
-    extra = {
-        "self_attention.linear_qkv.bias": Shard((f"{p}self_attn.q_proj.bias", f"{p}self_attn.k_proj.bias",
-                                                 f"{p}self_attn.v_proj.bias"), kind="qkv", dim=0),
-        "mlp.shared_experts.linear_fc1.weight": Shard((f"{p}mlp.shared_expert.gate_proj.weight",
-                                                       f"{p}mlp.shared_expert.up_proj.weight"), kind="glu", dim=0),
-        "mlp.shared_experts.linear_fc2.weight": Shard((f"{p}mlp.shared_expert.down_proj.weight",), dim=1),
-        "mlp.shared_experts.gate_weight": Shard((f"{p}mlp.shared_expert_gate.weight",)),
-    }
-    if layer is not None and expert is None and name in extra:
-        return extra[name]
-    return qwen3_moe_shard(name, layer, expert, arch)
+def _qkv_bias(p: str) -> dict[str, Shard]:
+    """Biases on q/k/v (Qwen2-MoE, GLM-4.5), fused as their weights are."""
+    return {"self_attention.linear_qkv.bias": Shard((f"{p}self_attn.q_proj.bias", f"{p}self_attn.k_proj.bias",
+                                                     f"{p}self_attn.v_proj.bias"), kind="qkv", dim=0)}
 
 
-def glm4_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
-    """Qwen3-MoE's map plus q/k/v biases, ungated shared experts (`mlp.shared_experts.*`, DeepSeek's
-    names) and the router's selection bias (`mlp.gate.e_score_correction_bias`, megatron's buffer
-    `mlp.router.expert_bias`)."""
-    p = f"model.layers.{layer}." if layer is not None else ""
-    extra = {
-        "self_attention.linear_qkv.bias": Shard((f"{p}self_attn.q_proj.bias", f"{p}self_attn.k_proj.bias",
-                                                 f"{p}self_attn.v_proj.bias"), kind="qkv", dim=0),
-        "mlp.shared_experts.linear_fc1.weight": Shard((f"{p}mlp.shared_experts.gate_proj.weight",
-                                                       f"{p}mlp.shared_experts.up_proj.weight"), kind="glu", dim=0),
-        "mlp.shared_experts.linear_fc2.weight": Shard((f"{p}mlp.shared_experts.down_proj.weight",), dim=1),
-        "mlp.router.expert_bias": Shard((f"{p}mlp.gate.e_score_correction_bias",)),
-    }
-    if layer is not None and expert is None and name in extra:
-        return extra[name]
-    return qwen3_moe_shard(name, layer, expert, arch)
+def _shared_experts(p: str, hf: str) -> dict[str, Shard]:
+    """Always-on shared experts, HF's `mlp.<hf>.{gate,up,down}_proj`."""
+    return {"mlp.shared_experts.linear_fc1.weight": Shard((f"{p}mlp.{hf}.gate_proj.weight", f"{p}mlp.{hf}.up_proj.weight"),
+                                                          kind="glu", dim=0),
+            "mlp.shared_experts.linear_fc2.weight": Shard((f"{p}mlp.{hf}.down_proj.weight",), dim=1)}
+
+
+def _plus(extra: Callable[[str], dict[str, Shard]]) -> Callable[[str, int | None, int | None, MoEArch], Shard | None]:
+    """Qwen3-MoE's map with the layer tensors `extra(HF layer prefix)` names added."""
+    def shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
+        found = extra(f"model.layers.{layer}.").get(name) if layer is not None and expert is None else None
+        return found or qwen3_moe_shard(name, layer, expert, arch)
+    return shard
+
+
+# Qwen2-MoE: q/k/v biases and a shared expert behind a sigmoid gate (`mlp.shared_expert*`).
+qwen2_moe_shard = _plus(lambda p: _qkv_bias(p) | _shared_experts(p, "shared_expert") | {
+    "mlp.shared_experts.gate_weight": Shard((f"{p}mlp.shared_expert_gate.weight",))})
+# GLM-4.5: q/k/v biases, ungated shared experts (`mlp.shared_experts.*`, DeepSeek's names) and the
+# router's selection bias (`mlp.gate.e_score_correction_bias`, megatron's buffer `mlp.router.expert_bias`).
+glm4_moe_shard = _plus(lambda p: _qkv_bias(p) | _shared_experts(p, "shared_experts") | {
+    "mlp.router.expert_bias": Shard((f"{p}mlp.gate.e_score_correction_bias",))})
 
 
 def deepseek_v3_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:

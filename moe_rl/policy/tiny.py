@@ -92,11 +92,7 @@ def make_tiny_qwen2_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0.
 
 def qwen2_moe_config(**kw: Any) -> Any:
     """transformers' Qwen2MoeConfig, its architecture named."""
-    from transformers import Qwen2MoeConfig
-
-    cfg = Qwen2MoeConfig(**kw)
-    cfg.architectures = ["Qwen2MoeForCausalLM"]
-    return cfg
+    return _hf_config("Qwen2Moe", **kw)
 
 
 # A tiny GLM-4.5, unlike the others: head_dim 12 of which RoPE rotates half, q/k/v biases and QK-norm,
@@ -113,11 +109,7 @@ TINY_GLM4_MOE = dict(vocab_size=96, hidden_size=40, intermediate_size=48, moe_in
 
 def glm4_moe_config(**kw: Any) -> Any:
     """transformers' Glm4MoeConfig, its architecture named, without multi-token-prediction layers."""
-    from transformers import Glm4MoeConfig
-
-    cfg = Glm4MoeConfig(**({"num_nextn_predict_layers": 0} | kw))
-    cfg.architectures = ["Glm4MoeForCausalLM"]
-    return cfg
+    return _hf_config("Glm4Moe", **({"num_nextn_predict_layers": 0} | kw))
 
 
 def make_tiny_glm4_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **overrides: Any) -> Path:
@@ -140,11 +132,7 @@ TINY_DEEPSEEK_V3 = dict(vocab_size=96, hidden_size=48, intermediate_size=32, moe
 
 def deepseek_v3_config(**kw: Any) -> Any:
     """transformers' DeepseekV3Config, its architecture named, without multi-token-prediction layers."""
-    from transformers import DeepseekV3Config
-
-    cfg = DeepseekV3Config(**({"num_nextn_predict_layers": 0} | kw))
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
-    return cfg
+    return _hf_config("DeepseekV3", **({"num_nextn_predict_layers": 0} | kw))
 
 
 def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **overrides: Any) -> Path:
@@ -154,10 +142,15 @@ def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, init_std: float = 
 
 def mixtral_config(**kw: Any) -> Any:
     """transformers' MixtralConfig (no sliding window, no router jitter: what moe_rl reads)."""
-    from transformers import MixtralConfig
+    return _hf_config("Mixtral", **({"sliding_window": None, "router_jitter_noise": 0.0} | kw))
 
-    cfg = MixtralConfig(**({"sliding_window": None, "router_jitter_noise": 0.0} | kw))
-    cfg.architectures = ["MixtralForCausalLM"]
+
+def _hf_config(name: str, **kw: Any) -> Any:
+    """transformers' `<name>Config(**kw)` with its architecture `<name>ForCausalLM` named."""
+    import transformers
+
+    cfg = getattr(transformers, f"{name}Config")(**kw)
+    cfg.architectures = [f"{name}ForCausalLM"]
     return cfg
 
 
