@@ -14,6 +14,7 @@ backend of the process that calls it (a notebook keeps its inline plots).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +105,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
     name = run_dir.resolve().name  # "." names the run too
     results = [_draw(spec, metrics, out, name) for spec in _FIGURES]
     index = out / "index.md"
-    index.write_text(_index_markdown(name, metrics, results), encoding="utf-8")
+    index.write_text(_index_markdown(name, metrics, results, _layers_line(run_dir, metrics)), encoding="utf-8")
     return results + [FigureResult("index.md", "this list", path=index)]
 
 
@@ -144,11 +145,31 @@ def _save(fig: Figure, path: Path) -> None:
     fig.savefig(path, dpi=_DPI)
 
 
-def _index_markdown(run_name: str, metrics: Metrics, results: list[FigureResult]) -> str:
+def _layers_line(run_dir: Path, metrics: Metrics) -> str:
+    """Which decoder layers the per-layer figures show (the MoE layers, by HF index) and which they
+    leave out (dense layers route nothing), from the run's initial model's config.json when it has one."""
+    moe = sorted({i for prefix in ("drift/volatility", "drift/rollout_mismatch", "drift/probe_volatility")
+                  for i in metrics.layers(prefix)})
+    if not moe:
+        return ""
+    line = f"Per-layer figures: MoE layers {', '.join(map(str, moe))} (HF decoder-layer indices)"
+    try:
+        total = int(json.loads((run_dir / "init_model" / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return line + "."
+    dense = [i for i in range(total) if i not in moe]
+    if not dense:
+        return line + "."
+    said = f"dense layer {dense[0]} routes" if len(dense) == 1 else f"dense layers {', '.join(map(str, dense))} route"
+    return f"{line}; {said} nothing and {'is' if len(dense) == 1 else 'are'} left out."
+
+
+def _index_markdown(run_name: str, metrics: Metrics, results: list[FigureResult], layers: str = "") -> str:
     steps = metrics.steps
     lines = [f"# Report: {run_name}", "",
-             f"{len(steps)} steps ({int(steps[0])} to {int(steps[-1])}) from `{METRICS_FILE}`.", "",
-             "## Figures", ""]
+             f"{len(steps)} steps ({int(steps[0])} to {int(steps[-1])}) from `{METRICS_FILE}`.", ""]
+    lines += [layers, ""] if layers else []
+    lines += ["## Figures", ""]
     lines += [f"- [{r.name}]({r.name}): {r.about}" for r in results if r.path]
     skipped = [r for r in results if r.skipped]
     if skipped:

@@ -62,6 +62,18 @@ def test_index_lists_figures_and_notes_skips(full_report):
     assert "rollout_mismatch_heatmap.png: no drift/rollout_mismatch/layer_NN metrics" in index
 
 
+def test_index_names_the_moe_layers_shown_and_the_dense_ones_left_out(full_report, tmp_path):
+    run_dir, _ = full_report
+    index = (run_dir / "report" / "index.md").read_text()
+    assert "Per-layer figures: MoE layers 0, 1, 2, 3 (HF decoder-layer indices)." in index  # no config.json
+    dense_first = _write_run(tmp_path / "glm")
+    (dense_first / "init_model").mkdir()
+    (dense_first / "init_model" / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
+    write_report(dense_first)
+    index = (dense_first / "report" / "index.md").read_text()
+    assert "MoE layers 0, 1, 2, 3 (HF decoder-layer indices); dense layers 4, 5 route nothing" in index
+
+
 def test_missing_keys_skip_plots(tmp_path):
     run_dir = _write_run(tmp_path / "run", n_steps=5, full=False)
     (tmp_path / "out").mkdir()
