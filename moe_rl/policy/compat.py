@@ -193,6 +193,29 @@ def mla_without_te() -> None:
         mla.HAVE_TE = False
 
 
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """fla's `l2norm`: x / sqrt(sum(x^2) + eps) over `dim`."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def gated_delta_net_without_fla() -> bool:
+    """megatron-core 0.16.1's `ssm/gated_delta_net.py` needs flash-linear-attention (Triton kernels)
+    for Qwen3-Next's linear attention: `GatedDeltaNet.__init__` raises ImportError without it
+    (`HAVE_FLA`), its forward calls fla's `l2norm` on q and k unconditionally, and fla's
+    `chunk_gated_delta_rule` unless `deterministic_mode`. Without fla, give it torch stand-ins: the
+    l2norm above and megatron's own `torch_chunk_gated_delta_rule` (the same chunked recurrence,
+    in torch). The causal convolution already falls back to `nn.Conv1d` without causal-conv1d.
+    Applied only where fla does not import (CPU, or a GPU without it); returns True if applied."""
+    import megatron.core.ssm.gated_delta_net as gdn
+
+    if gdn.HAVE_FLA and getattr(gdn, "chunk_gated_delta_rule", None) is not gdn.torch_chunk_gated_delta_rule:
+        return False  # the real kernels
+    gdn.HAVE_FLA = True
+    gdn.l2norm = _l2norm
+    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    return True
+
+
 def is_active() -> bool:
     """True once the CPU redirections are installed in this process."""
     return _ACTIVE

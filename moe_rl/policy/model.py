@@ -3,8 +3,8 @@
 The HF `config.json` is read into `MoEArch` (a plain description of the network),
 which then becomes a megatron `TransformerConfig` for a given `ParallelLayout`.
 Families are registered in `ARCHITECTURES`: each entry reads one HF config format.
-Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 (also Kimi-K2 and Moonlight, which
-share its class) are read; each family's weight map is in `convert.py`.
+Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3 (also Kimi-K2 and Moonlight, which
+share its class) and Qwen3-Next are read; each family's weight map is in `convert.py`.
 
 On GPU the transformer-engine layer spec and the alltoall dispatcher are used; on
 CPU the local spec with a sequence-parallel-capable RMSNorm and the allgather
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.dist.devices import compute_device
-from moe_rl.policy.compat import mla_without_te
+from moe_rl.policy.compat import gated_delta_net_without_fla, mla_without_te
 from moe_rl.policy.packing import use_position_ids_for_rope
 from moe_rl.policy.parallel import ParallelLayout
 from moe_rl.policy.perf import PerfSettings
@@ -43,6 +43,20 @@ class MLADims:
     qk_rope_head_dim: int
     v_head_dim: int
     yarn: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class LinearAttentionDims:
+    """Gated delta net (Qwen3-Next's linear attention): which layers use it (0-based; the others are
+    gated full attention), its key and value heads (each key head serves value_heads // key_heads
+    value heads) and their widths, and the causal convolution's kernel."""
+
+    layers: tuple[int, ...]
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,9 @@ class MoEArch:
     router_groups: tuple[int, int] | None = None  # group-limited top-k: (groups, groups kept per token)
     rotary_percent: float = 1.0             # the fraction of each head's dims RoPE rotates (GLM: 0.5)
     mla: MLADims | None = None              # multi-latent attention (DeepSeek-V3) instead of GQA
+    linear_attention: LinearAttentionDims | None = None  # gated delta net layers (Qwen3-Next)
+    attention_output_gate: bool = False     # attention output scaled by sigmoid(gate), q_proj [q_h | gate_h] per head
+    zero_centered_norms: bool = False       # RMSNorms scale by (1 + w) (Qwen3-Next; the gated delta net's own: w)
     hf_architecture: str = ""
     padding_idx: int | None = None  # HF's `pad_token_id`: its embedding row is never trained (see below)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -217,6 +234,50 @@ def _read_deepseek_v3(cfg: dict[str, Any]) -> MoEArch:
                    extra={"mtp_layers": mtp} if mtp else {}, **_sigmoid_router(cfg, experts, arch.moe_router_topk))
 
 
+def _read_qwen3_next(cfg: dict[str, Any]) -> MoEArch:
+    """Qwen3-Next: gated delta net (linear attention) layers and gated full-attention layers
+    (`layer_types`, or every `full_attention_interval`-th layer full), the full ones with QK-norm,
+    partial rotary and an output gate; Qwen3-MoE's experts (`decoder_sparse_step`, `mlp_only_layers`)
+    with a shared expert behind a sigmoid gate; RMSNorms that scale by (1 + w)."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise UnsupportedModel(f"Qwen3-Next layer_types={types!r}: expected {layers} entries, each "
+                               "'linear_attention' or 'full_attention'")
+    if cfg.get("attention_bias"):
+        raise UnsupportedModel("Qwen3-Next with attention_bias=true is not supported (megatron-core's gated "
+                               "attention is read without biases here)")
+    if (cfg.get("hidden_act") or "silu") != "silu":
+        raise UnsupportedModel(f"Qwen3-Next with hidden_act={cfg['hidden_act']!r} is not supported: megatron-core's "
+                               "gated delta net and experts are built with silu")
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    if int(head_dim * partial) % 2:
+        raise UnsupportedModel(f"Qwen3-Next partial_rotary_factor={partial} of head_dim={head_dim} rotates an odd "
+                               f"number of dims ({int(head_dim * partial)})")
+    key_heads, value_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    if value_heads % key_heads:
+        raise UnsupportedModel(f"Qwen3-Next linear_num_value_heads={value_heads} is not a multiple of "
+                               f"linear_num_key_heads={key_heads}")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if not shared:  # HF builds the shared expert and its gate whatever the width
+        raise UnsupportedModel("Qwen3-Next with shared_expert_intermediate_size=0 is not supported")
+    linear = LinearAttentionDims(
+        layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"), key_heads=key_heads,
+        value_heads=value_heads, key_head_dim=int(cfg["linear_key_head_dim"]),
+        value_head_dim=int(cfg["linear_value_head_dim"]), conv_kernel=int(cfg["linear_conv_kernel_dim"]))
+    arch = _read_qwen3_moe({**cfg, "head_dim": head_dim})
+    if arch.num_moe_experts is None:
+        raise UnsupportedModel("Qwen3-Next with num_experts=0 is not supported")
+    return replace(arch, family="qwen3_next", rotary_percent=partial, shared_expert_size=shared,
+                   shared_expert_gate=True, linear_attention=linear, attention_output_gate=True,
+                   zero_centered_norms=True, hf_architecture="Qwen3NextForCausalLM")
+
+
 def _sigmoid_router(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, Any]:
     """MoEArch fields of a DeepSeek-style sigmoid router (GLM-4.5, DeepSeek-V3)."""
     if not cfg.get("norm_topk_prob", True) and topk > 1:
@@ -245,6 +306,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], MoEArch]] = {
     "Qwen2MoeForCausalLM": _read_qwen2_moe,
     "Glm4MoeForCausalLM": _read_glm4_moe,
     "DeepseekV3ForCausalLM": _read_deepseek_v3,
+    "Qwen3NextForCausalLM": _read_qwen3_next,
 }
 
 
@@ -261,7 +323,8 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config") -> MoEArch:
     archs = cfg.get("architectures") or []
     name = archs[0] if archs else {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                    "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                                   "deepseek_v3": "DeepseekV3ForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                   "deepseek_v3": "DeepseekV3ForCausalLM",
+                                   "qwen3_next": "Qwen3NextForCausalLM"}.get(cfg.get("model_type", ""), "")
     if name not in ARCHITECTURES:
         raise UnsupportedModel(f"{source}: architecture {name or cfg.get('model_type')!r} is not supported; "
                                f"supported: {', '.join(sorted(ARCHITECTURES))}")
@@ -290,17 +353,34 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     to mark the weight so `finalize_model_grads` sums its gradient over TP ranks.
     """
 
+    zero_centered: bool | None = None  # None: megatron's `layernorm_zero_centered_gamma`
+
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        if self.zero_centered is None:
+            self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        if self.zero_centered:
+            with torch.no_grad():
+                self.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as HF's Qwen3 RMSNorm: normalise in fp32, scale in input dtype.
+        # Same arithmetic as HF's Qwen3 RMSNorm: normalise in fp32, scale in input dtype; zero-centred
+        # (megatron's `layernorm_zero_centered_gamma`) as HF's Qwen3-Next RMSNorm: (1 + w) * h in fp32.
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+
+class PlainRMSNorm(SequenceParallelRMSNorm):
+    """`SequenceParallelRMSNorm` that scales by w even in a zero-centred model: the gated delta net's
+    output norm (HF's `Qwen3NextRMSNormGated` scales by w, its other norms by 1 + w)."""
+
+    zero_centered = False
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -406,6 +486,17 @@ def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32
                       moe_shared_expert_gate=arch.shared_expert_gate)
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if arch.zero_centered_norms:
+        kw.update(layernorm_zero_centered_gamma=True)
+    if arch.attention_output_gate:
+        kw.update(attention_output_gate=True)
+    if arch.linear_attention is not None:
+        la = arch.linear_attention
+        kw.update(experimental_attention_variant="gated_delta_net",
+                  linear_attention_freq=[1 if i in la.layers else 0 for i in range(arch.num_layers)],
+                  linear_conv_kernel_dim=la.conv_kernel, linear_key_head_dim=la.key_head_dim,
+                  linear_value_head_dim=la.value_head_dim, linear_num_key_heads=la.key_heads,
+                  linear_num_value_heads=la.value_heads)
     if arch.mla is not None:
         return _mla_config(arch, kw)
     return TransformerConfig(**kw)
@@ -469,6 +560,8 @@ def layer_spec(config: Any, vp_stage: int | None = None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     te = use_transformer_engine()
+    if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
+        return _hybrid_layer_spec(config, vp_stage, te)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
                                        vp_stage=vp_stage)
     if te:
@@ -476,6 +569,49 @@ def layer_spec(config: Any, vp_stage: int | None = None) -> Any:
     block = copy.deepcopy(block)
     for spec in block.layer_specs:
         _swap_norms(spec, config)
+    block.layer_norm = SequenceParallelRMSNorm
+    return block
+
+
+def _hybrid_layer_spec(config: Any, vp_stage: int | None, te: bool) -> Any:
+    """Qwen3-Next's block: gated delta net layers where `config.linear_attention_freq` says 1, gated
+    full attention elsewhere. With transformer-engine, megatron's own experimental spec (its delta net's
+    `in_proj` holds the input norm as `layer_norm_weight`), its output norm made a plain-w norm; without,
+    the local spec with each linear layer's attention swapped for the delta net (the megatron helper
+    asserts transformer-engine) and a separate input norm. The delta net's fla kernels or their torch
+    stand-ins: `compat.gated_delta_net_without_fla`."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    pattern = config.linear_attention_freq
+    if te:
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec)
+
+        block = copy.deepcopy(get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage))
+        for spec in block.layer_specs:
+            attn = spec.submodules.self_attention
+            if attn.module is GatedDeltaNet:
+                attn.submodules.out_norm = PlainRMSNorm
+        return block
+    block = copy.deepcopy(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                                     vp_stage=vp_stage))
+    first = layer_offset(config, vp_stage)
+    delta_net = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=PlainRMSNorm, out_proj=RowParallelLinear),
+        metainfo={"fuse_input_layernorm": False})
+    specs = []
+    for i, spec in enumerate(block.layer_specs):  # the list may alias one spec object
+        spec = copy.deepcopy(spec)
+        _swap_norms(spec, config)
+        if pattern[first + i]:
+            spec.submodules.self_attention = copy.deepcopy(delta_net)
+        specs.append(spec)
+    block.layer_specs = specs
     block.layer_norm = SequenceParallelRMSNorm
     return block
 
@@ -494,6 +630,8 @@ def build_model(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32", reco
     config = transformer_config(arch, layout, dtype, recompute, perf)
     if arch.mla is not None:
         mla_without_te()
+    if arch.linear_attention is not None:
+        gated_delta_net_without_fla()
     # RouterReplay keeps a class-level list of every router ever built; a second
     # model in the same process would otherwise mix its routers into ours.
     RouterReplay.clear_global_router_replay_instances()
