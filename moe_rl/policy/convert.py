@@ -75,7 +75,11 @@ class Shard:
 
     hf: HF tensor names that make up the full (unsharded) megatron tensor.
     kind: `copy` (one tensor), `qkv` (q, k, v interleaved per query group),
-          `glu` (gate and up stacked, each split separately).
+          `glu` (gate and up stacked, each split separately), `qgkv` (gated attention: HF's q_proj
+          holds [q_h | gate_h] per head; megatron per query group [q heads | gate heads | k | v]),
+          `gdn_in` (the gated delta net's in_proj: HF's in_proj_qkvz / in_proj_ba grouped per key
+          head, megatron's [q | k | v | z | b | a], each part split over TP), `gdn_conv` (its conv:
+          [q | k | v] channels in both, each part split over TP).
     dim: the dimension split across `group` (None = replicated).
     group: `tp` or `etp`.
     """
@@ -199,6 +203,30 @@ def deepseek_v3_shard(name: str, layer: int | None, expert: int | None, arch: Mo
     return glm4_moe_shard(name, layer, expert, arch)
 
 
+def qwen3_next_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
+    """Qwen3-Next: Qwen2-MoE's gated shared expert, gated full attention with QK-norm (`qgkv`), and
+    on linear-attention layers the gated delta net (`linear_attn.*`). Its RMSNorm weights are HF's w
+    as they are: megatron's norms are zero-centred (1 + w), as HF's; the delta net's output norm
+    scales by w in both."""
+    if layer is None or expert is not None:
+        return qwen2_moe_shard(name, layer, expert, arch)
+    p = f"model.layers.{layer}."
+    a, la = f"{p}self_attn.", f"{p}linear_attn."
+    found = {
+        "self_attention.linear_qkv.weight": Shard((f"{a}q_proj.weight", f"{a}k_proj.weight", f"{a}v_proj.weight"),
+                                                  kind="qgkv", dim=0),
+        "self_attention.in_proj.weight": Shard((f"{la}in_proj_qkvz.weight", f"{la}in_proj_ba.weight"),
+                                               kind="gdn_in", dim=0),
+        "self_attention.in_proj.layer_norm_weight": Shard((f"{p}input_layernorm.weight",)),
+        "self_attention.conv1d.weight": Shard((f"{la}conv1d.weight",), kind="gdn_conv", dim=0),
+        "self_attention.dt_bias": Shard((f"{la}dt_bias",), dim=0),
+        "self_attention.A_log": Shard((f"{la}A_log",), dim=0),
+        "self_attention.out_norm.weight": Shard((f"{la}norm.weight",)),
+        "self_attention.out_proj.weight": Shard((f"{la}out_proj.weight",), dim=1),
+    }.get(name)
+    return found or qwen2_moe_shard(name, layer, expert, arch)
+
+
 # HF family -> weight map. New families add their map here and a reader in model.py.
 WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | None]] = {
     "qwen3_moe": qwen3_moe_shard,
@@ -206,6 +234,7 @@ WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | 
     "qwen2_moe": qwen2_moe_shard,
     "glm4_moe": glm4_moe_shard,
     "deepseek_v3": deepseek_v3_shard,
+    "qwen3_next": qwen3_next_shard,
 }
 
 
@@ -267,6 +296,48 @@ def _qkv_split(w: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tens
             x[:, per + 1].reshape(-1, w.shape[-1]))
 
 
+def _qgkv_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: MoEArch) -> torch.Tensor:
+    """HF gated q ([q_h | gate_h] per head), k, v -> megatron's per query group [q... | gate... | k | v]."""
+    g, d, cols = arch.num_query_groups, arch.kv_channels, q.shape[-1]
+    qg = q.reshape(g, -1, 2, d, cols)
+    return torch.cat([qg[:, :, 0], qg[:, :, 1], k.reshape(g, 1, d, cols), v.reshape(g, 1, d, cols)],
+                     dim=1).reshape(-1, cols)
+
+
+def _qgkv_split(w: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d, cols = arch.num_query_groups, arch.kv_channels, w.shape[-1]
+    per = arch.num_attention_heads // g
+    x = w.reshape(g, 2 * per + 2, d, cols)
+    q = torch.stack([x[:, :per], x[:, per:2 * per]], dim=2)  # [g, per, (q, gate), d, cols]
+    return q.reshape(-1, cols), x[:, 2 * per].reshape(-1, cols), x[:, 2 * per + 1].reshape(-1, cols)
+
+
+def _gdn_sizes(arch: MoEArch, with_gates: bool) -> list[int]:
+    """Row counts of megatron's delta-net parts: [q, k, v] (the conv) or [q, k, v, z, b, a] (in_proj)."""
+    la = arch.linear_attention
+    qk, v = la.key_heads * la.key_head_dim, la.value_heads * la.value_head_dim
+    return [qk, qk, v, v, la.value_heads, la.value_heads] if with_gates else [qk, qk, v]
+
+
+def _gdn_in_full(qkvz: torch.Tensor, ba: torch.Tensor, arch: MoEArch) -> torch.Tensor:
+    """HF in_proj_qkvz (per key head [q | k | v | z]) and in_proj_ba (per key head [b | a]) -> megatron's
+    [q | k | v | z | b | a], each part key-head major."""
+    la = arch.linear_attention
+    r, cols = la.value_heads // la.key_heads, qkvz.shape[-1]
+    x = qkvz.reshape(la.key_heads, -1, cols)
+    y = ba.reshape(la.key_heads, 2 * r, cols)
+    parts = list(torch.split(x, [la.key_head_dim, la.key_head_dim, r * la.value_head_dim, r * la.value_head_dim], 1))
+    parts += list(torch.split(y, [r, r], 1))
+    return torch.cat([t.reshape(-1, cols) for t in parts])
+
+
+def _gdn_in_split(w: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor]:
+    la = arch.linear_attention
+    cols = w.shape[-1]
+    q, k, v, z, b, a = (t.reshape(la.key_heads, -1, cols) for t in torch.split(w, _gdn_sizes(arch, True)))
+    return torch.cat([q, k, v, z], 1).reshape(-1, cols), torch.cat([b, a], 1).reshape(-1, cols)
+
+
 def _rank_and_size(shard: Shard, place: RankPlace) -> tuple[int, int]:
     return (place.tp_rank, place.tp_size) if shard.group == "tp" else (place.etp_rank, place.etp_size)
 
@@ -279,6 +350,12 @@ def _local_slice(shard: Shard, parts: list[torch.Tensor], place: RankPlace, arch
         return full.chunk(size, dim=0)[rank]
     if shard.kind == "glu":
         return torch.cat([p.chunk(size, dim=0)[rank] for p in parts], dim=0)
+    if shard.kind == "qgkv":
+        return _qgkv_full(*parts, arch).chunk(size, dim=0)[rank]
+    if shard.kind in ("gdn_in", "gdn_conv"):
+        full = _gdn_in_full(*parts, arch) if shard.kind == "gdn_in" else parts[0]
+        pieces = torch.split(full, _gdn_sizes(arch, shard.kind == "gdn_in"))
+        return torch.cat([p.chunk(size, dim=0)[rank] for p in pieces], dim=0)
     (t,) = parts
     return t if shard.dim is None else t.chunk(size, dim=shard.dim)[rank]
 
@@ -334,7 +411,7 @@ def load_hf_weights(chunks: list[Any], hf_dir: str | Path, arch: MoEArch) -> int
 
 # ---------------------------------------------------------------- export
 
-def _gather(t: torch.Tensor, shard: Shard, place: RankPlace) -> torch.Tensor:
+def _gather(t: torch.Tensor, shard: Shard, place: RankPlace, arch: MoEArch) -> torch.Tensor:
     """All-gather a sharded tensor over its group and undo the sharding."""
     from megatron.core import parallel_state as ps
 
@@ -347,6 +424,10 @@ def _gather(t: torch.Tensor, shard: Shard, place: RankPlace) -> torch.Tensor:
     if shard.kind == "glu":
         halves = [p.chunk(2, dim=0) for p in pieces]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
+    if shard.kind in ("gdn_in", "gdn_conv"):  # each rank holds its share of every part
+        sizes = [n // size for n in _gdn_sizes(arch, shard.kind == "gdn_in")]
+        split = [torch.split(p, sizes) for p in pieces]
+        return torch.cat([torch.cat([s[i] for s in split]) for i in range(len(sizes))], dim=0)
     return torch.cat(pieces, dim=shard.dim)
 
 
@@ -355,6 +436,10 @@ def _to_hf(full: torch.Tensor, shard: Shard, arch: MoEArch) -> list[tuple[str, t
         return list(zip(shard.hf, _qkv_split(full, arch)))
     if shard.kind == "glu":
         return list(zip(shard.hf, full.chunk(2, dim=0)))
+    if shard.kind == "qgkv":
+        return list(zip(shard.hf, _qgkv_split(full, arch)))
+    if shard.kind == "gdn_in":
+        return list(zip(shard.hf, _gdn_in_split(full, arch)))
     return [(shard.hf[0], full)]
 
 
@@ -396,7 +481,7 @@ def iter_hf_tensors(chunks: list[Any], arch: MoEArch, buffers: bool = True) -> I
         shard = _shard_for(name, offset, place, arch)
         if shard is None:
             raise ConversionError(f"megatron parameter {name!r} has no HF counterpart for {arch.family}")
-        full = _gather(param.data, shard, place)
+        full = _gather(param.data, shard, place, arch)
         is_writer = (place.edp_rank == 0 and place.etp_rank == 0) if shard.group == "etp" \
             else (place.dp_rank == 0 and place.tp_rank == 0)
         if not is_writer or (name == "output_layer.weight" and arch.tie_word_embeddings):
