@@ -1,4 +1,4 @@
-"""Tiny Qwen3-MoE (and Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3) checkpoints built with transformers (nothing is downloaded).
+"""Tiny Qwen3-MoE (and Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3, Qwen3-Next) checkpoints built with transformers (nothing is downloaded).
 
 The sizes are chosen so every parallel layout the tests use divides them:
 4 attention heads and 2 query groups (TP2), 4 layers (PP2 x VPP2), 4 experts (EP2).
@@ -140,6 +140,36 @@ def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, init_std: float = 
     return _save(deepseek_v3_config(**(TINY_DEEPSEEK_V3 | overrides)), out_dir, seed, init_std)
 
 
+# A tiny Qwen3-Next, unlike the others: layers 0 and 2 gated delta net (linear attention: 2 key heads of
+# 6, 4 value heads of 10, a conv of 4), 1 and 3 gated full attention (4 heads of 24 over 2 query groups,
+# RoPE on a quarter of each head, the output scaled by sigmoid(gate)); every layer MoE with 4 experts
+# top-2 and a gated shared expert; (1 + w) RMSNorms. Every 2-rank layout divides it.
+TINY_QWEN3_NEXT = dict(vocab_size=96, hidden_size=40, intermediate_size=48, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=6, linear_value_head_dim=10, linear_conv_kernel_dim=4, num_experts=4,
+                       num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                       layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                       max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=0,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+def qwen3_next_config(**kw: Any) -> Any:
+    """transformers' Qwen3NextConfig, its architecture named."""
+    return _hf_config("Qwen3Next", **kw)
+
+
+def make_tiny_qwen3_next(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **overrides: Any) -> Path:
+    """A randomly initialised tiny Qwen3-Next (`TINY_QWEN3_NEXT`, with `overrides`), saved to `out_dir` (fp32).
+    Its norm weights, `A_log` and `dt_bias` are drawn too (HF starts the (1 + w) norms at w = 0), so a
+    map that mixes them up fails."""
+    return _save(qwen3_next_config(**(TINY_QWEN3_NEXT | overrides)), out_dir, seed, init_std, perturb=_QWEN3_NEXT_DRAWN)
+
+
+_QWEN3_NEXT_DRAWN = ("norm.weight", "layernorm.weight", ".dt_bias", ".A_log")
+
+
 def mixtral_config(**kw: Any) -> Any:
     """transformers' MixtralConfig (no sliding window, no router jitter: what moe_rl reads)."""
     return _hf_config("Mixtral", **({"sliding_window": None, "router_jitter_noise": 0.0} | kw))
@@ -218,7 +248,7 @@ def make_tiny(family: str, out_dir: str | Path, seed: int, config: TinyMoEConfig
     return _save(tiny_hf_config(family, config), out_dir, seed, init_std)
 
 
-def _save(cfg: Any, out_dir: str | Path, seed: int, init_std: float) -> Path:
+def _save(cfg: Any, out_dir: str | Path, seed: int, init_std: float, perturb: tuple[str, ...] = ()) -> Path:
     from transformers import AutoModelForCausalLM
 
     cfg.initializer_range = init_std
@@ -230,5 +260,8 @@ def _save(cfg: Any, out_dir: str | Path, seed: int, init_std: float) -> Path:
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape) * init_std)
+        for name, param in model.named_parameters():  # parameters HF starts at a constant, drawn
+            if name.endswith(perturb):
+                param.add_(torch.randn(param.shape) * 0.1)
     model.save_pretrained(out)
     return out
