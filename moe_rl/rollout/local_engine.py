@@ -71,6 +71,21 @@ def _load_model(model_dir: str | Path, dtype: torch.dtype, device: str) -> torch
     return model.to(device).eval()
 
 
+def _select_rows(cache: Any, rows: torch.Tensor) -> None:
+    """Keep only batch `rows` of a HF cache, in place. transformers 5.24's linear-attention cache layers
+    (Qwen3-Next's gated delta net: conv and recurrent states) have no `batch_select_indices`; their
+    `reorder_cache` selects the same batch rows."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or all(hasattr(layer, "batch_select_indices") for layer in layers):
+        cache.batch_select_indices(rows)
+        return
+    for layer in layers:
+        if hasattr(layer, "batch_select_indices") and not hasattr(layer, "recurrent_states"):
+            layer.batch_select_indices(rows)
+        else:
+            layer.reorder_cache(rows)
+
+
 class _RouteRecorder:
     """Forward hooks on the router modules; `take()` returns this forward's top-k ids.
 
@@ -310,7 +325,7 @@ class LocalEngine:
                 if not live:
                     break
                 sel = torch.tensor(live, device=dev)
-                cache.batch_select_indices(sel)
+                _select_rows(cache, sel)
                 logits, mask, pos = logits[sel], mask[sel], pos[sel]
                 active = [active[b] for b in live]
             toks, lps = self._sample(logits, [rows[k] for k in active])
@@ -346,7 +361,7 @@ class LocalEngine:
                 continue
             if len(feed) < len(active):
                 sel = torch.tensor(feed, device=dev)
-                cache.batch_select_indices(sel)
+                _select_rows(cache, sel)
                 mask, pos = mask[sel], pos[sel]
                 toks = [toks[b] for b in feed]
                 active = [active[b] for b in feed]
