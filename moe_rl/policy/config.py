@@ -167,6 +167,17 @@ def _model_shape(model: ModelConfig) -> dict[str, tuple[int, str]]:
     return shape
 
 
+def _has_linear_attention(model: ModelConfig) -> bool:
+    """Whether `model.hf_path`'s config.json (when on this machine) is a gated delta net model (Qwen3-Next)."""
+    if model.hf_path is None:
+        return False
+    try:
+        raw = json.loads((Path(model.hf_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "Qwen3NextForCausalLM" in (raw.get("architectures") or []) or raw.get("model_type") == "qwen3_next"
+
+
 def _divides(key: str, size: int, shape: dict[str, tuple[int, str]], dim: str,
              what: str = "") -> Iterator[str]:
     """`key: <what><size> must divide <dim>=N` when the model's `dim` is known and not divisible."""
@@ -212,6 +223,10 @@ def check_parallel(cfg: Any) -> Iterator[str]:
     if p.max_tokens_per_microbatch is not None and p.max_tokens_per_microbatch < longest:
         yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} cannot hold {what} = "
                f"{longest}; use at least {longest}")
+    if p.max_tokens_per_microbatch is not None and _has_linear_attention(cfg.model):
+        yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} packs sequences into rows, which "
+               f"{cfg.model.hf_path} (Qwen3-Next) cannot run: megatron-core's gated delta net refuses packed "
+               "sequences; set parallel.max_tokens_per_microbatch=null")
     shape = _model_shape(cfg.model)
     yield from _divides("parallel.tp", p.tp, shape, "num_attention_heads")
     yield from _divides("parallel.tp", p.tp, shape, "num_key_value_heads")

@@ -152,6 +152,10 @@ class ParallelLayout:
             raise LayoutError(f"num_experts={m.num_moe_experts} is not divisible by ep={self.ep}")
         if not m.num_moe_experts and self.ep > 1:
             raise LayoutError(f"ep={self.ep} but the model has no MoE layers")
+        la = getattr(m, "linear_attention", None)  # the gated delta net splits its key and value heads over TP
+        if la is not None and (la.key_heads % self.tp or la.value_heads % self.tp):
+            raise LayoutError(f"linear_num_key_heads={la.key_heads} and linear_num_value_heads={la.value_heads} "
+                              f"must both be divisible by tp={self.tp}")
         mla = getattr(m, "mla", None)  # multi-latent attention splits its down projections' rows over TP
         for name, rows in (("q_lora_rank", mla and mla.q_lora_rank),
                            ("kv_lora_rank + qk_rope_head_dim", mla and mla.kv_lora_rank + mla.qk_rope_head_dim)):

@@ -88,6 +88,10 @@ class MegatronModel:
             arch = replace(arch, expert_bias_update_rate=float(spec.expert_bias_update_rate))
         self.hf_config: dict[str, Any] = json.loads((Path(spec.hf_dir) / "config.json").read_text())
         spec.layout.validate(arch)
+        if arch.linear_attention is not None and spec.max_tokens_per_microbatch is not None:
+            raise ValueError(f"{spec.hf_dir}: max_tokens_per_microbatch={spec.max_tokens_per_microbatch} packs sequences "
+                             "into rows, and megatron-core's gated delta net (Qwen3-Next's linear attention) refuses "
+                             "packed sequences; use max_tokens_per_microbatch=None")
         if arch.extra.get("mtp_layers") and os.environ.get("RANK", "0") == "0":
             log.info("%s: its %d multi-token-prediction layer(s) are not read: RL trains the decoder layers",
                      spec.hf_dir, arch.extra["mtp_layers"])
