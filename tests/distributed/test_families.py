@@ -287,3 +287,80 @@ def test_the_selection_bias_is_frozen_by_default_and_balances_when_asked(tmp_pat
         assert all(min(abs(v - 0.01), abs(v + 0.01), abs(v)) < 1e-7 for v in step.tolist()), (n, step)
         assert (step > 0).any() and (step < 0).any(), n  # the loaded experts down, the idle ones up
     assert moving["step"]["moe/expert_bias_change"] == pytest.approx(0.01, abs=1e-7)
+
+
+# Qwen3-Next (its own tests, not through `family`, for suite time): gated delta net layers 0 and 2, gated
+# full attention 1 and 3, sequences of up to 72 tokens so that the delta net's chunks of 64 carry state.
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    from moe_rl.testing import make_tiny_qwen3_next
+
+    return make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"), seed=0)
+
+
+def test_qwen3_next_is_read_as_itself_and_what_megatron_cannot_match_is_refused_by_name(qwen3_next):
+    from moe_rl.config import ConfigError, load_config
+    from moe_rl.policy.model import UnsupportedModel, arch_from_hf_dict, read_hf_config
+    from moe_rl.policy.parallel import LayoutError, ParallelLayout
+    from moe_rl.policy.tiny import TINY_QWEN3_NEXT
+
+    arch = read_hf_config(qwen3_next)
+    la = arch.linear_attention
+    assert (arch.family, arch.hf_architecture, arch.rotary_percent, arch.kv_channels) == (
+        "qwen3_next", "Qwen3NextForCausalLM", 0.25, 24)
+    assert (la.layers, la.key_heads, la.value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (
+        (0, 2), 2, 4, 6, 10, 4)
+    assert arch.attention_output_gate and arch.zero_centered_norms and arch.qk_layernorm
+    assert (arch.shared_expert_size, arch.shared_expert_gate, arch.moe_layers) == (24, True, (0, 1, 2, 3))
+    base = {k: v for k, v in TINY_QWEN3_NEXT.items() if k != "layer_types"} | {"architectures": ["Qwen3NextForCausalLM"]}
+    assert arch_from_hf_dict({**base, "full_attention_interval": 2}).linear_attention.layers == (0, 2)
+    assert arch_from_hf_dict({**base, "decoder_sparse_step": 2, "mlp_only_layers": [1]}).moe_layers == (3,)
+    for field, value, match in (("attention_bias", True, "attention_bias=true"), ("hidden_act", "gelu", "hidden_act"),
+                                ("head_dim", 12, "odd number of dims"),
+                                ("layer_types", ["linear_attention"] * 3 + ["sliding_attention"], "layer_types"),
+                                ("linear_num_value_heads", 3, "linear_num_value_heads=3")):
+        with pytest.raises(UnsupportedModel, match=match):
+            arch_from_hf_dict({**base, field: value})
+    with pytest.raises(LayoutError, match="linear_num_key_heads=2 .* divisible by tp=4"):
+        ParallelLayout(tp=4, world_size=4).validate(arch_from_hf_dict({**base, "num_key_value_heads": 4}))
+    with pytest.raises(ConfigError, match="max_tokens_per_microbatch.*gated delta net refuses packed"):
+        load_config(None, [f"model.hf_path={qwen3_next}", "parallel.max_tokens_per_microbatch=512"])
+
+
+@pytest.mark.parametrize("layout", ["single", "tp2"])
+def test_qwen3_next_layouts_give_hfs_logprobs_and_export_the_checkpoint(qwen3_next, layout, tmp_path):
+    from moe_rl.policy.parallel import ParallelLayout
+
+    sequences = sample_sequences(vocab_size=96, num=4, max_len=72, seed=1)
+    out = tmp_path / "export"
+    results = run_ranks(layout_worker, ParallelLayout.parse(layout).world_size, layout, str(qwen3_next), sequences,
+                        export_dir=str(out), timeout=600)
+    mx, _ = compare(results, hf_logprobs(qwen3_next, sequences))
+    assert mx <= 1e-4, (layout, mx)
+    src, back = HFCheckpoint(qwen3_next), HFCheckpoint(out)
+    assert sorted(back.weight_map) == sorted(src.weight_map)
+    assert all(torch.equal(back.get(n), src.get(n)) for n in src.weight_map)
+
+
+def test_qwen3_next_served_by_moe_rl_serve_routes_as_hf(qwen3_next):
+    # rows of different lengths finishing at different steps: the engine drops them from the delta net's
+    # conv and recurrent states as from the attention layers' keys and values
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.drift.routes import hf_forward
+    from moe_rl.rollout.engine import GenerateRequest, SamplingParams
+    from moe_rl.rollout.local_engine import LocalEngine
+
+    eng = LocalEngine(qwen3_next, seed=0, max_batch=8)
+    try:
+        served = [r[0] for r in eng.generate([
+            GenerateRequest([5, 6, 7, 8][: 2 + i], SamplingParams(max_new_tokens=6 + i, ignore_eos=True, seed=3 + i),
+                            return_routed_experts=True) for i in range(3)])]
+    finally:
+        eng.close()
+    model = AutoModelForCausalLM.from_pretrained(qwen3_next, dtype=torch.float32).eval()
+    for res in served:
+        fwd = hf_forward(model, torch.tensor([list(res.prompt_ids) + list(res.output_ids)]))
+        np.testing.assert_allclose(res.output_logprobs, fwd.logprobs[0, len(res.prompt_ids) - 1:].numpy(),
+                                   atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(res.routed_experts.astype(np.int64), fwd.routes[0, :-1].numpy())
