@@ -39,6 +39,7 @@ from moe_rl.drift.routes import RouteCaptureError, router_modules, router_topk
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, SamplingParams,
                                    WeightsSource, num_experts_of, to_route_dtype, version_spans)
 from moe_rl.rollout.fused_weights import partner, split_pairs
+from moe_rl.rollout.hf_models import load_model, select_rows
 from moe_rl.rollout.memory import MEMORY_TAGS, MemoryRegions
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -47,43 +48,6 @@ _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.
 # Mixtral's checkpoint names (pushes send them, as SGLang's mixtral loader reads them) as transformers' modules
 _MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
 _MIXTRAL_RE = re.compile(r"\.block_sparse_moe\.|\.w[123]\.")
-
-
-def _load_model(model_dir: str | Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """Load a HF causal LM and refuse anything that did not load completely."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, local_files_only=True, output_loading_info=True)
-    except Exception as e:  # corrupt file, bad config, unknown architecture
-        raise ValueError(f"cannot load weights from {str(path)!r}: {type(e).__name__}: {e}") from e
-    problems = []
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        vals = info.get(key) or []
-        if vals:
-            problems.append(f"{key}: {sorted(map(str, vals))[:5]}{' ...' if len(vals) > 5 else ''}")
-    if problems:
-        raise ValueError(f"incomplete checkpoint in {str(path)!r}: " + "; ".join(problems))
-    return model.to(device).eval()
-
-
-def _select_rows(cache: Any, rows: torch.Tensor) -> None:
-    """Keep only batch `rows` of a HF cache, in place. transformers 5.24's linear-attention cache layers
-    (Qwen3-Next's gated delta net: conv and recurrent states) have no `batch_select_indices`; their
-    `reorder_cache` selects the same batch rows."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or all(hasattr(layer, "batch_select_indices") for layer in layers):
-        cache.batch_select_indices(rows)
-        return
-    for layer in layers:
-        if hasattr(layer, "batch_select_indices") and not hasattr(layer, "recurrent_states"):
-            layer.batch_select_indices(rows)
-        else:
-            layer.reorder_cache(rows)
 
 
 class _RouteRecorder:
@@ -173,7 +137,7 @@ class LocalEngine:
         self._closed = False
         self.memory = MemoryRegions(memory_saver, weights_cpu_backup)  # what /release_memory_occupation gave up
         self.last_forward_time = 0.0            # time.monotonic() after the latest forward step
-        model = _load_model(model_dir, self.dtype, device)
+        model = load_model(model_dir, self.dtype, device)
         self._install(model, Path(model_dir))
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
@@ -325,7 +289,7 @@ class LocalEngine:
                 if not live:
                     break
                 sel = torch.tensor(live, device=dev)
-                _select_rows(cache, sel)
+                select_rows(cache, sel)
                 logits, mask, pos = logits[sel], mask[sel], pos[sel]
                 active = [active[b] for b in live]
             toks, lps = self._sample(logits, [rows[k] for k in active])
@@ -361,7 +325,7 @@ class LocalEngine:
                 continue
             if len(feed) < len(active):
                 sel = torch.tensor(feed, device=dev)
-                _select_rows(cache, sel)
+                select_rows(cache, sel)
                 mask, pos = mask[sel], pos[sel]
                 toks = [toks[b] for b in feed]
                 active = [active[b] for b in feed]
@@ -461,7 +425,7 @@ class LocalEngine:
         weights keep serving. `version` None keeps the current weight_version (as SGLang does).
         """
         self._check_resident("update_weights_from_disk", ("weights",))
-        new = _load_model(path, self.dtype, self.device)
+        new = load_model(path, self.dtype, self.device)
         old_sd = self.model.state_dict()
         new_sd = new.state_dict()
         if type(new) is not type(self.model):
