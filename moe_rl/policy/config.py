@@ -153,12 +153,11 @@ def _model_shape(model: ModelConfig) -> dict[str, tuple[int, str]]:
     """
     if model.hf_path is None:
         return {k: (v, f"model.tiny.{k}={v}") for k, v in dataclasses.asdict(model.tiny).items()}
-    cfg_file = Path(model.hf_path) / "config.json"
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (OSError, ValueError):
+    raw = _hf_config_json(model)
+    if raw is None:
         return {}
     raw = raw.get("text_config", raw)  # multimodal checkpoints nest the LM's config
+    cfg_file = Path(model.hf_path) / "config.json"
     shape = {}
     for name, keys in _HF_SHAPE_KEYS.items():
         value = next((raw[k] for k in keys if isinstance(raw.get(k), int)), None)
@@ -167,14 +166,19 @@ def _model_shape(model: ModelConfig) -> dict[str, tuple[int, str]]:
     return shape
 
 
+def _hf_config_json(model: ModelConfig) -> dict[str, Any] | None:
+    """`model.hf_path`'s config.json, or None (a fresh tiny model, or the file is not on this machine)."""
+    if model.hf_path is None:
+        return None
+    try:
+        return json.loads((Path(model.hf_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _has_linear_attention(model: ModelConfig) -> bool:
     """Whether `model.hf_path`'s config.json (when on this machine) is a gated delta net model (Qwen3-Next)."""
-    if model.hf_path is None:
-        return False
-    try:
-        raw = json.loads((Path(model.hf_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
+    raw = _hf_config_json(model) or {}
     return "Qwen3NextForCausalLM" in (raw.get("architectures") or []) or raw.get("model_type") == "qwen3_next"
 
 
@@ -244,6 +248,6 @@ def check_parallel(cfg: Any) -> Iterator[str]:
         stages = ParallelLayout(pp=p.pp, vpp=p.vpp, first_stage_layers=p.first_stage_layers,
                                 last_stage_layers=p.last_stage_layers)
         try:
-            stages._validate_stages(shape["num_hidden_layers"][0])
+            stages.validate_stages(shape["num_hidden_layers"][0])
         except LayoutError as e:
             yield f"parallel.first_stage_layers: {e} ({shape['num_hidden_layers'][1]})"

@@ -227,7 +227,7 @@ def qwen3_next_shard(name: str, layer: int | None, expert: int | None, arch: MoE
     return found or qwen2_moe_shard(name, layer, expert, arch)
 
 
-# HF family -> weight map. New families add their map here and a reader in model.py.
+# HF family -> weight map. New families add their map here and a reader in arch.py.
 WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | None]] = {
     "qwen3_moe": qwen3_moe_shard,
     "mixtral": mixtral_shard,

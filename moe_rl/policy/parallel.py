@@ -102,7 +102,7 @@ class ParallelLayout:
                    ep=sizes["ep"], etp=sizes["etp"], world_size=world, first_stage_layers=sizes["first"] or None,
                    last_stage_layers=sizes["last"] or None)
 
-    def _validate_stages(self, num_layers: int) -> None:
+    def validate_stages(self, num_layers: int) -> None:
         """Every pipeline stage (and virtual chunk) gets a whole number of layers, as megatron needs."""
         v = self.vpp or 1
         uneven = {k: n for k, n in (("first_stage_layers", self.first_stage_layers),
@@ -143,7 +143,7 @@ class ParallelLayout:
         return self
 
     def _validate_model(self, m: ModelDims) -> None:
-        self._validate_stages(m.num_layers)
+        self.validate_stages(m.num_layers)
         if m.num_attention_heads % self.tp:
             raise LayoutError(f"num_attention_heads={m.num_attention_heads} is not divisible by tp={self.tp}")
         if m.num_query_groups % self.tp:

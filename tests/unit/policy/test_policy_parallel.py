@@ -87,11 +87,11 @@ def test_padding_row_is_the_configs_pad_token_and_frozen_only_when_untied():
 def test_uneven_pipeline_stages_are_checked_as_megatron_does():
     def fails(layout, layers, needle):
         with pytest.raises(LayoutError, match=needle):
-            layout._validate_stages(layers)
+            layout.validate_stages(layers)
 
-    ParallelLayout(pp=2, first_stage_layers=1, world_size=2)._validate_stages(4)  # 1 + 3
-    ParallelLayout(pp=4, first_stage_layers=13, last_stage_layers=12, world_size=4)._validate_stages(61)  # 13+18+18+12
-    ParallelLayout(pp=2, vpp=2, first_stage_layers=2, world_size=2)._validate_stages(6)  # 2 + 4, 2 per chunk
+    ParallelLayout(pp=2, first_stage_layers=1, world_size=2).validate_stages(4)  # 1 + 3
+    ParallelLayout(pp=4, first_stage_layers=13, last_stage_layers=12, world_size=4).validate_stages(61)  # 13+18+18+12
+    ParallelLayout(pp=2, vpp=2, first_stage_layers=2, world_size=2).validate_stages(6)  # 2 + 4, 2 per chunk
     fails(ParallelLayout(pp=4, world_size=4), 61, "not divisible by pp\\*vpp = 4; parallel.first_stage_layers")
     fails(ParallelLayout(pp=4, first_stage_layers=12, world_size=4), 61, "49 layers do not split evenly over the other 3")
     fails(ParallelLayout(pp=2, first_stage_layers=1, last_stage_layers=2, world_size=2), 4, "1 layers do not split")
