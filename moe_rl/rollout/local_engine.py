@@ -316,13 +316,6 @@ class LocalEngine:
                     if rows[k].finish is None:
                         rows[k].finish = "abort"
                 break
-            if self._retract_epoch != kv_epoch:  # retracted since the cache was computed: it is gone
-                active = [active[b] for b in feed]
-                again = [rows[k] for k in active]
-                for r in again:
-                    r.retractions, r.routes = r.retractions + 1, []
-                logits, cache, mask, pos, (version, kv_epoch) = self._prefill(again, [r.prompt + r.out for r in again])
-                continue
             if len(feed) < len(active):
                 sel = torch.tensor(feed, device=dev)
                 select_rows(cache, sel)
@@ -332,13 +325,25 @@ class LocalEngine:
             nxt = torch.tensor(toks, dtype=torch.long, device=dev).view(-1, 1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = pos[:, -1:] + 1
-            kv_epoch = self._retract_epoch  # before the lock: a retract landing before this forward voids it too
             with self._lock:
-                out = self.model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True,
-                                 **{self._cache_kw: cache})
-                routes = self._recorder.take() if self._recorder else None
-                version = self.weight_version
-                self.last_forward_time = time.monotonic()
+                # Checked under the lock, where a retract bumps the count: a retract that landed since
+                # the cache was computed (also between the park above and here, with the new weights
+                # already in) means the cache is gone. A forward on it would mix the new weights with
+                # the old KV, which SGLang's retract never does, and a row finishing on that token
+                # would keep the old routes.
+                retracted = self._retract_epoch != kv_epoch
+                if not retracted:
+                    out = self.model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True,
+                                     **{self._cache_kw: cache})
+                    routes = self._recorder.take() if self._recorder else None
+                    version = self.weight_version
+                    self.last_forward_time = time.monotonic()
+            if retracted:  # prefill again, prompt and output so far, under the weights the rows continue with
+                again = [rows[k] for k in active]
+                for r in again:
+                    r.retractions, r.routes = r.retractions + 1, []
+                logits, cache, mask, pos, (version, kv_epoch) = self._prefill(again, [r.prompt + r.out for r in again])
+                continue
             if routes is not None:
                 for b, k in enumerate(active):
                     rows[k].routes.append(routes[b:b + 1])
@@ -362,8 +367,8 @@ class LocalEngine:
             mask[i, P - len(t):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        epoch = self._retract_epoch  # before the lock: a retract landing before this forward runs voids it too
         with self._lock:
+            epoch = self._retract_epoch  # under the lock: the retract count this cache is computed under
             cache = DynamicCache(config=self.config)
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                              logits_to_keep=1, **{self._cache_kw: cache})

@@ -234,3 +234,51 @@ def test_a_push_under_a_paused_sample_in_place_keeps_its_cache_and_a_retract_pre
         assert gap > 1e-3, gap  # the old weights' cache is still attended to
         before = len(res.prompt_ids) - 1 + split
         np.testing.assert_array_equal(routes[:before], old_routes[:before])
+
+
+class _PushOnEntry:
+    """The engine's lock, which on the n-th entry by the generating thread first runs `push` (a retract
+    pause, a weight update, continue) in that thread: a retract landing after the decode loop passed
+    its park and before the forward took the lock, deterministically."""
+
+    def __init__(self, lock, n: int, push):
+        self.lock, self.n, self.push, self.entries = lock, n, push, 0
+
+    def __enter__(self):
+        self.entries += 1
+        if self.entries == self.n:
+            self.push()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_a_retract_landing_between_the_park_and_the_forward_prefills_again(tiny_hf_dir, tmp_path):
+    # prefill (1st entry), sample token 1, pass the park, then the retract + push lands before the
+    # decode forward takes the lock (2nd entry): the cache that forward would extend is gone. A row
+    # finishing on the next token must still have every route and its last log-prob from the new
+    # weights alone (the old loop ran that forward on the old cache and kept the prompt's old routes).
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.testing import make_tiny_qwen3_moe
+
+    new_dir = make_tiny_qwen3_moe(tmp_path / "new", seed=1)
+    new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    eng = LocalEngine(tiny_hf_dir, seed=0, max_batch=8, weight_version="1")
+
+    def push():
+        eng.pause_generation("retract")
+        eng.update_weights_from_disk(new_dir, version="2")
+        eng.continue_generation()
+
+    eng._lock = _PushOnEntry(eng._lock, 2, push)
+    try:
+        (res,), = eng.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True, seed=3),
+                                                return_routed_experts=True)])
+    finally:
+        eng.close()
+    assert [v for v, _, _ in res.weight_versions] == ["1", "2"] and res.num_retractions == 1
+    new_lp, new_routes = hf_reference(new_model, res.prompt_ids, res.output_ids)
+    np.testing.assert_array_equal(res.routed_experts.astype(np.int64), new_routes)
+    np.testing.assert_allclose(res.output_logprobs[1:], new_lp[1:], atol=1e-4, rtol=0)
