@@ -9,5 +9,5 @@ from moe_rl.lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "metrics": ("LOAD_PREFIX", "LOGPROB_PREFIX", "ROLLOUT_MISMATCH", "VOLATILITY", "DriftShapeError",
                 "LogprobStats", "RouteStats", "all_reduce_counts", "expert_load", "load_change",
-                "logprob_mismatch", "route_dtype", "route_stats"),
+                "load_violation", "logprob_mismatch", "route_dtype", "route_stats"),
 })

@@ -17,6 +17,7 @@ Metric keys (prefixes are arguments where the same statistic serves twice):
   drift/rollout_mismatch[...]                          rollout-engine vs trainer routes
   drift/logp_k3, drift/logp_abs_diff, drift/logp_ratio_outside
   drift/load_change, drift/load_change/layer_{i:02d}, drift/load_max_share
+  drift/load_max_vio, drift/load_max_vio/layer_{i:02d}  max expert load / mean load - 1
 """
 from __future__ import annotations
 
@@ -449,6 +450,33 @@ def load_change(prev: Tensor, cur: Tensor, layer_ids: Sequence[int] | None = Non
         out[_layer_name(f"{prefix}_change", i, layer_ids)] = v
     seen = q[~q.isnan()]  # layers without tokens have no shares
     out[f"{prefix}_max_share"] = float(seen.max()) if seen.numel() else float("nan")
+    return out
+
+
+def load_violation(load: Tensor, layer_ids: Sequence[int] | None = None,
+                   prefix: str = LOAD_PREFIX) -> dict[str, float]:
+    """How far the busiest expert is above an even share, per layer, from `expert_load` counts.
+
+    load  [L, E] token counts of one step (summed over ranks)
+
+    `{prefix}_max_vio/layer_{i:02d}`  max_e load_e / mean_e load_e - 1: 0 is perfect balance,
+                                      E - 1 is every token on one expert (the load-balance
+                                      `max_vio` verl logs, so runs compare across frameworks)
+    `{prefix}_max_vio`                the largest of those over layers
+    A layer that saw no tokens gives NaN (no load, no imbalance).
+    """
+    if not torch.is_tensor(load) or load.dim() != 2 or load.shape[1] < 1:
+        got = _shape(load) if torch.is_tensor(load) else type(load).__name__
+        raise DriftShapeError(f"load must be an [L, E] load tensor with E >= 1, got {got}")
+    L = int(load.shape[0])
+    _check_layer_ids(layer_ids, L)
+    load = load.double()
+    mean = load.mean(dim=-1)
+    vio = torch.where(mean > 0, load.max(dim=-1).values / mean - 1.0, torch.full_like(mean, float("nan")))
+    seen = vio[~vio.isnan()]
+    out = {f"{prefix}_max_vio": float(seen.max()) if seen.numel() else float("nan")}
+    for i, v in enumerate(vio.tolist()):
+        out[_layer_name(f"{prefix}_max_vio", i, layer_ids)] = v
     return out
 
 

@@ -22,7 +22,8 @@ from moe_rl.algo.losses import compute_loss, ntp_loss
 from moe_rl.config import RunConfig, replay_mode
 from moe_rl.data.dataset import PromptDataset
 from moe_rl.data.sampler import PromptSampler
-from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, logprob_mismatch, route_stats)
+from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, load_violation, logprob_mismatch,
+                                  route_stats)
 from moe_rl.policy.policy import Policy
 from moe_rl.recipes.common import (Stopwatch, combine_loss_metrics, mean_metrics, probe_routes, probe_volatility,
                                 response_mask)
@@ -315,6 +316,7 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
         out |= drift_by_turn(run, mine, old, trainer, after, engine, tokens, resp, engine_logp)
     out |= logprob_mismatch(old.trainer_logp[resp], engine_logp[resp]).all_reduce(run.policy.dp_group).summary()
     load = run.policy.all_reduce_sum(expert_load(after, arch.num_moe_experts).to(torch.float64))
+    out |= load_violation(load, layer_ids)
     if "load" in run.drift_state:
         out |= load_change(run.drift_state["load"], load, layer_ids)
     run.drift_state["load"] = load

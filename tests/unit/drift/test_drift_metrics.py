@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moe_rl.drift.metrics import (ROLLOUT_MISMATCH, VOLATILITY, DriftShapeError, LogprobStats, RouteStats,
-                                  expert_load, load_change, logprob_mismatch, route_dtype, route_stats)
+                                  expert_load, load_change, load_violation, logprob_mismatch, route_dtype,
+                                  route_stats)
 from moe_rl.testing import run_ranks
 
 # K=2, 3 tokens, 2 layers. Rows are tokens; each inner pair is one layer's top-2.
@@ -184,6 +185,32 @@ def test_expert_load_two_layers_and_errors():
         expert_load(BEFORE, 2)
     with pytest.raises(DriftShapeError, match=r"prev has shape \(2, 4\), cur has shape \(2, 5\)"):
         load_change(load, torch.zeros(2, 5))
+
+
+def test_load_violation_matches_a_plain_loop():
+    """max over experts of load / mean load - 1 per layer (verl's max_vio), and its max over layers,
+    against a loop over plain Python numbers; an empty layer is NaN and left out of the max."""
+    gen = torch.Generator().manual_seed(0)
+    routes = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(37 * 3)]).view(37, 3, 2)
+    load = expert_load(routes, 8).to(torch.float64)
+    load[2] = 0  # a layer no token reached
+    layer_ids = [1, 3, 14]
+    expected = {}
+    for i, row in enumerate(load.tolist()):
+        mean = sum(row) / len(row)
+        expected[f"drift/load_max_vio/layer_{layer_ids[i]:02d}"] = max(row) / mean - 1 if mean else math.nan
+    finite = [v for v in expected.values() if not math.isnan(v)]
+    out = load_violation(load, layer_ids)
+    assert math.isnan(out.pop("drift/load_max_vio/layer_14"))
+    assert out.pop("drift/load_max_vio") == pytest.approx(max(finite), abs=1e-12)
+    expected.pop("drift/load_max_vio/layer_14")
+    assert out == pytest.approx(expected, abs=1e-12)
+    assert load_violation(torch.tensor([[3, 3, 3, 3]]))["drift/load_max_vio"] == 0.0  # perfect balance
+    assert load_violation(torch.tensor([[0, 8, 0, 0]]))["drift/load_max_vio"] == 3.0  # one expert: E - 1
+    with pytest.raises(DriftShapeError, match=r"load must be an \[L, E\] load tensor"):
+        load_violation(torch.zeros(4))
+    with pytest.raises(DriftShapeError, match="layer_ids has 1 entries for 2 MoE layers"):
+        load_violation(torch.ones(2, 4), [0])
 
 
 def _rank_worker(before, after, mask):
