@@ -42,7 +42,7 @@ from moe_rl.algo.config import (ADVANTAGES, AGGREGATIONS, CORRECTION_MODES, CRIT
                                 staleness_bound)
 from moe_rl.configurable import ConfigError, choice, ranged
 from moe_rl.data.config import DATA_SUFFIXES, DataConfig, check_data
-from moe_rl.drift.config import DriftConfig
+from moe_rl.drift.config import AlarmConfig, DriftConfig, check_drift
 from moe_rl.observe.config import LOG_LEVELS, LogConfig, check_log
 from moe_rl.policy.config import DTYPES, ModelConfig, ParallelConfig, TinyModel, check_model, check_parallel
 from moe_rl.reward.config import RewardConfig, check_reward
@@ -53,7 +53,7 @@ __all__ = [
     "ADVANTAGES", "AGGREGATIONS", "CORRECTION_MODES", "CRITIC_REPLAYS", "DATA_SUFFIXES", "DPO_LOSSES", "DTYPES",
     "ENGINES", "KL_ESTIMATORS", "LOG_LEVELS", "LOSSES", "LR_SCHEDULES", "MODES", "REPLAYS", "SGLANG_DP_FLAGS",
     "SGLANG_PP_FLAGS", "SGLANG_TP_FLAGS", "TIS_LEVELS", "WEIGHT_SYNCS",
-    "AlgoConfig", "ConfigError", "CriticConfig", "DPOConfig", "DataConfig", "DriftConfig", "LogConfig",
+    "AlarmConfig", "AlgoConfig", "ConfigError", "CriticConfig", "DPOConfig", "DataConfig", "DriftConfig", "LogConfig",
     "ModelConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig",
     "TinyModel", "TrainConfig", "choice", "handoff_budget_s", "handoff_timeout_s", "load_config", "ranged",
     "replay_mode", "sglang_flag",
@@ -439,4 +439,4 @@ def check_train(cfg: RunConfig) -> Iterator[str]:
 
 
 _CROSS_CHECKS = (check_model, check_parallel, check_rollout, check_algo, check_critic, check_data,
-                 check_reward, check_train, check_log, check_dpo)
+                 check_reward, check_train, check_log, check_dpo, check_drift)

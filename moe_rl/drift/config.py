@@ -1,11 +1,56 @@
-"""The `drift` section of the run config: what expert-activation volatility is measured, how often."""
+"""The `drift` section of the run config: what expert-activation volatility is measured, how often,
+and the alarms that act on it (`drift.alarm`, moe_rl/drift/alarm.py).
+
+The `check_*(cfg)` rules take the whole `RunConfig` (`moe_rl.config`, which imports this
+module: hence `Any`).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
-from moe_rl.configurable import ranged
+from moe_rl.configurable import choice, ranged
+
+ALARM_ACTIONS = ("warn", "stop")
+
+# The alarm thresholds: field of `drift.alarm` -> (metric key, whether it fires above or below the
+# value). All are measured on the step's own tokens (`step_drift` in moe_rl/recipes/rl/step.py).
+ALARM_METRICS: dict[str, tuple[str, str]] = {
+    "volatility": ("drift/volatility", "above"),
+    "rollout_mismatch": ("drift/rollout_mismatch", "above"),
+    "logp_k3": ("drift/logp_k3", "above"),
+    "load_max_vio": ("drift/load_max_vio", "above"),
+    "route_margin": ("drift/route_margin", "below"),
+}
 
 
+@dataclass
+class AlarmConfig:
+    """Thresholds on the drift metrics of each step and what to do when one is crossed; all unset = off."""
+
+    volatility: float | None = ranged(None, ge=0.0, le=1.0)
+    """Fire when `drift/volatility` (share of top-k experts that changed across the step's updates)
+    exceeds this; None = no alarm. Off by default: what is normal depends on the model and the step size."""
+    rollout_mismatch: float | None = ranged(None, ge=0.0, le=1.0)
+    """Fire when `drift/rollout_mismatch` (share of top-k experts the engine and the trainer chose
+    differently) exceeds this; None = no alarm. Needs rollout.return_routed_experts=true."""
+    logp_k3: float | None = ranged(None, ge=0.0)
+    """Fire when `drift/logp_k3` (k3 estimate of KL(rollout || trainer) on the response tokens) exceeds
+    this; None = no alarm. A growing train-inference gap is the usual sign before an MoE run collapses."""
+    load_max_vio: float | None = ranged(None, ge=0.0)
+    """Fire when `drift/load_max_vio` (max over layers of the busiest expert's load / mean load - 1;
+    0 = balanced, E - 1 = one expert takes every token) exceeds this; None = no alarm."""
+    route_margin: float | None = ranged(None, ge=0.0)
+    """Fire when `drift/route_margin` (mean gap between the k-th and (k+1)-th router logit) falls
+    below this floor: routers that cannot tell their experts apart flip routes; None = no alarm."""
+    action: str = choice("warn", ALARM_ACTIONS)
+    """What a crossed threshold does, for every alarm: warn = log it once per metric with the worst
+    layer and the step, and go on; stop = checkpoint the step and exit with status 4 naming the metric.
+    Either way `health/alarms` counts the alarms of each step and the report marks them."""
+
+    def thresholds(self) -> dict[str, float]:
+        """The alarms that are set: field name -> threshold."""
+        return {name: getattr(self, name) for name in ALARM_METRICS if getattr(self, name) is not None}
 
 
 @dataclass
@@ -25,3 +70,21 @@ class DriftConfig:
     per_update: bool = False
     """Also measure probe-set volatility across each optimizer update (`drift/volatility_per_update`,
     the per-gradient-update figure of the GSPO paper); costs one probe forward per update."""
+    alarm: AlarmConfig = field(default_factory=AlarmConfig)
+
+
+def check_drift(cfg: Any) -> Iterator[str]:
+    """An alarm needs its metric: the step-token drift of an RL run (and engine routes for the route mismatch)."""
+    d = cfg.drift
+    for name in d.alarm.thresholds():
+        key = f"drift.alarm.{name}"
+        if cfg.train.mode != "rl":
+            yield (f"{key} is set, but train.mode={cfg.train.mode!r} measures no {ALARM_METRICS[name][0]}: "
+                   "drift alarms apply to RL runs; unset it")
+        elif not (d.enabled and d.step_tokens):
+            off = "drift.enabled=false" if not d.enabled else "drift.step_tokens=false"
+            yield (f"{key} is set, but {off}: {ALARM_METRICS[name][0]} is never measured, so the alarm could "
+                   f"never fire; set drift.enabled=true and drift.step_tokens=true, or unset {key}")
+        elif name == "rollout_mismatch" and not cfg.rollout.return_routed_experts:
+            yield (f"{key} is set, but rollout.return_routed_experts=false: without the engine's routes "
+                   f"drift/rollout_mismatch is never measured; set rollout.return_routed_experts=true or unset {key}")

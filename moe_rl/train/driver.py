@@ -25,6 +25,7 @@ from moe_rl.config import ConfigError, RunConfig, load_config, named_run_dir
 from moe_rl.dist.collectives import agree
 from moe_rl.dist.ports import free_port
 from moe_rl.dist.spawn import set_local_rank_env
+from moe_rl.drift.alarm import EXIT_DRIFT_ALARM, Alarms, DriftAlarm
 from moe_rl.recipes import build_recipe
 from moe_rl.recipes.build import cpu_threads_of
 from moe_rl.rollout.outage import EXIT_NO_SERVER, RolloutLost
@@ -205,6 +206,8 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
         recipe.resumed()
     progress = Progress(cfg.train.steps, enabled=rank == 0, live=None if cfg.log.progress else False)
     ckpt = Checkpoints(recipe, out, cfg.train.keep_last, cfg.train.async_save)
+    alarms = Alarms(cfg.drift.alarm)  # drift.alarm: thresholds on each step's metrics, whatever the recipe
+    code = 0
     try:
         for step in range(start_step, cfg.train.steps + 1):
             ckpt.poll()  # an asynchronous save whose writers are done is finished here
@@ -215,9 +218,15 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
                 return _save_and_give_up(recipe, ckpt, step - 1, before, cfg, log, e)
             if recipe.eval_due(step):
                 metrics |= recipe.evaluate(step)
+            metrics |= alarms.check(step, metrics)  # health/alarms; action=warn logs each metric's first crossing
             metrics["step"] = step
             sinks.log(step, metrics)
             progress.update(step, metrics)
+            try:
+                alarms.enforce()
+            except DriftAlarm as e:  # every rank, at the same step: its metrics are the same everywhere
+                code = _save_and_stop(ckpt, step, log, e)
+                break
             stop = agree(_Stop.requested)
             if stop or (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
                 ckpt.save(step)
@@ -239,11 +248,12 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
         progress.close()
         sinks.close()
         recipe.close()
-    recipe.finish(out)
-    if rank == 0 and cfg.log.report:
+    if not code:
+        recipe.finish(out)
+    if rank == 0 and cfg.log.report:  # a run stopped by an alarm gets its report too: it shows why
         figures = write_report(out)
         log.info("report: %s", ", ".join(str(f) for f in figures))
-    return 0
+    return code
 
 
 def _save_and_give_up(recipe: Any, ckpt: Checkpoints, last: int, before: dict[str, Any], cfg: RunConfig, log: Any,
@@ -258,3 +268,14 @@ def _save_and_give_up(recipe: Any, ckpt: Checkpoints, last: int, before: dict[st
     log.error("no rollout server answered within rollout.timeout_s=%g s (%s); checkpoint of step %d saved, "
               "resume with train.resume=auto once the servers are back", cfg.rollout.timeout_s, error, last)
     return EXIT_NO_SERVER
+
+
+def _save_and_stop(ckpt: Checkpoints, step: int, log: Any, alarm: DriftAlarm) -> int:
+    """A drift alarm with action=stop fired on step `step`'s metrics: checkpoint that step, the last
+    one that finished (its weights are the ones in memory), and exit 4 naming the metric."""
+    ckpt.save(step)  # waits for a save in flight first
+    ckpt.wait()
+    log.error("drift alarm (drift.alarm.action=stop): %s; checkpoint of step %d saved in %s, exit %d; resume with "
+              "train.resume=auto once the cause is addressed (a lower lr, routing replay, a rollout correction)",
+              alarm, step, ckpt.root, EXIT_DRIFT_ALARM)
+    return EXIT_DRIFT_ALARM

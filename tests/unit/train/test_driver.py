@@ -1,9 +1,11 @@
-"""The `train` and `model` sections as the policy sees them."""
+"""The `train` and `model` sections as the policy sees them; the driver's stop on a drift alarm."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.recipes.build import optim_config
@@ -24,3 +26,79 @@ def test_aux_loss_coef_defaults_to_the_checkpoint_and_takes_an_override():
     assert load_config(str(DEMO), ["model.moe_aux_loss_coef=0.001"]).model.moe_aux_loss_coef == 0.001
     with pytest.raises(ConfigError, match="moe_aux_loss_coef"):
         load_config(str(DEMO), ["model.moe_aux_loss_coef=-1"])
+
+
+class _DriftingRecipe:
+    """A recipe whose routes churn more each step: `drift/volatility` = 0.1 * step, no model to train."""
+
+    rank = 0
+
+    def __init__(self, cfg):
+        self.cfg, self.finished = cfg, False
+
+    def draws(self):
+        return {}
+
+    def step(self, step):
+        return {"drift/volatility": 0.1 * step, "drift/volatility/layer_01": 0.05 * step,
+                "drift/volatility/layer_03": 0.15 * step}
+
+    def eval_due(self, step):
+        return False
+
+    def models(self):
+        return {}
+
+    def state_dict(self):
+        return {"seen": "state"}
+
+    def close(self):
+        pass
+
+    def finish(self, out):
+        self.finished = True
+
+
+@pytest.fixture
+def process_state():
+    """train_rank sets the process's signal handlers and the moe_rl logger: give them back after."""
+    import signal
+
+    logger = logging.getLogger("moe_rl")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
+    yield
+    for s, h in handlers.items():
+        signal.signal(s, h)
+    for handler in list(logger.handlers):
+        if handler not in saved[0]:
+            logger.removeHandler(handler)
+            handler.close()
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
+
+def test_stop_alarm_checkpoints_the_step_and_exits_4(tmp_path, monkeypatch, process_state):
+    """drift.alarm.action=stop: the first step past the threshold is logged (health/alarms 1), checkpointed,
+    named in the log, and train_rank returns exit status 4 without running the steps after it."""
+    import json
+
+    from moe_rl.drift.alarm import EXIT_DRIFT_ALARM
+    from moe_rl.train import driver
+    from moe_rl.train.checkpoint import latest_checkpoint
+
+    cfg = load_config(str(DEMO), ["drift.alarm.volatility=0.25", "drift.alarm.action=stop", "train.steps=6",
+                                  "train.save_every=0", "log.tensorboard=false", "log.progress=false",
+                                  "log.report=false", f"log.run_dir={tmp_path}"])
+    recipe = _DriftingRecipe(cfg)
+    monkeypatch.setattr(driver, "build_recipe", lambda *_: recipe)
+    code = driver.train_rank(cfg, str(tmp_path))
+    assert code == EXIT_DRIFT_ALARM == 4
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["health/alarms"]) for r in rows] == [(1, 0.0), (2, 0.0), (3, 1.0)]
+    assert latest_checkpoint(tmp_path).name == "step_000003"
+    assert torch.load(tmp_path / "checkpoints" / "step_000003" / "rank_00000.pt", weights_only=False)["step"] == 3
+    assert not recipe.finished  # no HF export of a stopped run
+    error = next(line for line in (tmp_path / "train.log").read_text().splitlines() if " ERROR " in line)
+    assert "drift/volatility = 0.3 is above drift.alarm.volatility = 0.25 at step 3, worst layer 03" in error
+    assert "checkpoint of step 3 saved" in error and "exit 4" in error

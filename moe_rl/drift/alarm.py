@@ -1,0 +1,119 @@
+"""Drift alarms (`drift.alarm`): thresholds on a step's drift metrics that warn or stop the run.
+
+The most common MoE RL failures are silent: the train-inference gap or the routers' churn grows
+for many steps before the reward collapses. The drift metrics measure it; an alarm acts on it.
+`Alarms.check(step, metrics)` runs on each step's metrics (the driver calls it, whatever the
+recipe: the metrics are plain keys), returns `health/alarms` (how many thresholds the step
+crossed) and, under `action=warn`, logs the first crossing of each metric with its worst layer.
+Under `action=stop`, `enforce()` then raises `DriftAlarm`, on every rank at the same step (the
+metrics are the same on every rank), and the driver checkpoints that step and exits with
+`EXIT_DRIFT_ALARM`, as it exits `EXIT_NO_SERVER` when the rollout servers are lost.
+
+Nothing here imports torch: the report reads the same table (`ALARM_METRICS`) to draw the thresholds.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from moe_rl.drift.config import ALARM_METRICS, AlarmConfig
+
+EXIT_DRIFT_ALARM = 4  # `moe-rl train` exit status when a drift alarm with action=stop fired
+HEALTH_ALARMS = "health/alarms"
+
+log = logging.getLogger("moe_rl")
+
+@dataclass(frozen=True)
+class Fired:
+    """One threshold crossed at one step."""
+
+    name: str            # the drift.alarm field
+    key: str             # the metric
+    value: float
+    threshold: float
+    side: str            # "above" (a ceiling) or "below" (a floor)
+    step: int
+    layer: int | None    # the worst MoE layer (HF index) by the per-layer keys; None without them
+    layer_value: float | None
+
+    def describe(self) -> str:
+        where = f", worst layer {self.layer:02d} ({self.layer_value:.4g})" if self.layer is not None else ""
+        return (f"{self.key} = {self.value:.4g} is {self.side} drift.alarm.{self.name} = {self.threshold:g} "
+                f"at step {self.step}{where}")
+
+
+class DriftAlarm(RuntimeError):
+    """A drift alarm with `drift.alarm.action=stop` fired; raised on every rank at the same step."""
+
+    def __init__(self, fired: list[Fired]) -> None:
+        self.fired = fired
+        self.step = fired[0].step
+        super().__init__("; ".join(f.describe() for f in fired))
+
+
+def crossed(value: float, threshold: float, side: str) -> bool:
+    """Whether `value` is past `threshold`; a NaN (nothing measured) never is."""
+    if math.isnan(value):  # a step without tokens to measure
+        return False
+    return value > threshold if side == "above" else value < threshold
+
+
+def worst_layer(metrics: Mapping[str, Any], key: str, side: str) -> tuple[int | None, float | None]:
+    """The MoE layer whose `{key}/layer_NN` value is furthest past the threshold's side (the largest
+    for a ceiling, the smallest for a floor), with its value; (None, None) without per-layer keys."""
+    pattern = re.compile(re.escape(key) + r"/layer_(\d+)$")
+    layers = [(int(m.group(1)), float(v)) for k, v in metrics.items()
+              if (m := pattern.match(k)) and isinstance(v, (int, float)) and not math.isnan(v)]
+    if not layers:
+        return None, None
+    pick = max if side == "above" else min
+    return pick(layers, key=lambda lv: lv[1])
+
+
+class Alarms:
+    """The run's drift alarms (one per set threshold of `drift.alarm`); inactive when none is set."""
+
+    def __init__(self, cfg: AlarmConfig) -> None:
+        self.cfg = cfg
+        self.thresholds = cfg.thresholds()
+        self.warned: set[str] = set()  # metrics whose crossing was logged already: once each
+        self.fired: list[Fired] = []   # the last checked step's
+
+    @property
+    def active(self) -> bool:
+        return bool(self.thresholds)
+
+    def crossings(self, step: int, metrics: Mapping[str, Any]) -> list[Fired]:
+        """The thresholds that `metrics` of `step` cross; a metric this step did not measure crosses none."""
+        out = []
+        for name, threshold in self.thresholds.items():
+            key, side = ALARM_METRICS[name]
+            value = metrics.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if crossed(float(value), threshold, side):
+                layer, layer_value = worst_layer(metrics, key, side)
+                out.append(Fired(name, key, float(value), threshold, side, step, layer, layer_value))
+        return out
+
+    def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """`health/alarms` of this step (nothing when no alarm is set); the first crossing of each metric
+        is logged (later ones only counted, so a run that stays past a threshold does not flood the log)."""
+        if not self.active:
+            return {}
+        self.fired = self.crossings(step, metrics)
+        for f in self.fired:
+            if f.key not in self.warned:
+                self.warned.add(f.key)
+                later = ("the run goes on; later crossings of this metric are counted in health/alarms, not logged"
+                         if self.cfg.action == "warn" else "stopping")
+                log.warning("drift alarm: %s; %s", f.describe(), later)
+        return {HEALTH_ALARMS: float(len(self.fired))}
+
+    def enforce(self) -> None:
+        """Raise `DriftAlarm` when the last checked step crossed a threshold under `action=stop`."""
+        if self.fired and self.cfg.action == "stop":
+            raise DriftAlarm(self.fired)
