@@ -24,6 +24,7 @@ from moe_rl.observe.logging import get_logger
 from moe_rl.observe.report_draw import Metrics, Skip
 from moe_rl.observe.report_drift import (drift_figure, heatmap_figure, staleness_curve, staleness_figure, turns_figure,
                                         volatility_curve)
+from moe_rl.observe.report_health import AlarmSettings, health_figure, health_lines, read_alarm_settings
 from moe_rl.observe.report_train import (bookkeeping_table, critic_figure, loss_figure, perf_figure,
                                         preference_figure, reward_figure)
 from moe_rl.observe.sinks import METRICS_FILE, latest_history, read_metrics
@@ -103,9 +104,11 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
     out = Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     name = run_dir.resolve().name  # "." names the run too
-    results = [_draw(spec, metrics, out, name) for spec in _FIGURES]
+    alarms = read_alarm_settings(run_dir)
+    results = [_draw(spec, metrics, out, name) for spec in (_health_spec(alarms), *_FIGURES)]
     index = out / "index.md"
-    index.write_text(_index_markdown(name, metrics, results, _layers_line(run_dir, metrics)), encoding="utf-8")
+    index.write_text(_index_markdown(name, metrics, results, _layers_line(run_dir, metrics),
+                                     health_lines(metrics, alarms)), encoding="utf-8")
     return results + [FigureResult("index.md", "this list", path=index)]
 
 
@@ -164,10 +167,13 @@ def _layers_line(run_dir: Path, metrics: Metrics) -> str:
     return f"{line}; {said} nothing and {'is' if len(dense) == 1 else 'are'} left out."
 
 
-def _index_markdown(run_name: str, metrics: Metrics, results: list[FigureResult], layers: str = "") -> str:
+def _index_markdown(run_name: str, metrics: Metrics, results: list[FigureResult], layers: str = "",
+                    health: list[str] | None = None) -> str:
     steps = metrics.steps
     lines = [f"# Report: {run_name}", "",
              f"{len(steps)} steps ({int(steps[0])} to {int(steps[-1])}) from `{METRICS_FILE}`.", ""]
+    if health:  # what a reader should look at first
+        lines += ["## MoE health ([health.png](health.png))", "", *health, ""]
     lines += [layers, ""] if layers else []
     lines += ["## Figures", ""]
     lines += [f"- [{r.name}]({r.name}): {r.about}" for r in results if r.path]
@@ -188,6 +194,14 @@ class _FigureSpec:
     title: str
     about: str
     build: Callable[[Metrics], Figure]
+
+
+def _health_spec(alarms: AlarmSettings) -> _FigureSpec:
+    """The first figure: its builder draws the run's own alarm thresholds (from its config.yaml)."""
+    return _FigureSpec("health.png", "MoE health",
+                       "read first: R3 coverage, engine-vs-trainer route flips and the tokens masked for them, "
+                       "expert-load violation, and the steps past each drift.alarm threshold the run set.",
+                       health_figure(alarms))
 
 
 _FIGURES = (
