@@ -76,8 +76,9 @@ def worst_layer(metrics: Mapping[str, Any], key: str, side: str) -> tuple[int | 
 class Alarms:
     """The run's drift alarms (one per set threshold of `drift.alarm`); inactive when none is set."""
 
-    def __init__(self, cfg: AlarmConfig) -> None:
+    def __init__(self, cfg: AlarmConfig, rank: int = 0) -> None:
         self.cfg = cfg
+        self.speaks = rank == 0  # every rank sees the same metrics: one warning is enough
         self.thresholds = cfg.thresholds()
         self.warned: set[str] = set()  # metrics whose crossing was logged already: once each
         self.fired: list[Fired] = []   # the last checked step's
@@ -100,17 +101,18 @@ class Alarms:
         return out
 
     def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """`health/alarms` of this step (nothing when no alarm is set); the first crossing of each metric
-        is logged (later ones only counted, so a run that stays past a threshold does not flood the log)."""
+        """`health/alarms` of this step (nothing when no alarm is set). Under action=warn the first crossing
+        of each metric is logged, on rank 0 (later ones only counted, so a run that stays past a threshold
+        does not flood the log); under action=stop the driver's error names them."""
         if not self.active:
             return {}
         self.fired = self.crossings(step, metrics)
         for f in self.fired:
-            if f.key not in self.warned:
+            if self.cfg.action == "warn" and f.key not in self.warned:
                 self.warned.add(f.key)
-                later = ("the run goes on; later crossings of this metric are counted in health/alarms, not logged"
-                         if self.cfg.action == "warn" else "stopping")
-                log.warning("drift alarm: %s; %s", f.describe(), later)
+                if self.speaks:
+                    log.warning("drift alarm: %s; the run goes on (drift.alarm.action=warn): later crossings of "
+                                "this metric are counted in health/alarms, not logged", f.describe())
         return {HEALTH_ALARMS: float(len(self.fired))}
 
     def enforce(self) -> None:

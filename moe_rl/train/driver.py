@@ -206,7 +206,7 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
         recipe.resumed()
     progress = Progress(cfg.train.steps, enabled=rank == 0, live=None if cfg.log.progress else False)
     ckpt = Checkpoints(recipe, out, cfg.train.keep_last, cfg.train.async_save)
-    alarms = Alarms(cfg.drift.alarm)  # drift.alarm: thresholds on each step's metrics, whatever the recipe
+    alarms = Alarms(cfg.drift.alarm, rank)  # drift.alarm: thresholds on each step's metrics, whatever the recipe
     code = 0
     try:
         for step in range(start_step, cfg.train.steps + 1):

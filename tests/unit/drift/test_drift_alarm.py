@@ -70,6 +70,11 @@ def test_warn_logs_once_per_metric_with_layer_and_step(caplog):
         in warnings[0]
     assert "drift/logp_k3 = 0.01 is above drift.alarm.logp_k3 = 0.001 at step 7" in warnings[1]
     assert out == {HEALTH_ALARMS: 2.0}
+    caplog.clear()
+    other_rank = Alarms(AlarmConfig(volatility=0.1), rank=1)
+    with caplog.at_level(logging.WARNING, logger="moe_rl"):
+        assert other_rank.check(5, _metrics(volatility=0.2)) == {HEALTH_ALARMS: 1.0}  # counted, said by rank 0 only
+    assert not caplog.records
 
 
 def test_stop_raises_the_named_error_with_the_metric():
