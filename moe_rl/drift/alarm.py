@@ -9,7 +9,8 @@ Under `action=stop`, `enforce()` then raises `DriftAlarm`, on every rank at the 
 metrics are the same on every rank), and the driver checkpoints that step and exits with
 `EXIT_DRIFT_ALARM`, as it exits `EXIT_NO_SERVER` when the rollout servers are lost.
 
-Nothing here imports torch: the report reads the same table (`ALARM_METRICS`) to draw the thresholds.
+Nothing here imports torch: the report marks the steps past each threshold with the same
+`crossed` and the same table (`ALARM_METRICS`, moe_rl/drift/config.py).
 """
 from __future__ import annotations
 
