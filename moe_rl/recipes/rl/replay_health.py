@@ -56,6 +56,21 @@ class EngineRoutes:
         return self.routed.unsqueeze(-1) & ~self.covered
 
 
+def sample_cover(routes: torch.Tensor | None, routed: int, num_layers: int, num_experts: int | None) -> torch.Tensor:
+    """`[routed, L]` bool: which of a sample's `routed` positions hold, per layer, an engine route some
+    router could have produced (a row the engine returned, ids distinct and in range)."""
+    out = torch.zeros((routed, num_layers), dtype=torch.bool)
+    if routes is None:
+        return out
+    ids = routes[:routed].long()
+    valid = (ids.sort(-1).values.diff(dim=-1) != 0).all(-1) if ids.shape[-1] > 1 else torch.ones(ids.shape[:2],
+                                                                                                dtype=torch.bool)
+    if num_experts is not None:
+        valid &= ((ids >= 0) & (ids < num_experts)).all(-1)
+    out[:ids.shape[0]] = valid
+    return out
+
+
 def engine_route_cover(samples: Any, width: int, num_experts: int | None = None) -> EngineRoutes:
     """The engine's routes of `samples` stacked to `[B, width, L, K]`, and where they exist."""
     if samples.routes is None or all(r is None for r in samples.routes):
@@ -64,17 +79,14 @@ def engine_route_cover(samples: Any, width: int, num_experts: int | None = None)
     some = next(r for r in samples.routes if r is not None)
     B, (L, K) = len(samples), some.shape[1:]
     routes = torch.zeros((B, width, L, K), dtype=some.dtype)
-    present = torch.zeros((B, width), dtype=torch.bool)
+    covered = torch.zeros((B, width, L), dtype=torch.bool)
     for i, (r, n) in enumerate(zip(samples.routes, samples.lengths())):
-        rows = 0 if r is None else min(r.shape[0], width, n - 1)
-        if rows:
+        routed = min(n - 1, width)
+        if r is not None:
+            rows = min(r.shape[0], routed)
             routes[i, :rows] = r[:rows]
-            present[i, :rows] = True
-    ids = routes.long()
-    valid = (ids.sort(-1).values.diff(dim=-1) != 0).all(-1) if K > 1 else torch.ones((B, width, L), dtype=torch.bool)
-    if num_experts is not None:
-        valid &= (ids < num_experts).all(-1)
-    return EngineRoutes(routes, valid & present.unsqueeze(-1), routed_positions(samples, width))
+        covered[i, :routed] = sample_cover(r, routed, L, num_experts)
+    return EngineRoutes(routes, covered, routed_positions(samples, width))
 
 
 def routed_positions(samples: Any, width: int) -> torch.Tensor:
@@ -87,38 +99,34 @@ def coverage(samples: Any, response: torch.Tensor, layer_ids: list[int], num_exp
     """`replay/coverage` (response tokens, the least over layers), `replay/coverage_prompt` (the other
     routed tokens: prompt and environment context) and `replay/coverage/layer_XX` (response tokens)
     of an R3 step; ReplayCoverageError when either share is below `min_coverage`, naming the samples
-    (their index in the step and their token counts) and the layers. `response`: `[B, W]` bool."""
-    width = response.shape[1]
-    cover = engine_route_cover(samples, width, num_experts).covered
-    context = routed_positions(samples, width) & ~response
-    def per_layer(where: torch.Tensor) -> torch.Tensor:
-        return (cover & where.unsqueeze(-1)).sum((0, 1)).double() / max(int(where.sum()), 1)
-
-    resp, ctx = per_layer(response), per_layer(context)
-    out = {"replay/coverage": float(resp.min()), "replay/coverage_prompt": float(ctx.min())}
-    out |= {f"replay/coverage/layer_{lid:02d}": float(v) for lid, v in zip(layer_ids, resp.tolist())}
+    (their index in the step and their token counts) and the layers. `response`: `[B, W]` bool.
+    Sample by sample, with `sample_cover` as the replay uses it: rank 0 holds the whole step."""
+    L = len(layer_ids)
+    hits, totals, missing = torch.zeros(2, L, dtype=torch.float64), torch.zeros(2), []
+    for i, (r, n) in enumerate(zip(samples.routes or [None] * len(samples), samples.lengths())):
+        cover = sample_cover(r, n - 1, L, num_experts)            # [n - 1, L]
+        resp = response[i, :n - 1]
+        for k, where in enumerate((resp, ~resp)):
+            hits[k] += cover[where].sum(0)
+            totals[k] += int(where.sum())
+        if not bool(cover.all()):
+            miss = ~cover.all(-1)
+            layers = [layer_ids[j] for j in (~cover).any(0).nonzero().flatten().tolist()]
+            missing.append(f"sample {i}: {int((miss & resp).sum())} of {int(resp.sum())} response and "
+                           f"{int((miss & ~resp).sum())} of {int((~resp).sum())} prompt tokens, layers {layers}")
+    share = hits / totals.clamp(min=1).unsqueeze(-1)
+    out = {"replay/coverage": float(share[0].min()), "replay/coverage_prompt": float(share[1].min())}
+    out |= {f"replay/coverage/layer_{lid:02d}": float(v) for lid, v in zip(layer_ids, share[0].tolist())}
     if min(out["replay/coverage"], out["replay/coverage_prompt"]) < min_coverage:
-        raise ReplayCoverageError(coverage_message(cover, response, context, layer_ids, out, min_coverage))
-    return out
-
-
-def coverage_message(cover: torch.Tensor, response: torch.Tensor, context: torch.Tensor, layer_ids: list[int],
-                     out: dict[str, float], min_coverage: float) -> str:
-    missing = (~cover) & (response | context).unsqueeze(-1)  # [B, W, L]
-    samples = [int(i) for i in missing.any((1, 2)).nonzero().flatten()]
-    lines = []
-    for i in samples[:8]:
-        layers = [layer_ids[j] for j in missing[i].any(0).nonzero().flatten().tolist()]
-        miss = missing[i].any(-1)
-        lines.append(f"sample {i}: {int((miss & response[i]).sum())} of {int(response[i].sum())} response and "
-                     f"{int((miss & context[i]).sum())} of {int(context[i].sum())} prompt tokens, layers {layers}")
-    more = f" (and {len(samples) - 8} more samples)" if len(samples) > 8 else ""
-    return (f"algo.replay=r3: {len(samples)} of {cover.shape[0]} samples have tokens without an engine route to "
+        more = f" (and {len(missing) - 8} more samples)" if len(missing) > 8 else ""
+        raise ReplayCoverageError(
+            f"algo.replay=r3: {len(missing)} of {len(samples)} samples have tokens without an engine route to "
             f"replay (replay/coverage {out['replay/coverage']:.4f}, replay/coverage_prompt "
-            f"{out['replay/coverage_prompt']:.4f} < algo.replay_min_coverage={min_coverage}): " + "; ".join(lines)
-            + more + ". A server returned no routes for a sample (aborted?) or fewer rows than its tokens "
-            "(routed_experts_start_len, a multi-turn episode's turns), or rows no router produced. Fix the "
-            "engine, or lower algo.replay_min_coverage to replay the trainer's own routes there")
+            f"{out['replay/coverage_prompt']:.4f} < algo.replay_min_coverage={min_coverage}): "
+            + "; ".join(missing[:8]) + more + ". A server returned no routes for a sample (aborted?) or fewer "
+            "rows than its tokens (routed_experts_start_len, a multi-turn episode's turns), or rows no router "
+            "produced. Fix the engine, or lower algo.replay_min_coverage to replay the trainer's own routes there")
+    return out
 
 
 def replay_routes(engine: EngineRoutes, free: torch.Tensor | None) -> torch.Tensor:

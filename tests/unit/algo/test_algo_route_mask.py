@@ -48,3 +48,32 @@ def test_route_mask_matches_the_per_token_loop(max_flips):
     assert torch.equal(got.keep, keep) and torch.equal(got.flips, flips)
     assert (~keep).any() and keep[mask].any(), "the draw must mask some tokens and keep others"
     assert not route_sets_differ(engine, engine.long().flip(-1)).any()
+
+
+def test_route_mask_config_composes_with_the_ratio_modes_and_names_its_keys():
+    from moe_rl.algo.config import ratio_mode, route_mask_bound
+    from moe_rl.config import ConfigError, load_config
+
+    def algo(*overrides):
+        return load_config(None, ["rollout.return_routed_experts=true", *overrides]).algo
+
+    a = algo("algo.replay=r2", "algo.rollout_correction.mode=route_mask")  # the shorthand: the mask alone, N = 0
+    assert route_mask_bound(a) == 0 and ratio_mode(a.rollout_correction) is None
+    a = algo("algo.replay=off", "algo.rollout_correction.mode=icepop", "algo.rollout_correction.route_mask.max_flips=2")
+    assert route_mask_bound(a) == 2 and ratio_mode(a.rollout_correction) == "icepop"
+    assert route_mask_bound(algo("algo.replay=r2")) is None
+    a = algo("algo.replay=r3", "algo.rollout_correction.route_mask.max_flips=1",
+             "algo.rollout_correction.route_mask.native=true")
+    assert route_mask_bound(a) == 1
+    # the trainer's routes need no engine log-prob ratio: behaviour=engine takes the route mask
+    a = algo("algo.replay=r2", "algo.behaviour=engine", "algo.rollout_correction.mode=route_mask")
+    assert route_mask_bound(a) == 0
+    with pytest.raises(ConfigError, match="route_mask.native=true"):
+        algo("algo.replay=r3", "algo.rollout_correction.mode=route_mask")
+    with pytest.raises(ConfigError, match="route_mask.*rollout.return_routed_experts=true"):
+        load_config(None, ["rollout.return_routed_experts=false", "algo.replay=r2",
+                           "algo.rollout_correction.route_mask.max_flips=0"])
+    with pytest.raises(ConfigError, match="algo.rollout_correction.route_mask.max_flips: -1 must be >= 0"):
+        algo("algo.rollout_correction.route_mask.max_flips=-1")
+    with pytest.raises(ConfigError, match="algo.replay_min_coverage: 1.5 must be in"):
+        algo("algo.replay_min_coverage=1.5")
