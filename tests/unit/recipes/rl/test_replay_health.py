@@ -203,3 +203,33 @@ def test_without_the_route_mask_nothing_is_masked_and_no_metric_is_logged():
     old = old_logprobs(_run(_Policy(), "algo.replay=r2", "algo.rollout_correction.mode=icepop"), mine, step=1)
     assert old.route_keep is None and old.metrics == {}
     assert bool(loss_extras(mine, old)["route_keep"].all())
+
+
+@pytest.mark.parametrize("family", ["glm4_moe"])
+def test_the_offset_check_on_a_tiny_model_with_a_dense_first_layer(family):
+    """Real routers (a dense first layer, 4 experts, top-2: chance overlap 0.5, the hardest case): an
+    engine one version away passes; one that reads its MoE layers one layer off is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.drift.routes import hf_routes
+    from moe_rl.policy.tiny import TinyMoEConfig, tiny_hf_config
+    from moe_rl.recipes.rl.replay_health import check_layer_offset
+
+    torch.manual_seed(0)
+    config = tiny_hf_config(family, TinyMoEConfig(num_hidden_layers=5))
+    config.initializer_range = 0.2  # the tiny checkpoints' init: routers far from uniform
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trainer = hf_routes(model, ids).flatten(0, 1)  # [N, L, K]
+        for name, p in model.named_parameters():  # the engine: routers one small update away
+            if "gate" in name:
+                p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        engine = hf_routes(model, ids).flatten(0, 1)
+    layers = [1, 2, 3, 4]
+    assert trainer.shape[1] == len(layers)
+    check_layer_offset(engine, trainer, None, layers)
+    shifted = engine.clone()
+    shifted[:, 1:] = engine[:, :-1]  # the engine's layer j holds its layer j - 1; layer 1 keeps its own
+    with pytest.raises(LayerOffsetError, match="MoE layer 2 equal the trainer's layer 1"):
+        check_layer_offset(shifted, trainer, None, layers)
