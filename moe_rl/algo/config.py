@@ -18,12 +18,28 @@ AGGREGATIONS = registry_names("moe_rl.algo.aggregation", "AGG_MODES")
 ADVANTAGES = registry_names("moe_rl.algo.advantages", "ADVANTAGE_ESTIMATORS", extra=("gae",))
 KL_ESTIMATORS = registry_names("moe_rl.algo.kl", "KL_ESTIMATORS")
 TIS_LEVELS = registry_names("moe_rl.algo.tis", "TIS_LEVELS")
-CORRECTION_MODES = registry_names("moe_rl.algo.correction", "CORRECTION_MODES")
+# route_mask: the shorthand for route masking alone (route_mask_bound), no ratio correction
+CORRECTION_MODES = registry_names("moe_rl.algo.correction", "CORRECTION_MODES", extra=("route_mask",))
 DPO_LOSSES = registry_names("moe_rl.algo.losses", "DPO_KINDS")
 # Values of the config alone: the policy and the trainer read them.
 REPLAYS = ("off", "r2", "r3", "auto")
 BEHAVIOURS = ("recompute", "engine")
 CRITIC_REPLAYS = ("off", "r2")
+
+
+@dataclass
+class RouteMaskConfig:
+    """Route-mismatch masking (moe_rl/algo/route_mask.py): drop the tokens whose trainer routes differ
+    from the rollout engine's in too many MoE layers; it composes with every rollout_correction.mode."""
+
+    max_flips: int | None = ranged(None, ge=0)
+    """None = off; else mask each response token whose top-k expert set differs between the trainer's
+    own routing (the old pass, routes free) and the engine's in more than this many MoE layers (0: in
+    any layer). Under R2 / replay off; under R3 only with native=true. Needs rollout.return_routed_experts."""
+    native: bool = False
+    """Under algo.replay=r3 (the engine's routes are replayed): also mask the tokens whose native
+    routing, the trainer's free routes in its old pass (one more forward per step), disagrees with the
+    replayed routes beyond max_flips: tokens the trainer would not have routed so."""
 
 
 @dataclass
@@ -34,11 +50,15 @@ class RolloutCorrectionConfig:
     """None = off; tis = truncated IS (cap: algo.tis_cap, 2 if unset); token_mask = drop tokens whose
     ratio pi_old / pi_rollout is outside [low, high] (MIS); icepop = token_mask with IcePop's [0.5, 5];
     seq_mask = drop whole sequences whose geometric-mean ratio is outside [low, high]. algo.tis_cap
-    set together with a mask mode applies both."""
+    set together with a mask mode applies both. route_mask: shorthand for route masking alone
+    (route_mask.max_flips, 0 when unset); to mask routes beside a ratio mode, set that mode and
+    route_mask.max_flips."""
     low: float | None = ranged(None, ge=0.0, lt=1.0)
     """Lower bound on the ratio for the mask modes; None = the mode's default (0.5; seq_mask 0.99)."""
     high: float | None = ranged(None, gt=1.0)
     """Upper bound on the ratio for the mask modes; None = the mode's default (2; icepop 5; seq_mask 1.01)."""
+    route_mask: RouteMaskConfig = field(default_factory=RouteMaskConfig)
+    """Route-mismatch masking, beside any mode (mode=route_mask: it alone)."""
 
 
 @dataclass
@@ -91,6 +111,11 @@ class AlgoConfig:
     """DAPO overlong shaping L_max in tokens; None = off."""
     overlong_cache_len: int = ranged(0, ge=0)
     """DAPO L_cache: responses within this many tokens of L_max get a linear penalty."""
+    replay_min_coverage: float = ranged(1.0, ge=0.0, le=1.0)
+    """Under R3, the least share of a step's tokens (response tokens, and separately the prompt's and
+    environments' context tokens; per MoE layer) that must replay a route the engine returned; below it
+    the step fails naming the samples and layers (replay/coverage). 1.0: every token, as R3 promises.
+    Below 1.0 the tokens without an engine route replay the trainer's own routes (one more forward per step)."""
     replay: str = choice("r2", REPLAYS)
     """Routing replay: r2 replays the old policy's routes, r3 the rollout engine's; r2 needs no engine
     support. auto: r2 while a step's updates are mildly off-policy (at most 2 optimizer updates per
@@ -183,8 +208,36 @@ def staleness_bound(a: Any) -> int:
     return max(int(a.max_staleness), 1 if a.off_policy_overlap else 0)
 
 
+def ratio_mode(rc: RolloutCorrectionConfig) -> str | None:
+    """The ratio correction of moe_rl/algo/correction.py that `rc.mode` asks for (None for route_mask alone)."""
+    return None if rc.mode == "route_mask" else rc.mode
+
+
+def route_mask_bound(a: AlgoConfig) -> int | None:
+    """max_flips of the route mask this run applies, None when it applies none: route_mask.max_flips
+    (mode=route_mask without it: 0), under R3 only with route_mask.native."""
+    rc = a.rollout_correction
+    bound = rc.route_mask.max_flips if rc.route_mask.max_flips is not None else 0 if rc.mode == "route_mask" else None
+    if bound is None or (replay_mode(a) == "r3" and not rc.route_mask.native):
+        return None
+    return bound
+
+
+def check_route_mask(cfg: Any) -> Iterator[str]:
+    a, rc = cfg.algo, cfg.algo.rollout_correction
+    wanted = rc.mode == "route_mask" or rc.route_mask.max_flips is not None
+    if wanted and not cfg.rollout.return_routed_experts:
+        yield ("algo.rollout_correction.route_mask compares the trainer's routes with the engine's: set "
+               "rollout.return_routed_experts=true (SGLang: --enable-return-routed-experts)")
+    if wanted and replay_mode(a) == "r3" and not rc.route_mask.native:
+        yield (f"algo.rollout_correction.route_mask: algo.replay={a.replay!r} replays the engine's routes (r3), so "
+               "no route differs from them; set algo.rollout_correction.route_mask.native=true to mask the tokens "
+               "whose free routing disagrees with the replayed one, or use algo.replay=r2/off")
+
+
 def check_algo(cfg: Any) -> Iterator[str]:
     a = cfg.algo
+    yield from check_route_mask(cfg)
     if replay_mode(a) == "r3" and not cfg.rollout.return_routed_experts:
         yield (f"algo.replay: {a.replay!r} chooses 'r3' here, which replays the rollout engine's routes and requires "
                "rollout.return_routed_experts=true")
@@ -197,7 +250,7 @@ def check_algo(cfg: Any) -> Iterator[str]:
     if (rc.low is not None or rc.high is not None) and rc.mode not in ("token_mask", "icepop", "seq_mask"):
         yield (f"algo.rollout_correction.low/high bound the ratio of a mask mode; mode is {rc.mode!r}: set "
                "algo.rollout_correction.mode to token_mask, icepop or seq_mask, or leave the bounds unset")
-    if a.behaviour == "engine" and (a.tis_cap is not None or rc.mode is not None):
+    if a.behaviour == "engine" and (a.tis_cap is not None or ratio_mode(rc) is not None):
         yield ("algo.behaviour: 'engine' takes pi_old from the engine's log-probs, so there is no engine/trainer "
                "ratio to correct; unset algo.tis_cap and algo.rollout_correction.mode, or use "
                "algo.behaviour=recompute (decoupled PPO: clip against the trainer, weigh the engine's samples)")

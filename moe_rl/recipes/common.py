@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from moe_rl.drift.metrics import route_stats
 from moe_rl.policy.policy import Policy
-from moe_rl.recipes.rl.batch import Samples
+from moe_rl.recipes.rl.batch import Samples, response_mask  # noqa: F401  (read here by the step's helpers)
 
 
 class Stopwatch:
@@ -31,20 +31,6 @@ class Stopwatch:
 
     def metrics(self) -> dict[str, float]:
         return self.laps | {"perf/step_s": self.total()}
-
-
-def response_mask(samples: Samples, width: int) -> torch.Tensor:
-    """`[B, width]`: 1 where position t predicts a completion token (t >= P - 1, t < T - 1) that
-    the model generated: in multi-turn episodes the environment's tokens are context, not actions,
-    so they are 0 here and count in no loss, KL, entropy, ratio or normaliser."""
-    t = torch.arange(width).view(1, -1)
-    lengths = torch.tensor(samples.lengths()).view(-1, 1)
-    mask = ((t >= samples.prompt_lens.view(-1, 1) - 1) & (t < lengths - 1)).float()
-    if samples.action_masks is not None:
-        for i, (p, action) in enumerate(zip(samples.prompt_lens.tolist(), samples.action_masks)):
-            row = mask[i, p - 1: p - 1 + action.numel()]  # position p-1+j predicts completion token j
-            row *= action[: row.numel()].float()
-    return mask
 
 
 # Loss metrics that are shares of a globally normalised total (summed over microbatches

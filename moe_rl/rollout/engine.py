@@ -44,20 +44,64 @@ def smallest_int_dtype(num_experts: int) -> np.dtype:
     return np.dtype(str(route_dtype(num_experts)).removeprefix("torch."))
 
 
-def to_route_dtype(ids: Any, num_experts: int | None) -> np.ndarray:
-    """Expert ids as an array of `smallest_int_dtype(num_experts)`, range-checked.
+def to_route_dtype(ids: Any, num_experts: int | None, layer_ids: Sequence[int] | None = None) -> np.ndarray:
+    """Expert ids as an array of `smallest_int_dtype(num_experts)`, checked by `check_route_rows`.
 
-    Raises ValueError when an id lies outside [0, num_experts), instead of
-    letting a narrower dtype wrap it around silently.
+    Raises ValueError naming the first bad row instead of letting a narrower dtype wrap an id
+    around silently, or a padding row be replayed as if a router had chosen it.
     """
     arr = np.asarray(ids)
+    check_route_rows(arr, num_experts, layer_ids)
     if num_experts is None:
         return arr.astype(np.int32, copy=False)
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"expert id out of range [0, {num_experts}): min {lo}, max {hi}")
     return arr.astype(smallest_int_dtype(num_experts), copy=False)
+
+
+# A row whose every MoE layer chose one and the same expert id is refused only where no router
+# picks it by chance: one expert per token (k >= 2 repeats are refused anyway) and ids whose
+# agreement across L layers has probability at most num_experts^-(L - 1) <= 1e-9 per token.
+# Expert indices of different layers are unrelated (any permutation of a layer's experts is the
+# same model), so correlated hidden states do not make equal indices likelier; at 1e-9 a step
+# of a million tokens refuses a true route with probability 1e-3 at most. Padding and unset
+# rows (all zeros) match the rule on every such model.
+ALL_ONE_ID_MIN_LAYERS = 4
+ALL_ONE_ID_MAX_CHANCE = 1e-9
+
+
+def check_route_rows(routes: np.ndarray, num_experts: int | None, layer_ids: Sequence[int] | None = None) -> None:
+    """Refuse route rows `[rows, L, K]` that no router produced: an id outside [0, num_experts)
+    (when it is known), an id repeated within one layer's top-k (a router picks K distinct
+    experts: zeros written as padding repeat 0 when K >= 2), or a row of one id across every
+    layer where chance cannot explain it (see ALL_ONE_ID_MAX_CHANCE). ValueError naming the
+    first bad row and layer (`layer_ids`: the layers' names, default the MoE column index).
+    """
+    if routes.ndim != 3 or routes.size == 0:
+        return
+    rows, L, K = routes.shape
+    name = lambda j: f"layer {layer_ids[j]}" if layer_ids is not None else f"MoE layer {j}"  # noqa: E731
+    if num_experts is not None:
+        lo, hi = int(routes.min()), int(routes.max())
+        if lo < 0 or hi >= num_experts:
+            t, j, _ = np.argwhere((routes < 0) | (routes >= num_experts))[0]
+            raise ValueError(f"expert id out of range [0, {num_experts}): min {lo}, max {hi} "
+                             f"(first at row {t}, {name(j)}: {routes[t, j].tolist()})")
+    if K > 1:
+        ordered = np.sort(routes, axis=-1)
+        repeats = (ordered[..., 1:] == ordered[..., :-1]).any(-1)  # [rows, L]
+        if repeats.any():
+            t, j = np.argwhere(repeats)[0]
+            raise ValueError(f"row {t}, {name(j)} repeats an expert id within its top-{K}: {routes[t, j].tolist()} "
+                             f"({int(repeats.any(-1).sum())} of {rows} rows; a router picks {K} distinct experts: "
+                             "padding or unset rows written as routes?)")
+    elif L >= ALL_ONE_ID_MIN_LAYERS and num_experts is not None \
+            and float(num_experts) ** -(L - 1) <= ALL_ONE_ID_MAX_CHANCE:
+        flat = routes.reshape(rows, L)
+        same = (flat == flat[:, :1]).all(-1)
+        if same.any():
+            t = int(np.argwhere(same)[0][0])
+            raise ValueError(f"row {t} names expert {int(flat[t, 0])} in all {L} MoE layers ({int(same.sum())} of "
+                             f"{rows} rows), which routers of {num_experts} experts do not do by chance: padding or "
+                             "unset rows written as routes?")
 
 
 @dataclass(frozen=True)
@@ -246,6 +290,10 @@ class GenerateResult:
             if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != want:
                 raise ValueError(f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
                                  f"[{want}, num_moe_layers, topk] (len(prompt + output) - 1 - start rows)")
+            try:  # every engine's rows, the in-process ones' too (the range needs num_experts: to_route_dtype)
+                check_route_rows(np.asarray(self.routed_experts), None)
+            except ValueError as e:
+                raise ValueError(f"{self.server or 'rollout engine'}: routed_experts: {e}") from None
 
     @property
     def token_ids(self) -> list[int]:

@@ -10,7 +10,8 @@ sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
 "routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
 The routes are decoded as `extract_routed_experts_from_meta_info` does
 (sglang/srt/state_capturer/routed_experts.py: frombuffer int32), shape-checked,
-restricted to the MoE layers and stored in the smallest integer dtype. Every problem is a
+restricted to the MoE layers, checked row by row (`check_route_rows`: ids in range, no id
+repeated within a top-k, no padding rows) and stored in the smallest integer dtype. Every problem is a
 `RolloutError` naming the server and the sample.
 """
 from __future__ import annotations
@@ -128,7 +129,7 @@ def decode_routes(where: str, b64: Any, rows: int, geo: Geometry) -> np.ndarray:
                            f"num_layers = {L}, topk = {k}] ({want} int32 values)")
     arr = arr.reshape(rows, L, k)[:, geo.moe_layers, :]
     try:
-        return to_route_dtype(arr, geo.num_experts)
+        return to_route_dtype(arr, geo.num_experts, geo.moe_layers)
     except ValueError as e:
         raise RolloutError(f"{where}: routed_experts: {e}") from None
 

@@ -22,11 +22,14 @@ def varied_reward(completion_text: str, answer: str | None, *, completion_ids: l
     return float(sum(completion_ids) % 5) / 4
 
 
-def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list[tuple[str, str]],
+def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list[tuple],
                             then_overlap_and_packed: bool = True) -> list[dict[str, Any]]:
     """For each (loss, replay) pair: one RL step; returns metrics, whether weights moved, and
-    what the updates replayed (`replay_check`: "ok" or what differed). Then (unless told not
-    to) overlapped steps, in-place pushes and packed micro-batches under R2 and R3."""
+    what the updates replayed (`replay_check`: "ok" or what differed). A combo's optional third
+    item, {field: value} of `algo.rollout_correction.route_mask`, turns the route mask on beside the
+    run's rollout correction for that step. Then (unless told not to) overlapped steps, in-place
+    pushes and packed micro-batches under R2 and R3."""
+    from moe_rl.algo.config import RouteMaskConfig
     from moe_rl.config import RunConfig
     from moe_rl.recipes.build import build_run, inflight_client_args
     from moe_rl.recipes.rl.pipeline import RolloutPipeline
@@ -39,14 +42,18 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
     spy = _ReplaySpy(run)
     out = []
     try:
-        for step, (loss, replay) in enumerate(combos, start=1):
-            run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, loss=loss, replay=replay))
+        for step, (loss, replay, *route_mask) in enumerate(combos, start=1):
+            algo = dataclasses.replace(cfg.algo, loss=loss, replay=replay)
+            if route_mask:
+                algo = dataclasses.replace(algo, rollout_correction=dataclasses.replace(
+                    algo.rollout_correction, route_mask=RouteMaskConfig(**route_mask[0])))
+            run.cfg = dataclasses.replace(cfg, algo=algo)
             before = _weights_fingerprint(run.policy)
             spy.reset()
             metrics = rl_step(run, step)
             moved = _weights_fingerprint(run.policy) - before
             out.append({"loss": loss, "replay": replay, "metrics": metrics, "weight_change": float(moved.abs().sum()),
-                        "replay_check": spy.check(replay)})
+                        "replay_check": spy.check(replay), "route_mask": bool(route_mask)})
         if not then_overlap_and_packed:
             return out
         # One-step off-policy overlap: the next rollout runs while this step trains.

@@ -49,7 +49,9 @@ def test_every_objective_and_replay_mode(tmp_path):
         f"log.run_dir={tmp_path}", f"rollout.base_port={free_ports(1)}", "rollout.temperature=0.7",
         "reward.name=moe_rl.testing.e2e:varied_reward", "drift.per_update=true",
         "algo.rollout_correction.mode=icepop"])
-    combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS] + [("cispo", "r2"), ("gmpo", "r3")]
+    # one step with the route mask beside IcePop (under R2: the trainer routes itself)
+    combos = [(loss, replay) for loss in LOSSES for replay in REPLAYS] + [("cispo", "r2"), ("gmpo", "r3"),
+                                                                          ("gspo", "r2", {"max_flips": 0})]
     results = run_ranks(objective_matrix_worker, 2, cfg.to_dict(), str(tmp_path), combos, timeout=900)
     assert sum(1 for r in results[0] if r.get("packed")) == 2  # then two packed steps (r2, r3) with DP balancing
     overlap = [r["metrics"]["rollout/staleness"] for r in results[0] if r.get("overlap")]
@@ -64,7 +66,8 @@ def test_every_objective_and_replay_mode(tmp_path):
             assert math.isfinite(r["metrics"]["loss/pg_loss"])
             continue
         m = r["metrics"]
-        name = f"{r['loss']}/{r['replay']}" + ("/packed" if r.get("packed") else "")
+        name = f"{r['loss']}/{r['replay']}" + ("/packed" if r.get("packed") else "") + (
+            "/route_mask" if r.get("route_mask") else "")
         for key in KEYS + [LOSS_KEYS.get(r["loss"], "loss/clip_frac_high")]:
             assert key in m, f"{name}: metric {key} missing"
         assert math.isfinite(m["loss/pg_loss"]) and math.isfinite(m["perf/grad_norm"]), name
@@ -85,6 +88,13 @@ def test_every_objective_and_replay_mode(tmp_path):
         assert 0.5 < m["correction/ratio_min"] <= m["correction/ratio_max"] < 5.0, name
         if "replay_check" in r:
             assert r["replay_check"] == "ok", f"{name}: {r['replay_check']}"
+        if r["replay"] == "r3":  # every response and prompt token replayed an engine route
+            assert m["replay/coverage"] == 1.0 and m["replay/coverage_prompt"] == 1.0, name
+        flips = [v for k, v in m.items() if k.startswith("correction/route_flip_frac/layer_")]
+        if r.get("route_mask"):  # max_flips 0: masked = the tokens with a flip in any layer
+            assert len(flips) == 4 and max(flips) <= m["correction/route_masked_frac"] <= sum(flips), name
+        else:
+            assert not flips and "correction/route_masked_frac" not in m, name
     ranks_agree = [r["metrics"]["reward/mean"] for r in results[1]] == [r["metrics"]["reward/mean"] for r in results[0]]
     assert ranks_agree
 

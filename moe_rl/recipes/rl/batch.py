@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from moe_rl.algo.advantages import compute_advantages
-from moe_rl.algo.config import staleness_bound
+from moe_rl.algo.config import replay_mode, staleness_bound
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
 from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import seeded_shuffle
 from moe_rl.dist.collectives import broadcast_object, share_out
 from moe_rl.recipes.rl.pipeline import check_staleness
+from moe_rl.recipes.rl.replay_health import coverage
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
 from moe_rl.rollout.outage import attempt, unwrap
 
@@ -161,7 +162,8 @@ def _samples(run: Any, prompts: list[Prompt], payload: list) -> Samples:
             owners.append(prompt)
             versions.append(None if token_versions is None else
                             torch.tensor([version_number(v) for v in token_versions], dtype=torch.int32))
-    has_routes = all(r is not None for r in routes)
+    # one sample without routes (an aborted request) leaves the others theirs: R3's coverage names it
+    has_routes = any(r is not None for r in routes)
     episodes = all(a is not None for a in actions) and bool(actions)
     return Samples(owners, seqs, torch.tensor(plens), logps, routes if has_routes else None, texts,
                    versions=versions if all(v is not None for v in versions) else None,
@@ -330,6 +332,30 @@ def wait_for_prefetch(run: Any) -> None:
         run.pipeline.drain()
 
 
+def response_mask(samples: Samples, width: int) -> torch.Tensor:
+    """`[B, width]`: 1 where position t predicts a completion token (t >= P - 1, t < T - 1) that
+    the model generated: in multi-turn episodes the environment's tokens are context, not actions,
+    so they are 0 here and count in no loss, KL, entropy, ratio or normaliser."""
+    t = torch.arange(width).view(1, -1)
+    lengths = torch.tensor(samples.lengths()).view(-1, 1)
+    mask = ((t >= samples.prompt_lens.view(-1, 1) - 1) & (t < lengths - 1)).float()
+    if samples.action_masks is not None:
+        for i, (p, action) in enumerate(zip(samples.prompt_lens.tolist(), samples.action_masks)):
+            row = mask[i, p - 1: p - 1 + action.numel()]  # position p-1+j predicts completion token j
+            row *= action[: row.numel()].float()
+    return mask
+
+
+def replay_coverage(run: Any, samples: Samples) -> dict[str, float]:
+    """Rank 0, under R3: the share of the step's tokens that replay an engine route (replay/coverage*),
+    failing below algo.replay_min_coverage before any rank trains (moe_rl/recipes/rl/replay_health.py)."""
+    if replay_mode(run.cfg.algo) != "r3":
+        return {}
+    arch, width = run.policy.arch, max(samples.lengths()) - 1
+    return coverage(samples, response_mask(samples, width).bool(), list(arch.moe_layers), arch.num_moe_experts,
+                    run.cfg.algo.replay_min_coverage)
+
+
 # ---------------------------------------------------------------- the hand-off
 
 @dataclass
@@ -354,6 +380,7 @@ def plan_step(run: Any, step: int) -> dict[int, StepBatch]:
     dp = run.policy.dp_size
     if samples is None:
         return {d: StepBatch(metrics, None) for d in range(dp)}
+    metrics |= replay_coverage(run, samples)                      # R3: every token replays an engine route
     tokens = sum(samples.lengths())
     return {d: StepBatch(metrics, my_share(run, samples, step, d), tokens) for d in range(dp)}
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.algo.config import staleness_bound
+from moe_rl.algo.config import ratio_mode, route_mask_bound, staleness_bound
 from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.losses import compute_loss, ntp_loss
 from moe_rl.config import RunConfig, replay_mode
@@ -29,6 +29,7 @@ from moe_rl.recipes.common import (Stopwatch, combine_loss_metrics, mean_metrics
                                 response_mask)
 from moe_rl.recipes.rl.batch import Samples, Share, rollout_batch, wait_for_prefetch
 from moe_rl.recipes.rl.critic import critic_step
+from moe_rl.recipes.rl.replay_health import engine_route_cover, free_pass_due, replay_routes, route_health
 from moe_rl.rollout.config import pause_mode
 from moe_rl.reward.runner import RewardRunner
 
@@ -89,38 +90,40 @@ class OldPass:
     trainer_logp: torch.Tensor | None  # [B, T - 1] the trainer's pass (None: not run)
     free_routes: torch.Tensor | None   # [B, T - 1, L, K] chosen by the trainer's routers
     replay: torch.Tensor | None        # routes replayed in the updates (None = replay off)
+    route_keep: torch.Tensor | None = None  # [B, T - 1] bool: the route mask's kept tokens (None: no mask)
+    metrics: dict[str, float] = field(default_factory=dict)  # correction/route_* of the route mask
 
 
 def old_logprobs(run: Run, mine: Samples, step: int) -> OldPass:
     """pi_old: the trainer's log-probs of the samples before the step's updates (algo.behaviour=
-    recompute), or the engine's (engine); the trainer's own routes only where R2 replays them or this
-    step measures drift on its tokens. With behaviour=engine the pass runs only for those routes."""
-    mode, drift = replay_mode(run.cfg.algo), step_drift_due(run, step)
+    recompute), or the engine's (engine); the trainer's own free routes where R2 replays them, this
+    step measures drift on its tokens, the route mask compares them with the engine's, or R3 checks
+    the engine's layers (moe_rl/recipes/rl/replay_health.py). With behaviour=engine the pass runs
+    only for those routes."""
+    mode, drift, masking = replay_mode(run.cfg.algo), step_drift_due(run, step), route_mask_bound(run.cfg.algo)
     engine_pi = run.cfg.algo.behaviour == "engine"
     width = max(mine.lengths()) - 1
-    if engine_pi and mode != "r2" and not drift:      # nothing needs the trainer: no pass
-        return OldPass(engine_logp_tokens(mine, width), None, None, engine_routes(mine) if mode == "r3" else None)
+    engine = engine_route_cover(mine, width) if mode == "r3" or masking is not None else None
+    free_due = drift or masking is not None or (mode == "r3" and free_pass_due(run))
+    if engine_pi and mode != "r2" and not free_due:      # nothing needs the trainer: no pass
+        return OldPass(engine_logp_tokens(mine, width), None, None, engine.routes if mode == "r3" else None)
     if mode == "r3":
-        engine = engine_routes(mine)
-        old = run.policy.logprobs(mine.sequences, replay_routes=engine)
-        free = run.policy.logprobs(mine.sequences, record_routes=True).routes if drift else None
-        replay = engine
+        free = run.policy.logprobs(mine.sequences, record_routes=True).routes if free_due else None
+        replay = replay_routes(engine, free)          # the engine's; the trainer's own where it has none
+        old = run.policy.logprobs(mine.sequences, replay_routes=replay)
     else:
-        old = run.policy.logprobs(mine.sequences, record_routes=drift or mode == "r2")
+        old = run.policy.logprobs(mine.sequences, record_routes=free_due or mode == "r2")
         free, replay = old.routes, old.routes if mode == "r2" else None
+    health = route_health(run, mine, engine, free, response_mask(mine, width).bool())
     pi_old = engine_logp_tokens(mine, old.logp.shape[1]) if engine_pi else old.logp
-    return OldPass(pi_old, old.logp, free, replay)
+    return OldPass(pi_old, old.logp, free, replay, health.keep, health.metrics)
 
 
 def engine_routes(samples: Samples) -> torch.Tensor:
-    """Engine routes stacked to `[B, T - 1, L, K]` (R3)."""
-    if samples.routes is None:
-        raise ValueError("algo.replay=r3 needs routed experts from the rollout engine; "
-                         "set rollout.return_routed_experts=true (SGLang: --enable-return-routed-experts)")
-    width = max(r.shape[0] for r in samples.routes)
-    # The engine's compact id dtype (uint8 for <= 256 experts) is kept: the replay hook widens
-    # one microbatch's ids at a time.
-    return torch.stack([torch.nn.functional.pad(r, (0, 0, 0, 0, 0, width - r.shape[0])) for r in samples.routes])
+    """Engine routes stacked to `[B, T - 1, L, K]` (R3), zeros where a sample has none (see
+    replay_health.engine_route_cover for where it has). The engine's compact id dtype (uint8 for
+    <= 256 experts) is kept: the replay hook widens one microbatch's ids at a time."""
+    return engine_route_cover(samples, max(samples.lengths()) - 1).routes
 
 
 def engine_logp_tokens(samples: Samples, width: int) -> torch.Tensor:
@@ -150,15 +153,18 @@ def minibatch_updates(run: Run, share: Share, old: OldPass) -> dict[str, float]:
         logged.append(combine_loss_metrics(run.policy, out.microbatches))
         if per_update:
             per_update.after_update()
-    return mean_metrics(logged) | step_metrics | (per_update.metrics() if per_update else {})
+    return mean_metrics(logged) | step_metrics | old.metrics | (per_update.metrics() if per_update else {})
 
 
 def loss_extras(mine: Samples, old: OldPass) -> dict[str, torch.Tensor]:
     """What the loss reads per sample, `[B, T - 1]` (`correct`: `[B]`): pi_old (algo.behaviour), the
-    engine's log-probs (the behaviour policy, for the rollout correction), advantages, response mask."""
+    engine's log-probs (the behaviour policy, for the rollout correction), advantages, response mask,
+    and the route mask's kept tokens (`route_keep`, 1 everywhere without it)."""
     width = old.logp.shape[1]
+    keep = torch.ones(len(mine), width) if old.route_keep is None else old.route_keep.float()
     return {"old_logp": old.logp, "adv": mine.advantages.float(), "mask": response_mask(mine, width),
-            "rollout_logp": engine_logp_tokens(mine, width), "correct": (mine.rewards >= 1.0).float()}
+            "rollout_logp": engine_logp_tokens(mine, width), "correct": (mine.rewards >= 1.0).float(),
+            "route_keep": keep}
 
 
 def _loss_fn(run: Run, num_tokens: float, num_seqs: float, num_correct_tokens: float = 0.0):
@@ -169,8 +175,10 @@ def _loss_fn(run: Run, num_tokens: float, num_seqs: float, num_correct_tokens: f
     def loss(logp: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, float]]:
         valid = (mb.index >= 0).float().unsqueeze(1)  # rows added to fill the last microbatch
         ex = mb.extras
+        # the route mask's tokens leave the objective; the normalisers (num_tokens, num_seqs) stay the batch's
+        mask = ex["mask"] * valid * ex["route_keep"]
         value, metrics = compute_loss(
-            a.loss, logp=logp, old_logp=ex["old_logp"], advantages=ex["adv"], mask=ex["mask"] * valid,
+            a.loss, logp=logp, old_logp=ex["old_logp"], advantages=ex["adv"], mask=mask,
             agg=a.aggregation, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
             max_len=run.cfg.rollout.max_new_tokens, rollout_logp=ex["rollout_logp"] if corrected else None,
             beta=a.kl_coef, kl_estimator=a.kl_estimator, **params)
@@ -191,14 +199,14 @@ def loss_params(a: Any) -> dict[str, Any]:
         params["dual_clip"] = a.dual_clip
     if a.loss == "sapo":
         params |= {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}
-    rc = a.rollout_correction
-    corrected = a.tis_cap is not None or rc.mode is not None
+    rc, mode = a.rollout_correction, ratio_mode(a.rollout_correction)
+    corrected = a.tis_cap is not None or mode is not None
     if corrected:
         bounds = None
         if rc.low is not None or rc.high is not None:  # each unset side from the mode's default
-            low, high = DEFAULT_BOUNDS[rc.mode]
+            low, high = DEFAULT_BOUNDS[mode]
             bounds = (low if rc.low is None else rc.low, high if rc.high is None else rc.high)
-        params |= {"tis_cap": a.tis_cap, "tis_level": a.tis_level, "correction": rc.mode,
+        params |= {"tis_cap": a.tis_cap, "tis_level": a.tis_level, "correction": mode,
                    "correction_bounds": bounds}
     return params
 
@@ -305,15 +313,16 @@ def step_drift(run: Run, mine: Samples, old: OldPass) -> dict[str, float]:
     sums = run.policy.all_reduce_sum(torch.cat([conf.sum(0).flatten(), torch.tensor([float(conf.shape[0])])]))
     out |= confidence_summary(sums[:-1].view(-1, 2), float(sums[-1]), layer_ids)
     resp, engine_logp = response_mask(mine, width).bool(), engine_logp_tokens(mine, width)
-    engine = None
-    if mine.routes is not None:
-        engine = engine_routes(mine)
-        engine = flat(torch.nn.functional.pad(engine, (0, 0, 0, 0, 0, max(width - engine.shape[1], 0))))
-        out |= route_stats(engine, trainer).all_reduce(run.policy.dp_group).summary("drift/rollout_mismatch", layer_ids)
+    engine, have = None, None
+    if mine.routes is not None and any(r is not None for r in mine.routes):
+        cover = engine_route_cover(mine, width)
+        engine, have = flat(cover.routes), flat(cover.covered).all(-1)  # tokens the engine has routes for
+        out |= route_stats(engine, trainer, mask=have).all_reduce(run.policy.dp_group).summary(
+            "drift/rollout_mismatch", layer_ids)
         if mine.versions is not None and staleness_bound(run.cfg.algo):
-            out |= drift_by_staleness(run, mine, old, engine, trainer, tokens, resp, engine_logp)
+            out |= drift_by_staleness(run, mine, old, engine, trainer, tokens, resp, engine_logp, have)
     if mine.action_masks is not None:  # multi-turn episodes: late turns are where off-policy routing compounds
-        out |= drift_by_turn(run, mine, old, trainer, after, engine, tokens, resp, engine_logp)
+        out |= drift_by_turn(run, mine, old, trainer, after, engine, tokens, resp, engine_logp, have)
     out |= logprob_mismatch(old.trainer_logp[resp], engine_logp[resp]).all_reduce(run.policy.dp_group).summary()
     load = run.policy.all_reduce_sum(expert_load(after, arch.num_moe_experts).to(torch.float64))
     out |= load_violation(load, layer_ids)
@@ -341,16 +350,19 @@ def position_lags(mine: Samples, width: int, version: int, *, retracted: bool = 
 
 
 def drift_by_staleness(run: Run, mine: Samples, old: OldPass, engine: torch.Tensor, trainer: torch.Tensor,
-                       tokens: torch.Tensor, resp: torch.Tensor, engine_logp: torch.Tensor) -> dict[str, float]:
+                       tokens: torch.Tensor, resp: torch.Tensor, engine_logp: torch.Tensor,
+                       have: torch.Tensor) -> dict[str, float]:
     """Engine-vs-trainer routes (`engine`, `trainer`: [N, L, K] of the routed `tokens`) and log-probs
     (`old.trainer_logp`, `engine_logp`: [B, width]) of the step's tokens by k = 0..algo.max_staleness, how many
     versions older than the old pass's (this step's weights before its updates) the weights that
-    generated them were: how far an MoE's routing moves per version of staleness."""
+    generated them were: how far an MoE's routing moves per version of staleness. `have` [N]: the
+    routed tokens with an engine route."""
     version, width, k_max = run.weight_version - 1, resp.shape[1], staleness_bound(run.cfg.algo)
     lags, out = position_lags(mine, width, version), {}
     route_lags = position_lags(mine, width, version, retracted=pause_mode(run.cfg.rollout, k_max) == "retract")
     for k in range(k_max + 1):
-        out |= route_stats(engine, trainer, mask=route_lags[tokens] == k).all_reduce(run.policy.dp_group).summary(
+        at_lag = (route_lags[tokens] == k) & have
+        out |= route_stats(engine, trainer, mask=at_lag).all_reduce(run.policy.dp_group).summary(
             f"drift/rollout_mismatch_by_staleness/{k}", list(run.policy.arch.moe_layers))
         at = resp & (lags == k)
         logp = logprob_mismatch(old.trainer_logp[at], engine_logp[at]).all_reduce(run.policy.dp_group).summary("x")
@@ -372,10 +384,11 @@ def position_turns(mine: Samples, width: int) -> torch.Tensor:
 
 def drift_by_turn(run: Run, mine: Samples, old: OldPass, before: torch.Tensor, after: torch.Tensor,
                   engine: torch.Tensor | None, tokens: torch.Tensor, resp: torch.Tensor,
-                  engine_logp: torch.Tensor) -> dict[str, float]:
+                  engine_logp: torch.Tensor, have: torch.Tensor | None = None) -> dict[str, float]:
     """By episode turn t = 0..rollout.max_turns - 1: the step's volatility (`before` / `after` the
     updates: [N, L, K] of the routed `tokens`), the engine-vs-trainer route mismatch (`engine` vs
-    `before`, None without engine routes) and log-prob mismatch of the model's tokens of turn t."""
+    `before`, None without engine routes; `have` [N]: the tokens it has routes for) and log-prob mismatch
+    of the model's tokens of turn t."""
     width, layers, group = resp.shape[1], list(run.policy.arch.moe_layers), run.policy.dp_group
     turns = position_turns(mine, width + 1)
     routed, predicted = turns[:, :width][tokens], turns[:, 1:]  # position t routes token t, predicts t + 1
@@ -384,7 +397,7 @@ def drift_by_turn(run: Run, mine: Samples, old: OldPass, before: torch.Tensor, a
         out |= route_stats(before, after, mask=routed == t).all_reduce(group).summary(f"drift/volatility_by_turn/{t}",
                                                                                     layers)
         if engine is not None:
-            out |= route_stats(engine, before, mask=routed == t).all_reduce(group).summary(
+            out |= route_stats(engine, before, mask=(routed == t) & have).all_reduce(group).summary(
                 f"drift/rollout_mismatch_by_turn/{t}", layers)
         at = resp & (predicted == t)
         logp = logprob_mismatch(old.trainer_logp[at], engine_logp[at]).all_reduce(group).summary("x")

@@ -57,10 +57,13 @@ def test_sampling_params_roundtrip_and_validation():
 
 
 def test_result_shape_checks():
-    ok = GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", np.zeros((4, 2, 2), np.uint8))
+    routes = np.broadcast_to(np.array([0, 1], np.uint8), (4, 2, 2))
+    ok = GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", routes)
     assert ok.token_ids == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="len\\(prompt \\+ output\\) - 1"):
         GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", np.zeros((5, 2, 2), np.uint8))
+    with pytest.raises(ValueError, match="row 0, MoE layer 0 repeats an expert id"):  # zeros as padding, k = 2
+        GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", np.zeros((4, 2, 2), np.uint8))
     with pytest.raises(ValueError, match="finish_reason"):
         GenerateResult([1], [4], np.zeros(1), "eos")
 

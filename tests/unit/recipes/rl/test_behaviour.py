@@ -25,6 +25,7 @@ class _Policy:
     """The trainer's pre-update pass as a fixed table of log-probs; counts its calls."""
 
     dp_size, dp_group = 1, None
+    arch = SimpleNamespace(moe_layers=[1])
 
     def __init__(self, logp: torch.Tensor) -> None:
         self.logp, self.calls = logp, []
@@ -32,7 +33,7 @@ class _Policy:
     def logprobs(self, sequences, *, record_routes=False, replay_routes=None, **_):
         width = max(s.shape[0] for s in sequences) - 1
         self.calls.append({"record_routes": record_routes, "replay": replay_routes is not None})
-        routes = torch.zeros(len(sequences), width, 1, 2, dtype=torch.long) if record_routes else None
+        routes = torch.tensor([0, 1]).expand(len(sequences), width, 1, 2).clone() if record_routes else None
         return SimpleNamespace(logp=self.logp[:, :width], routes=routes)
 
 
@@ -42,7 +43,8 @@ def _samples(engine_lp: torch.Tensor) -> Samples:
     versions = [torch.tensor([5, 5, 6, 6][:n], dtype=torch.int32) for n in COMPLETIONS]
     return Samples(prompts=list(range(3)), sequences=seqs, prompt_lens=torch.full((3,), PROMPT),
                    engine_logp=[engine_lp[i, PROMPT - 1:PROMPT - 1 + n].clone() for i, n in enumerate(COMPLETIONS)],
-                   routes=[torch.zeros(PROMPT + n - 1, 1, 2, dtype=torch.uint8) for n in COMPLETIONS],
+                   routes=[torch.tensor([1, 0], dtype=torch.uint8).expand(PROMPT + n - 1, 1, 2).clone()
+                           for n in COMPLETIONS],
                    completions=["", "", ""], rewards=torch.tensor([1.0, 0.0, 0.5]),
                    advantages=torch.tensor([1.0, -1.0, 0.5]), versions=versions)
 
@@ -106,10 +108,17 @@ def test_the_step_trains_on_decoupled_ppo_as_the_loop_reference(loss, behaviour,
 def test_engine_behaviour_runs_the_trainer_pass_only_for_routes():
     prox, behav, _ = _tables()
     mine = _samples(behav)
-    for replay, calls in (("off", []), ("r3", []), ("r2", [{"record_routes": True, "replay": False}])):
+    free, replayed = {"record_routes": True, "replay": False}, {"record_routes": False, "replay": True}
+    # r3: the first step checks the engine's layers against the trainer's free routes (replay_health)
+    for replay, calls in (("off", []), ("r3", [free, replayed]), ("r2", [free])):
         policy = _Policy(prox)
-        old = old_logprobs(_run(policy, "algo.behaviour=engine", f"algo.replay={replay}"), mine, step=1)
+        run = _run(policy, "algo.behaviour=engine", f"algo.replay={replay}")
+        old = old_logprobs(run, mine, step=1)
         assert policy.calls == calls, replay
+        if replay != "r2":  # later steps: no pass
+            policy.calls = []
+            old = old_logprobs(run, mine, step=2)
+            assert policy.calls == [], replay
         assert torch.equal(old.logp[:, PROMPT - 1:PROMPT + 1], behav[:, PROMPT - 1:PROMPT + 1])  # pi_old: engine's
         assert (old.trainer_logp is None) == (replay != "r2")
         assert (old.replay is None) == (replay == "off")

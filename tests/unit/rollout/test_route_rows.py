@@ -1,0 +1,62 @@
+"""Route rows no router produced are refused where they enter, naming the server and the layer:
+an id repeated within a top-k (padding written as zeros), ids out of range, and one id across every
+layer of a top-1 model where chance cannot explain it (moe_rl/rollout/engine.py check_route_rows)."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from moe_rl.rollout.engine import GenerateResult, RolloutError, check_route_rows, to_route_dtype
+from moe_rl.rollout.wire import Geometry, decode_routes
+
+WHERE = "server http://10.0.0.7:30000: /generate sample 1"
+
+
+def _b64(arr: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(arr, dtype="<i4").tobytes()).decode()
+
+
+def _routes(rows: int, layers: int, k: int, experts: int, seed: int = 0) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    return np.stack([g.permutation(experts)[:k] for _ in range(rows * layers)]).reshape(rows, layers, k)
+
+
+def test_wire_refuses_padding_rows_naming_the_server_and_the_layer():
+    geo = Geometry(num_layers=3, topk=2, num_experts=8, moe_layers=[1, 2])  # layer 0 dense
+    good = _routes(5, 3, 2, 8)
+    assert decode_routes(WHERE, _b64(good), 5, geo).shape == (5, 2, 2)
+    padded = good.copy()
+    padded[3:, 2] = 0  # the last two tokens' routes of layer 2 left as zeros
+    with pytest.raises(RolloutError, match=r"10\.0\.0\.7.*row 3, layer 2 repeats an expert id.*\[0, 0\].*2 of 5 rows"):
+        decode_routes(WHERE, _b64(padded), 5, geo)
+    wild = good.copy()
+    wild[1, 1, 0] = 8
+    with pytest.raises(RolloutError, match=r"10\.0\.0\.7.*out of range \[0, 8\).*row 1, layer 1"):
+        decode_routes(WHERE, _b64(wild), 5, geo)
+
+
+def test_one_id_in_every_layer_is_refused_only_where_chance_cannot_explain_it():
+    # top-1, 16 experts, 9 MoE layers: 16^-8 per token by chance
+    rows = _routes(6, 9, 1, 16, seed=1)
+    check_route_rows(rows, 16)
+    rows[4] = 0
+    with pytest.raises(ValueError, match="row 4 names expert 0 in all 9 MoE layers"):
+        to_route_dtype(rows, 16)
+    # top-1, 8 experts, 4 layers: 1 token in 512 routes so by chance, so such rows pass
+    few = _routes(6, 4, 1, 8, seed=2)
+    few[2] = 5
+    assert to_route_dtype(few, 8).dtype == np.uint8
+    # three layers never qualify, however many experts
+    three = _routes(3, 3, 1, 1000)
+    three[0] = 7
+    check_route_rows(three, 1000)
+
+
+def test_every_engine_result_is_checked_naming_the_engine():
+    rows = _routes(4, 2, 2, 4)
+    GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", rows.astype(np.uint8), server="inprocess")
+    rows[2, 1] = [3, 3]
+    with pytest.raises(ValueError, match="inprocess: routed_experts: row 2, MoE layer 1 repeats"):
+        GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", rows.astype(np.uint8), server="inprocess")
