@@ -335,7 +335,8 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config") -> MoEArch:
                                    "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                                    "deepseek_v3": "DeepseekV3ForCausalLM",
                                    "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}.get(cfg.get("model_type", ""), "")
+                                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                                   }.get(cfg.get("model_type", ""), "")
     if name in REFUSED:
         raise UnsupportedModel(f"{source}: architecture {name!r} is not supported: {REFUSED[name]}")
     if name not in ARCHITECTURES:

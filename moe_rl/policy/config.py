@@ -231,8 +231,8 @@ def check_parallel(cfg: Any) -> Iterator[str]:
                f"{longest}; use at least {longest}")
     if p.max_tokens_per_microbatch is not None and _has_linear_attention(cfg.model):
         yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} packs sequences into rows, which "
-               f"{cfg.model.hf_path} (gated delta net layers: Qwen3-Next, Qwen3.5-MoE) cannot run: megatron-core's gated delta net refuses packed "
-               "sequences; set parallel.max_tokens_per_microbatch=null")
+               f"{cfg.model.hf_path} (gated delta net layers: Qwen3-Next, Qwen3.5-MoE) cannot run: megatron-core's "
+               "gated delta net refuses packed sequences; set parallel.max_tokens_per_microbatch=null")
     shape = _model_shape(cfg.model)
     yield from _divides("parallel.tp", p.tp, shape, "num_attention_heads")
     yield from _divides("parallel.tp", p.tp, shape, "num_key_value_heads")

@@ -8,8 +8,8 @@ top-4 in 4 groups of which 2 are kept, a dense first layer, a shared expert, a d
 read from its config.json. Per family: log-probs within 1e-4 of
 HF in several layouts and the HF -> megatron -> HF round trip bit-exact; `moe-rl serve`'s engine
 with HF's log-probs and routes, before and after a weight push under the checkpoint's own names;
-R2 and R3 replay in EP2. Qwen3-Next (gated delta net and gated full attention) has its own, fewer
-tests at the end."""
+R2 and R3 replay in EP2. Qwen3-Next and Qwen3.5-MoE (gated delta net and gated full attention) have
+their own, fewer tests at the end."""
 from __future__ import annotations
 
 import numpy as np
