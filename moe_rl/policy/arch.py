@@ -3,7 +3,7 @@
 
 Families are registered in `ARCHITECTURES`: each entry reads one HF config format. Qwen3-MoE,
 Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3 (also Kimi-K2 and Moonlight, which share its class) and
-Qwen3-Next are read; each family's weight map is in `convert.py`. What megatron-core cannot match
+Qwen3-Next and Qwen3.5-MoE are read; each family's weight map is in `convert.py`. What megatron-core cannot match
 is refused here, naming the field, before any work.
 """
 from __future__ import annotations
@@ -221,7 +221,7 @@ def _read_deepseek_v3(cfg: dict[str, Any]) -> MoEArch:
                    extra={"mtp_layers": mtp} if mtp else {}, **_sigmoid_router(cfg, experts, arch.moe_router_topk))
 
 
-def _read_qwen3_next(cfg: dict[str, Any]) -> MoEArch:
+def _read_qwen3_next(cfg: dict[str, Any], name: str = "Qwen3-Next") -> MoEArch:
     """Qwen3-Next: gated delta net (linear attention) layers and gated full-attention layers
     (`layer_types`, or every `full_attention_interval`-th layer full), the full ones with QK-norm,
     partial rotary and an output gate; Qwen3-MoE's experts (`decoder_sparse_step`, `mlp_only_layers`)
@@ -232,37 +232,48 @@ def _read_qwen3_next(cfg: dict[str, Any]) -> MoEArch:
         every = int(cfg.get("full_attention_interval") or 4)
         types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
     if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
-        raise UnsupportedModel(f"Qwen3-Next layer_types={types!r}: expected {layers} entries, each "
+        raise UnsupportedModel(f"{name} layer_types={types!r}: expected {layers} entries, each "
                                "'linear_attention' or 'full_attention'")
     if cfg.get("attention_bias"):
-        raise UnsupportedModel("Qwen3-Next with attention_bias=true is not supported (megatron-core's gated "
+        raise UnsupportedModel(f"{name} with attention_bias=true is not supported (megatron-core's gated "
                                "attention is read without biases here)")
     if (cfg.get("hidden_act") or "silu") != "silu":
-        raise UnsupportedModel(f"Qwen3-Next with hidden_act={cfg['hidden_act']!r} is not supported: megatron-core's "
+        raise UnsupportedModel(f"{name} with hidden_act={cfg['hidden_act']!r} is not supported: megatron-core's "
                                "gated delta net and experts are built with silu")
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     partial = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     if int(head_dim * partial) % 2:
-        raise UnsupportedModel(f"Qwen3-Next partial_rotary_factor={partial} of head_dim={head_dim} rotates an odd "
+        raise UnsupportedModel(f"{name} partial_rotary_factor={partial} of head_dim={head_dim} rotates an odd "
                                f"number of dims ({int(head_dim * partial)})")
     key_heads, value_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     if value_heads % key_heads:
-        raise UnsupportedModel(f"Qwen3-Next linear_num_value_heads={value_heads} is not a multiple of "
+        raise UnsupportedModel(f"{name} linear_num_value_heads={value_heads} is not a multiple of "
                                f"linear_num_key_heads={key_heads}")
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
     if not shared:  # HF builds the shared expert and its gate whatever the width
-        raise UnsupportedModel("Qwen3-Next with shared_expert_intermediate_size=0 is not supported")
+        raise UnsupportedModel(f"{name} with shared_expert_intermediate_size=0 is not supported")
     linear = LinearAttentionDims(
         layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"), key_heads=key_heads,
         value_heads=value_heads, key_head_dim=int(cfg["linear_key_head_dim"]),
         value_head_dim=int(cfg["linear_value_head_dim"]), conv_kernel=int(cfg["linear_conv_kernel_dim"]))
     arch = _read_qwen3_moe({**cfg, "head_dim": head_dim})
     if arch.num_moe_experts is None:
-        raise UnsupportedModel("Qwen3-Next with num_experts=0 is not supported")
+        raise UnsupportedModel(f"{name} with num_experts=0 is not supported")
     return replace(arch, family="qwen3_next", rotary_percent=partial, shared_expert_size=shared,
                    shared_expert_gate=True, linear_attention=linear, attention_output_gate=True,
                    zero_centered_norms=True, hf_architecture="Qwen3NextForCausalLM")
+
+
+def _read_qwen3_5_moe(cfg: dict[str, Any]) -> MoEArch:
+    """Qwen3.5-MoE's text model (`Qwen3_5MoeForCausalLM`): Qwen3-Next's layers, the delta net's input
+    projections stored apart (the weight map's business), every layer MoE with a router that always
+    renormalises its top-k softmax probabilities (the config has no `decoder_sparse_step`,
+    `mlp_only_layers` or `norm_topk_prob`), and multimodal RoPE (`mrope_section`, `mrope_interleaved`),
+    which at text positions (its three position components equal) is plain RoPE on the rotary dims."""
+    return replace(_read_qwen3_next({**cfg, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                                     "intermediate_size": 0}, "Qwen3.5-MoE"),
+                   family="qwen3_5_moe", hf_architecture="Qwen3_5MoeForCausalLM")
 
 
 def _sigmoid_router(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, Any]:
@@ -294,6 +305,18 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], MoEArch]] = {
     "Glm4MoeForCausalLM": _read_glm4_moe,
     "DeepseekV3ForCausalLM": _read_deepseek_v3,
     "Qwen3NextForCausalLM": _read_qwen3_next,
+    "Qwen3_5MoeForCausalLM": _read_qwen3_5_moe,
+}
+
+# Architectures recognised and refused, with the way out. A released Qwen3.5-MoE checkpoint is
+# vision-language (its config nests `text_config`, its text weights are `model.language_model.*` beside
+# a vision tower `model.visual.*`): the policy here is text-only, and an export that dropped the tower
+# would be a broken checkpoint of that class.
+REFUSED: dict[str, str] = {
+    "Qwen3_5MoeForConditionalGeneration": (
+        "a vision-language checkpoint (text_config, model.visual.*); the RL policy is text-only. Save its "
+        "text model with transformers and set model.hf_path to it: cfg = AutoConfig.from_pretrained(path)"
+        ".text_config; Qwen3_5MoeForCausalLM.from_pretrained(path, config=cfg).save_pretrained(out)"),
 }
 
 
@@ -311,7 +334,11 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str = "config") -> MoEArch:
     name = archs[0] if archs else {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                    "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                                    "deepseek_v3": "DeepseekV3ForCausalLM",
-                                   "qwen3_next": "Qwen3NextForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                   "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                                   }.get(cfg.get("model_type", ""), "")
+    if name in REFUSED:
+        raise UnsupportedModel(f"{source}: architecture {name!r} is not supported: {REFUSED[name]}")
     if name not in ARCHITECTURES:
         raise UnsupportedModel(f"{source}: architecture {name or cfg.get('model_type')!r} is not supported; "
                                f"supported: {', '.join(sorted(ARCHITECTURES))}")

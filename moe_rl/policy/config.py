@@ -177,9 +177,11 @@ def _hf_config_json(model: ModelConfig) -> dict[str, Any] | None:
 
 
 def _has_linear_attention(model: ModelConfig) -> bool:
-    """Whether `model.hf_path`'s config.json (when on this machine) is a gated delta net model (Qwen3-Next)."""
+    """Whether `model.hf_path`'s config.json (when on this machine) is a gated delta net model (Qwen3-Next,
+    Qwen3.5-MoE)."""
     raw = _hf_config_json(model) or {}
-    return "Qwen3NextForCausalLM" in (raw.get("architectures") or []) or raw.get("model_type") == "qwen3_next"
+    return bool({"Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"} & set(raw.get("architectures") or [])) or \
+        raw.get("model_type") in ("qwen3_next", "qwen3_5_moe_text")
 
 
 def _divides(key: str, size: int, shape: dict[str, tuple[int, str]], dim: str,
@@ -229,8 +231,8 @@ def check_parallel(cfg: Any) -> Iterator[str]:
                f"{longest}; use at least {longest}")
     if p.max_tokens_per_microbatch is not None and _has_linear_attention(cfg.model):
         yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} packs sequences into rows, which "
-               f"{cfg.model.hf_path} (Qwen3-Next) cannot run: megatron-core's gated delta net refuses packed "
-               "sequences; set parallel.max_tokens_per_microbatch=null")
+               f"{cfg.model.hf_path} (gated delta net layers: Qwen3-Next, Qwen3.5-MoE) cannot run: megatron-core's "
+               "gated delta net refuses packed sequences; set parallel.max_tokens_per_microbatch=null")
     shape = _model_shape(cfg.model)
     yield from _divides("parallel.tp", p.tp, shape, "num_attention_heads")
     yield from _divides("parallel.tp", p.tp, shape, "num_key_value_heads")

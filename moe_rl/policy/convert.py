@@ -77,8 +77,9 @@ class Shard:
     kind: `copy` (one tensor), `qkv` (q, k, v interleaved per query group),
           `glu` (gate and up stacked, each split separately), `qgkv` (gated attention: HF's q_proj
           holds [q_h | gate_h] per head; megatron per query group [q heads | gate heads | k | v]),
-          `gdn_in` (the gated delta net's in_proj: HF's in_proj_qkvz / in_proj_ba grouped per key
-          head, megatron's [q | k | v | z | b | a], each part split over TP), `gdn_conv` (its conv:
+          `gdn_in` (the gated delta net's in_proj: Qwen3-Next's in_proj_qkvz / in_proj_ba grouped per
+          key head, or Qwen3.5-MoE's in_proj_qkv, _z, _b, _a; megatron's [q | k | v | z | b | a], each
+          part split over TP), `gdn_conv` (its conv:
           [q | k | v] channels in both, each part split over TP).
     dim: the dimension split across `group` (None = replicated).
     group: `tp` or `etp`.
@@ -227,6 +228,17 @@ def qwen3_next_shard(name: str, layer: int | None, expert: int | None, arch: MoE
     return found or qwen2_moe_shard(name, layer, expert, arch)
 
 
+def qwen3_5_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
+    """Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, which saves `model.layers.*`): Qwen3-Next's map but for the
+    delta net's input projections, stored apart: in_proj_qkv ([q | k | v], each key- or value-head
+    major, the conv's channel order too), in_proj_z (per value head), in_proj_b and in_proj_a (one row
+    per value head); their concatenation is megatron's in_proj as it is."""
+    if name == "self_attention.in_proj.weight" and expert is None:
+        la = f"model.layers.{layer}.linear_attn."
+        return Shard(tuple(f"{la}in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")), kind="gdn_in", dim=0)
+    return qwen3_next_shard(name, layer, expert, arch)
+
+
 # HF family -> weight map. New families add their map here and a reader in arch.py.
 WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | None]] = {
     "qwen3_moe": qwen3_moe_shard,
@@ -235,6 +247,7 @@ WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | 
     "glm4_moe": glm4_moe_shard,
     "deepseek_v3": deepseek_v3_shard,
     "qwen3_next": qwen3_next_shard,
+    "qwen3_5_moe": qwen3_5_moe_shard,
 }
 
 
@@ -319,9 +332,12 @@ def _gdn_sizes(arch: MoEArch, with_gates: bool) -> list[int]:
     return [qk, qk, v, v, la.value_heads, la.value_heads] if with_gates else [qk, qk, v]
 
 
-def _gdn_in_full(qkvz: torch.Tensor, ba: torch.Tensor, arch: MoEArch) -> torch.Tensor:
+def _gdn_in_full(*parts: torch.Tensor, arch: MoEArch) -> torch.Tensor:
     """HF in_proj_qkvz (per key head [q | k | v | z]) and in_proj_ba (per key head [b | a]) -> megatron's
-    [q | k | v | z | b | a], each part key-head major."""
+    [q | k | v | z | b | a], each part key-head major; Qwen3.5-MoE's four projections are that already."""
+    if len(parts) == 4:
+        return torch.cat(parts)
+    qkvz, ba = parts
     la = arch.linear_attention
     r, cols = la.value_heads // la.key_heads, qkvz.shape[-1]
     x = qkvz.reshape(la.key_heads, -1, cols)
@@ -331,9 +347,12 @@ def _gdn_in_full(qkvz: torch.Tensor, ba: torch.Tensor, arch: MoEArch) -> torch.T
     return torch.cat([t.reshape(-1, cols) for t in parts])
 
 
-def _gdn_in_split(w: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor]:
+def _gdn_in_split(w: torch.Tensor, arch: MoEArch, names: int) -> tuple[torch.Tensor, ...]:
     la = arch.linear_attention
     cols = w.shape[-1]
+    if names == 4:  # Qwen3.5-MoE: in_proj_qkv, _z, _b, _a
+        sizes = _gdn_sizes(arch, True)
+        return tuple(torch.split(w, [sum(sizes[:3]), *sizes[3:]]))
     q, k, v, z, b, a = (t.reshape(la.key_heads, -1, cols) for t in torch.split(w, _gdn_sizes(arch, True)))
     return torch.cat([q, k, v, z], 1).reshape(-1, cols), torch.cat([b, a], 1).reshape(-1, cols)
 
@@ -353,7 +372,7 @@ def _local_slice(shard: Shard, parts: list[torch.Tensor], place: RankPlace, arch
     if shard.kind == "qgkv":
         return _qgkv_full(*parts, arch).chunk(size, dim=0)[rank]
     if shard.kind in ("gdn_in", "gdn_conv"):
-        full = _gdn_in_full(*parts, arch) if shard.kind == "gdn_in" else parts[0]
+        full = _gdn_in_full(*parts, arch=arch) if shard.kind == "gdn_in" else parts[0]
         pieces = torch.split(full, _gdn_sizes(arch, shard.kind == "gdn_in"))
         return torch.cat([p.chunk(size, dim=0)[rank] for p in pieces], dim=0)
     (t,) = parts
@@ -439,7 +458,7 @@ def _to_hf(full: torch.Tensor, shard: Shard, arch: MoEArch) -> list[tuple[str, t
     if shard.kind == "qgkv":
         return list(zip(shard.hf, _qgkv_split(full, arch)))
     if shard.kind == "gdn_in":
-        return list(zip(shard.hf, _gdn_in_split(full, arch)))
+        return list(zip(shard.hf, _gdn_in_split(full, arch, len(shard.hf))))
     return [(shard.hf[0], full)]
 
 

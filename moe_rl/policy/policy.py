@@ -90,8 +90,8 @@ class MegatronModel:
         spec.layout.validate(arch)
         if arch.linear_attention is not None and spec.max_tokens_per_microbatch is not None:
             raise ValueError(f"{spec.hf_dir}: max_tokens_per_microbatch={spec.max_tokens_per_microbatch} packs sequences "
-                             "into rows, and megatron-core's gated delta net (Qwen3-Next's linear attention) refuses "
-                             "packed sequences; use max_tokens_per_microbatch=None")
+                             "into rows, and megatron-core's gated delta net (the linear attention of Qwen3-Next and "
+                             "Qwen3.5-MoE) refuses packed sequences; use max_tokens_per_microbatch=None")
         if arch.extra.get("mtp_layers") and os.environ.get("RANK", "0") == "0":
             log.info("%s: its %d multi-token-prediction layer(s) are not read: RL trains the decoder layers",
                      spec.hf_dir, arch.extra["mtp_layers"])

@@ -1,4 +1,4 @@
-"""Tiny Qwen3-MoE (and Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3, Qwen3-Next) checkpoints built with transformers (nothing is downloaded).
+"""Tiny Qwen3-MoE (and Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3, Qwen3-Next, Qwen3.5-MoE) checkpoints built with transformers (nothing is downloaded).
 
 The sizes are chosen so every parallel layout the tests use divides them:
 4 attention heads and 2 query groups (TP2), 4 layers (PP2 x VPP2), 4 experts (EP2).
@@ -168,6 +168,40 @@ def make_tiny_qwen3_next(out_dir: str | Path, seed: int = 0, init_std: float = 0
 
 
 _QWEN3_NEXT_DRAWN = ("norm.weight", "layernorm.weight", ".dt_bias", ".A_log")
+
+
+# A tiny Qwen3.5-MoE, unlike Qwen3-Next's: layers 0, 1, 2 gated delta net (2 key heads of 8, 6 value heads
+# of 6: three value heads per key head), layer 3 gated full attention (6 heads of 16 over 2 query groups,
+# RoPE on half of each head through multimodal RoPE's sections [2, 1, 1], interleaved); 6 experts top-3
+# (the router always renormalises) and a gated shared expert in every layer; a vocabulary of 112. Every
+# 2-rank layout divides it.
+TINY_QWEN3_5_MOE = dict(vocab_size=112, hidden_size=44, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                        num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+                        linear_value_head_dim=6, linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=3,
+                        layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=256,
+                        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                         "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+
+
+def qwen3_5_moe_config(**kw: Any) -> Any:
+    """transformers' Qwen3_5MoeTextConfig, its architecture `Qwen3_5MoeForCausalLM` named."""
+    import transformers
+
+    cfg = transformers.Qwen3_5MoeTextConfig(**kw)
+    cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    return cfg
+
+
+def make_tiny_qwen3_5_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0.1, **overrides: Any) -> Path:
+    """A randomly initialised tiny Qwen3.5-MoE text model (`TINY_QWEN3_5_MOE`, with `overrides`), saved to
+    `out_dir` (fp32), its norm weights, `A_log` and `dt_bias` drawn as Qwen3-Next's are. `init_std` is 0.1,
+    not 0.2: at 0.2 HF's own fp32 forward differs from its fp64 forward by up to 6e-4 in log p on
+    72-token sequences (the delta net's output norm rescales near-zero heads), so no fp32 comparison
+    could hold 1e-4; at 0.1 by at most 1.5e-5."""
+    return _save(qwen3_5_moe_config(**(TINY_QWEN3_5_MOE | overrides)), out_dir, seed, init_std,
+                 perturb=_QWEN3_NEXT_DRAWN)
 
 
 def mixtral_config(**kw: Any) -> Any:

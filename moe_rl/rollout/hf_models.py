@@ -32,8 +32,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str) -> torch.
 
 def select_rows(cache: Any, rows: torch.Tensor) -> None:
     """Keep only batch `rows` of a HF cache, in place. transformers 5.24's linear-attention cache layers
-    (Qwen3-Next's gated delta net: conv and recurrent states) have no `batch_select_indices`; their
-    `reorder_cache` selects the same batch rows."""
+    (the gated delta net of Qwen3-Next and Qwen3.5-MoE: conv and recurrent states) have no
+    `batch_select_indices`; their `reorder_cache` selects the same batch rows."""
     layers = getattr(cache, "layers", None)
     if layers is None or all(hasattr(layer, "batch_select_indices") for layer in layers):
         cache.batch_select_indices(rows)

@@ -8,8 +8,8 @@ top-4 in 4 groups of which 2 are kept, a dense first layer, a shared expert, a d
 read from its config.json. Per family: log-probs within 1e-4 of
 HF in several layouts and the HF -> megatron -> HF round trip bit-exact; `moe-rl serve`'s engine
 with HF's log-probs and routes, before and after a weight push under the checkpoint's own names;
-R2 and R3 replay in EP2. Qwen3-Next (gated delta net and gated full attention) has its own, fewer
-tests at the end."""
+R2 and R3 replay in EP2. Qwen3-Next and Qwen3.5-MoE (gated delta net and gated full attention) have
+their own, fewer tests at the end."""
 from __future__ import annotations
 
 import numpy as np
@@ -367,4 +367,94 @@ def test_qwen3_next_served_by_moe_rl_serve_routes_as_hf(qwen3_next):
         fwd = hf_forward(model, torch.tensor([list(res.prompt_ids) + list(res.output_ids)]))
         np.testing.assert_allclose(res.output_logprobs, fwd.logprobs[0, len(res.prompt_ids) - 1:].numpy(),
                                    atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(res.routed_experts.astype(np.int64), fwd.routes[0, :-1].numpy())
+
+
+# Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`): Qwen3-Next's layers with the delta net's input projections stored
+# apart, multimodal RoPE and a router that always renormalises; layers 0-2 delta net, 3 full attention.
+@pytest.fixture(scope="module")
+def qwen3_5_moe(tmp_path_factory):
+    from moe_rl.testing import make_tiny_qwen3_5_moe
+
+    return make_tiny_qwen3_5_moe(tmp_path_factory.mktemp("tiny_qwen3_5_moe"), seed=0)
+
+
+def test_qwen3_5_moe_is_read_as_itself_its_rope_is_plain_at_text_positions_and_refusals_name_the_field(qwen3_5_moe):
+    import transformers
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+
+    from moe_rl.config import ConfigError, load_config
+    from moe_rl.policy.model import UnsupportedModel, arch_from_hf_dict, read_hf_config
+    from moe_rl.policy.tiny import TINY_QWEN3_5_MOE
+
+    arch = read_hf_config(qwen3_5_moe)
+    la = arch.linear_attention
+    assert (arch.family, arch.hf_architecture, arch.rotary_percent, arch.kv_channels, arch.vocab_size) == (
+        "qwen3_5_moe", "Qwen3_5MoeForCausalLM", 0.5, 16, 112)
+    assert (la.layers, la.key_heads, la.value_heads, la.key_head_dim, la.value_head_dim) == ((0, 1, 2), 2, 6, 8, 6)
+    assert arch.attention_output_gate and arch.zero_centered_norms and arch.qk_layernorm and arch.norm_topk_prob
+    assert (arch.num_moe_experts, arch.moe_router_topk, arch.moe_layers) == (6, 3, (0, 1, 2, 3))
+    assert (arch.shared_expert_size, arch.shared_expert_gate, arch.router_score) == (20, True, "softmax")
+    base = TINY_QWEN3_5_MOE | {"architectures": ["Qwen3_5MoeForCausalLM"]}
+    for field, value, match in (("attention_bias", True, "Qwen3.5-MoE with attention_bias=true"),
+                                ("hidden_act", "gelu", "hidden_act='gelu'"), ("head_dim", 10, "odd number of dims"),
+                                ("linear_num_value_heads", 5, "linear_num_value_heads=5"),
+                                ("shared_expert_intermediate_size", 0, "shared_expert_intermediate_size=0"),
+                                ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "rope_type='yarn'")):
+        with pytest.raises(UnsupportedModel, match=match):
+            arch_from_hf_dict({**base, field: value})
+    vision = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+              "text_config": base}
+    with pytest.raises(UnsupportedModel, match=r"Qwen3_5MoeForConditionalGeneration.*text-only.*text_config"):
+        arch_from_hf_dict(vision)
+    with pytest.raises(UnsupportedModel, match=r"supported: .*Qwen3_5MoeForCausalLM") as err:
+        arch_from_hf_dict({"architectures": ["Qwen3_5ForCausalLM"]})
+    assert "ConditionalGeneration" not in str(err.value)
+    with pytest.raises(ConfigError, match="max_tokens_per_microbatch.*Qwen3.5-MoE.*gated delta net refuses packed"):
+        load_config(None, [f"model.hf_path={qwen3_5_moe}", "parallel.max_tokens_per_microbatch=512"])
+    # HF's multimodal RoPE (sections [2, 1, 1], interleaved) at text positions, the three components
+    # equal, against plain RoPE on the first half of each head (megatron's rotary_percent 0.5): cos and
+    # sin of position * theta^(-2i / 8), each half repeated
+    cfg = transformers.Qwen3_5MoeTextConfig(**TINY_QWEN3_5_MOE)
+    positions = torch.arange(300)
+    cos, sin = Qwen3_5MoeTextRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32),
+                                                   positions.view(1, 1, -1).expand(3, 1, -1))
+    angle = positions[:, None].float() * 10000.0 ** (-torch.arange(0, 8, 2).float() / 8)
+    assert torch.equal(cos[0], torch.cat([angle.cos(), angle.cos()], -1))
+    assert torch.equal(sin[0], torch.cat([angle.sin(), angle.sin()], -1))
+
+
+def test_qwen3_5_moe_tp2_gives_hfs_logprobs_and_exports_the_checkpoint(qwen3_5_moe, tmp_path):
+    # tp2 splits each of the four delta-net projections and the conv channels per part over the ranks
+    sequences = sample_sequences(vocab_size=112, num=2, max_len=72, seed=1)
+    out = tmp_path / "export"
+    results = run_ranks(layout_worker, 2, "tp2", str(qwen3_5_moe), sequences, export_dir=str(out), timeout=600)
+    mx, _ = compare(results, hf_logprobs(qwen3_5_moe, sequences))
+    assert mx <= 1e-4, mx
+    src, back = HFCheckpoint(qwen3_5_moe), HFCheckpoint(out)
+    assert sorted(back.weight_map) == sorted(src.weight_map)
+    assert all(torch.equal(back.get(n), src.get(n)) for n in src.weight_map)
+
+
+def test_qwen3_5_moe_served_by_moe_rl_serve_routes_as_hf(qwen3_5_moe):
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.drift.routes import hf_forward
+    from moe_rl.rollout.engine import GenerateRequest, SamplingParams
+    from moe_rl.rollout.local_engine import LocalEngine
+
+    eng = LocalEngine(qwen3_5_moe, seed=0, max_batch=8)
+    try:
+        served = [r[0] for r in eng.generate([
+            GenerateRequest([5, 6, 7, 8][: 2 + i], SamplingParams(max_new_tokens=5 + i, ignore_eos=True, seed=3 + i),
+                            return_routed_experts=True) for i in range(2)])]
+    finally:
+        eng.close()
+    model = AutoModelForCausalLM.from_pretrained(qwen3_5_moe, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    for res in served:
+        fwd = hf_forward(model, torch.tensor([list(res.prompt_ids) + list(res.output_ids)]))
+        np.testing.assert_allclose(res.output_logprobs, fwd.logprobs[0, len(res.prompt_ids) - 1:].numpy(),
+                                   atol=1e-5, rtol=0)
+        assert res.routed_experts.shape[1:] == (4, 3)
         np.testing.assert_array_equal(res.routed_experts.astype(np.int64), fwd.routes[0, :-1].numpy())
