@@ -21,7 +21,8 @@ import torch
 from moe_rl.algo.advantages import compute_gae, length_adaptive_lambda, token_rewards, whiten
 from moe_rl.algo.losses import value_loss
 from moe_rl.drift.metrics import route_stats
-from moe_rl.recipes.common import combine_loss_metrics, mean_metrics, response_mask
+from moe_rl.recipes.common import combine_loss_metrics, mean_metrics
+from moe_rl.recipes.rl.batch import response_mask
 
 log = logging.getLogger(__name__)
 

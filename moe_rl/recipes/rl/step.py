@@ -25,9 +25,8 @@ from moe_rl.data.sampler import PromptSampler
 from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, load_violation, logprob_mismatch,
                                   route_stats)
 from moe_rl.policy.policy import Policy
-from moe_rl.recipes.common import (Stopwatch, combine_loss_metrics, mean_metrics, probe_routes, probe_volatility,
-                                response_mask)
-from moe_rl.recipes.rl.batch import Samples, Share, rollout_batch, wait_for_prefetch
+from moe_rl.recipes.common import Stopwatch, combine_loss_metrics, mean_metrics, probe_routes, probe_volatility
+from moe_rl.recipes.rl.batch import Samples, Share, response_mask, rollout_batch, wait_for_prefetch
 from moe_rl.recipes.rl.critic import critic_step
 from moe_rl.recipes.rl.replay_health import engine_route_cover, free_pass_due, replay_routes, route_health
 from moe_rl.rollout.config import pause_mode

@@ -9,7 +9,7 @@ import torch
 
 from moe_rl.algo import LOSSES, compute_loss
 from moe_rl.data.dataset import Prompt
-from moe_rl.recipes.common import response_mask
+from moe_rl.recipes.rl.batch import response_mask
 from moe_rl.recipes.rl.batch import Samples
 
 DT = torch.float64

@@ -250,7 +250,7 @@ def test_a_stop_token_ends_the_completion_and_is_trained():
     from types import SimpleNamespace
 
     from moe_rl.data.toy import ToyTokenizer
-    from moe_rl.recipes.common import response_mask
+    from moe_rl.recipes.rl.batch import response_mask
     from moe_rl.recipes.rl.batch import _samples, staleness_metrics
 
     tok = ToyTokenizer()
