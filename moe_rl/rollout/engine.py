@@ -57,6 +57,13 @@ def to_route_dtype(ids: Any, num_experts: int | None, layer_ids: Sequence[int] |
     return arr.astype(smallest_int_dtype(num_experts), copy=False)
 
 
+class BadRoutes(ValueError):
+    """Route rows no router produced (`check_route_rows`), from a named server or engine. A fault of
+    the engine's output, not an outage: retrying or waiting for another server does not help, and
+    replaying them would train on experts nobody chose, so the run stops with this message rather
+    than the lost-server path (RolloutError) that waits, checkpoints and exits 3."""
+
+
 # A row whose every MoE layer chose one and the same expert id is refused only where no router
 # picks it by chance: one expert per token (k >= 2 repeats are refused anyway) and ids whose
 # agreement across L layers has probability at most num_experts^-(L - 1) <= 1e-9 per token.
@@ -72,7 +79,7 @@ def check_route_rows(routes: np.ndarray, num_experts: int | None, layer_ids: Seq
     """Refuse route rows `[rows, L, K]` that no router produced: an id outside [0, num_experts)
     (when it is known), an id repeated within one layer's top-k (a router picks K distinct
     experts: zeros written as padding repeat 0 when K >= 2), or a row of one id across every
-    layer where chance cannot explain it (see ALL_ONE_ID_MAX_CHANCE). ValueError naming the
+    layer where chance cannot explain it (see ALL_ONE_ID_MAX_CHANCE). BadRoutes naming the
     first bad row and layer (`layer_ids`: the layers' names, default the MoE column index).
     """
     if routes.ndim != 3 or routes.size == 0:
@@ -83,14 +90,14 @@ def check_route_rows(routes: np.ndarray, num_experts: int | None, layer_ids: Seq
         lo, hi = int(routes.min()), int(routes.max())
         if lo < 0 or hi >= num_experts:
             t, j, _ = np.argwhere((routes < 0) | (routes >= num_experts))[0]
-            raise ValueError(f"expert id out of range [0, {num_experts}): min {lo}, max {hi} "
+            raise BadRoutes(f"expert id out of range [0, {num_experts}): min {lo}, max {hi} "
                              f"(first at row {t}, {name(j)}: {routes[t, j].tolist()})")
     if K > 1:
         ordered = np.sort(routes, axis=-1)
         repeats = (ordered[..., 1:] == ordered[..., :-1]).any(-1)  # [rows, L]
         if repeats.any():
             t, j = np.argwhere(repeats)[0]
-            raise ValueError(f"row {t}, {name(j)} repeats an expert id within its top-{K}: {routes[t, j].tolist()} "
+            raise BadRoutes(f"row {t}, {name(j)} repeats an expert id within its top-{K}: {routes[t, j].tolist()} "
                              f"({int(repeats.any(-1).sum())} of {rows} rows; a router picks {K} distinct experts: "
                              "padding or unset rows written as routes?)")
     elif L >= ALL_ONE_ID_MIN_LAYERS and num_experts is not None \
@@ -99,7 +106,7 @@ def check_route_rows(routes: np.ndarray, num_experts: int | None, layer_ids: Seq
         same = (flat == flat[:, :1]).all(-1)
         if same.any():
             t = int(np.argwhere(same)[0][0])
-            raise ValueError(f"row {t} names expert {int(flat[t, 0])} in all {L} MoE layers ({int(same.sum())} of "
+            raise BadRoutes(f"row {t} names expert {int(flat[t, 0])} in all {L} MoE layers ({int(same.sum())} of "
                              f"{rows} rows), which routers of {num_experts} experts do not do by chance: padding or "
                              "unset rows written as routes?")
 
@@ -292,8 +299,8 @@ class GenerateResult:
                                  f"[{want}, num_moe_layers, topk] (len(prompt + output) - 1 - start rows)")
             try:  # every engine's rows, the in-process ones' too (the range needs num_experts: to_route_dtype)
                 check_route_rows(np.asarray(self.routed_experts), None)
-            except ValueError as e:
-                raise ValueError(f"{self.server or 'rollout engine'}: routed_experts: {e}") from None
+            except BadRoutes as e:
+                raise BadRoutes(f"{self.server or 'rollout engine'}: routed_experts: {e}") from None
 
     @property
     def token_ids(self) -> list[int]:

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_rl.rollout.engine import GenerateRequest, GenerateResult, RolloutError, check_version_spans, to_route_dtype
+from moe_rl.rollout.engine import (BadRoutes, GenerateRequest, GenerateResult, RolloutError, check_version_spans,
+                                   to_route_dtype)
 
 
 @dataclass
@@ -130,8 +131,8 @@ def decode_routes(where: str, b64: Any, rows: int, geo: Geometry) -> np.ndarray:
     arr = arr.reshape(rows, L, k)[:, geo.moe_layers, :]
     try:
         return to_route_dtype(arr, geo.num_experts, geo.moe_layers)
-    except ValueError as e:
-        raise RolloutError(f"{where}: routed_experts: {e}") from None
+    except BadRoutes as e:  # the server's fault, not an outage: the run stops naming it (see BadRoutes)
+        raise BadRoutes(f"{where}: routed_experts: {e}") from None
 
 
 def disk_update_payload(path: str, version: str | None, flush_cache: bool = True) -> dict[str, Any]:

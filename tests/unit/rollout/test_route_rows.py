@@ -8,7 +8,7 @@ import base64
 import numpy as np
 import pytest
 
-from moe_rl.rollout.engine import GenerateResult, RolloutError, check_route_rows, to_route_dtype
+from moe_rl.rollout.engine import BadRoutes, GenerateResult, RolloutError, check_route_rows, to_route_dtype
 from moe_rl.rollout.wire import Geometry, decode_routes
 
 WHERE = "server http://10.0.0.7:30000: /generate sample 1"
@@ -29,11 +29,13 @@ def test_wire_refuses_padding_rows_naming_the_server_and_the_layer():
     assert decode_routes(WHERE, _b64(good), 5, geo).shape == (5, 2, 2)
     padded = good.copy()
     padded[3:, 2] = 0  # the last two tokens' routes of layer 2 left as zeros
-    with pytest.raises(RolloutError, match=r"10\.0\.0\.7.*row 3, layer 2 repeats an expert id.*\[0, 0\].*2 of 5 rows"):
+    with pytest.raises(BadRoutes, match=r"10\.0\.0\.7.*row 3, layer 2 repeats an expert id.*\[0, 0\].*2 of 5 rows") as e:
         decode_routes(WHERE, _b64(padded), 5, geo)
+    # the server's output is at fault, not its availability: not the lost-server path (RolloutError)
+    assert not isinstance(e.value, RolloutError)
     wild = good.copy()
     wild[1, 1, 0] = 8
-    with pytest.raises(RolloutError, match=r"10\.0\.0\.7.*out of range \[0, 8\).*row 1, layer 1"):
+    with pytest.raises(BadRoutes, match=r"10\.0\.0\.7.*out of range \[0, 8\).*row 1, layer 1"):
         decode_routes(WHERE, _b64(wild), 5, geo)
 
 
