@@ -271,11 +271,17 @@ def _save_and_give_up(recipe: Any, ckpt: Checkpoints, last: int, before: dict[st
 
 
 def _save_and_stop(ckpt: Checkpoints, step: int, log: Any, alarm: DriftAlarm) -> int:
-    """A drift alarm with action=stop fired on step `step`'s metrics: checkpoint that step, the last
-    one that finished (its weights are the ones in memory), and exit 4 naming the metric."""
-    ckpt.save(step)  # waits for a save in flight first
+    """A drift alarm with action=stop fired on step `step`'s metrics: checkpoint that step (its weights
+    are the ones in memory), keep the newest checkpoint from before it however small train.keep_last
+    is (the last one the alarm did not see: where to go back to), and exit 4 naming the metric."""
+    ckpt.wait()  # a save in flight is finished first: it is from before the alarm
+    before = latest_checkpoint(ckpt.root.parent)
+    ckpt.keep_last += 1  # this save prunes one fewer: the checkpoint from before the alarm stays
+    ckpt.save(step)
     ckpt.wait()
-    log.error("drift alarm (drift.alarm.action=stop): %s; checkpoint of step %d saved in %s, exit %d; resume with "
-              "train.resume=auto once the cause is addressed (a lower lr, routing replay, a rollout correction)",
-              alarm, step, ckpt.root, EXIT_DRIFT_ALARM)
+    back = (f"; the last checkpoint from before it is {before.name} (train.resume={before} goes back there)"
+            if before is not None and before.name != f"step_{step:06d}" else "")
+    log.error("drift alarm (drift.alarm.action=stop): %s; checkpoint of step %d saved in %s%s; exit %d. Resume "
+              "with train.resume=auto once the cause is addressed (a lower lr, routing replay, a rollout "
+              "correction)", alarm, step, ckpt.root, back, EXIT_DRIFT_ALARM)
     return EXIT_DRIFT_ALARM

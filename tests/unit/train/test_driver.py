@@ -80,7 +80,8 @@ def process_state():
 
 def test_stop_alarm_checkpoints_the_step_and_exits_4(tmp_path, monkeypatch, process_state):
     """drift.alarm.action=stop: the first step past the threshold is logged (health/alarms 1), checkpointed,
-    named in the log, and train_rank returns exit status 4 without running the steps after it."""
+    named in the log, and train_rank returns exit status 4 without running the steps after it. The
+    checkpoint from before the alarm stays, though train.keep_last=1, and the log names it."""
     import json
 
     from moe_rl.drift.alarm import EXIT_DRIFT_ALARM
@@ -88,7 +89,7 @@ def test_stop_alarm_checkpoints_the_step_and_exits_4(tmp_path, monkeypatch, proc
     from moe_rl.train.checkpoint import latest_checkpoint
 
     cfg = load_config(str(DEMO), ["drift.alarm.volatility=0.25", "drift.alarm.action=stop", "train.steps=6",
-                                  "train.save_every=0", "log.tensorboard=false", "log.progress=false",
+                                  "train.save_every=1", "train.keep_last=1", "log.tensorboard=false", "log.progress=false",
                                   "log.report=false", f"log.run_dir={tmp_path}"])
     recipe = _DriftingRecipe(cfg)
     monkeypatch.setattr(driver, "build_recipe", lambda *_: recipe)
@@ -97,8 +98,10 @@ def test_stop_alarm_checkpoints_the_step_and_exits_4(tmp_path, monkeypatch, proc
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["health/alarms"]) for r in rows] == [(1, 0.0), (2, 0.0), (3, 1.0)]
     assert latest_checkpoint(tmp_path).name == "step_000003"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     assert torch.load(tmp_path / "checkpoints" / "step_000003" / "rank_00000.pt", weights_only=False)["step"] == 3
     assert not recipe.finished  # no HF export of a stopped run
     error = next(line for line in (tmp_path / "train.log").read_text().splitlines() if " ERROR " in line)
     assert "drift/volatility = 0.3 is above drift.alarm.volatility = 0.25 at step 3, worst layer 03" in error
     assert "checkpoint of step 3 saved" in error and "exit 4" in error
+    assert "the last checkpoint from before it is step_000002" in error
