@@ -220,10 +220,11 @@ def _hf_config(name: str, **kw: Any) -> Any:
 
 def tiny_hf_config(family: str, config: TinyMoEConfig) -> Any:
     """The HF config of a fresh tiny model of `family` ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
-    "deepseek_v3" or "qwen3_next") with `config`'s shape (Mixtral has no dense layers, no QK-norm and always renormalises
-    its top-k: those fields do not apply, and its experts' `intermediate_size` is
+    "deepseek_v3" or "qwen3_next") with `config`'s shape (Mixtral has no dense layers, no QK-norm and
+    always renormalises its top-k: those fields do not apply, and its experts' `intermediate_size` is
     `moe_intermediate_size`; Qwen2-MoE's head width is hidden / heads; GLM-4.5 keeps its own
-    layout: the first layer dense, one shared expert, RoPE on half of each head, q/k/v biases)."""
+    layout: the first layer dense, one shared expert, RoPE on half of each head, q/k/v biases;
+    Qwen3-Next's delta net takes its head counts and widths from the attention's)."""
     c = config
     if family == "qwen3_moe":
         return config.to_hf()

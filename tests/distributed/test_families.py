@@ -12,6 +12,8 @@ R2 and R3 replay in EP2. Qwen3-Next and Qwen3.5-MoE (gated delta net and gated f
 their own, fewer tests at the end."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -329,6 +331,15 @@ def test_qwen3_next_is_read_as_itself_and_what_megatron_cannot_match_is_refused_
         ParallelLayout(tp=4, world_size=4).validate(arch_from_hf_dict({**base, "num_key_value_heads": 4}))
     with pytest.raises(ConfigError, match="max_tokens_per_microbatch.*gated delta net refuses packed"):
         load_config(None, [f"model.hf_path={qwen3_next}", "parallel.max_tokens_per_microbatch=512"])
+    demo = str(Path(__file__).resolve().parents[2] / "launch/configs/tiny_cpu.yaml")  # it packs rows
+    with pytest.raises(ConfigError,
+                       match=r"model.tiny.family=qwen3_next .*set parallel.max_tokens_per_microbatch=null"):
+        load_config(demo, ["model.tiny.family=qwen3_next"])
+    assert load_config(demo, ["model.tiny.family=qwen3_next", "parallel.max_tokens_per_microbatch=null"])
+    from moe_rl.policy.tiny import TinyMoEConfig, tiny_hf_config
+
+    tiny = arch_from_hf_dict(tiny_hf_config("qwen3_next", TinyMoEConfig()).to_dict())  # the fresh model's shape
+    assert (tiny.family, tiny.linear_attention.layers, tiny.linear_attention.value_heads) == ("qwen3_next", (0, 2), 4)
 
 
 @pytest.mark.parametrize("layout", ["tp2"])  # suite time: tp2 splits every reorder of the map over two ranks
