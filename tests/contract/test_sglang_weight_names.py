@@ -51,7 +51,7 @@ MODULES = {
 }
 DELTA_NET = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight",
              "out_proj.weight")
-ATTENTION = ("qkv_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight")  # on the layer (`.self_attn` dropped)
+ATTENTION = ("qkv_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight")  # on the layer: `.self_attn` dropped
 MOE = ("gate.weight", "experts.w13_weight", "experts.w2_weight", "shared_expert.gate_up_proj.weight",
        "shared_expert.down_proj.weight", "shared_expert_gate.weight")
 
