@@ -49,13 +49,16 @@ class TinyModel:
     """Top-k experts per token; 2 so routes can partly change between updates."""
     init_std: float = ranged(0.02, gt=0.0)
     """Std of the random initial weights (HF's default): a near-uniform first policy that explores."""
-    family: str = choice("qwen3_moe", ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"))
+    family: str = choice("qwen3_moe", ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next"))
     """HF architecture of the fresh model: Qwen3-MoE; Qwen2-MoE (q/k/v biases, a gated shared expert
     as wide as a routed one, head width hidden / heads); Mixtral (no QK-norm, top-k probabilities
     renormalised, `moe_intermediate_size` its experts' `intermediate_size`); or GLM-4.5 (the first
     layer dense, a shared expert, a sigmoid router with a selection bias, RoPE on half of each head,
     q/k/v biases); or DeepSeek-V3 (multi-latent attention with widths from `head_dim`, the first
-    layer dense, a shared expert, the sigmoid router with experts in 2 groups of which 1 is kept)."""
+    layer dense, a shared expert, the sigmoid router with experts in 2 groups of which 1 is kept); or
+    Qwen3-Next (gated delta net layers 0, 2, ... with `num_key_value_heads` key and `num_attention_heads`
+    value heads of `head_dim`, gated attention between them, a gated shared expert; rows are not packed:
+    needs `parallel.max_tokens_per_microbatch=null`)."""
 
 
 @dataclass
@@ -178,7 +181,9 @@ def _hf_config_json(model: ModelConfig) -> dict[str, Any] | None:
 
 def _has_linear_attention(model: ModelConfig) -> bool:
     """Whether `model.hf_path`'s config.json (when on this machine) is a gated delta net model (Qwen3-Next,
-    Qwen3.5-MoE)."""
+    Qwen3.5-MoE), or the fresh tiny model is one."""
+    if model.hf_path is None:
+        return model.tiny.family == "qwen3_next"
     raw = _hf_config_json(model) or {}
     return bool({"Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"} & set(raw.get("architectures") or [])) or \
         raw.get("model_type") in ("qwen3_next", "qwen3_5_moe_text")
@@ -230,8 +235,9 @@ def check_parallel(cfg: Any) -> Iterator[str]:
         yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} cannot hold {what} = "
                f"{longest}; use at least {longest}")
     if p.max_tokens_per_microbatch is not None and _has_linear_attention(cfg.model):
+        model = cfg.model.hf_path or f"model.tiny.family={cfg.model.tiny.family}"
         yield (f"parallel.max_tokens_per_microbatch: {p.max_tokens_per_microbatch} packs sequences into rows, which "
-               f"{cfg.model.hf_path} (gated delta net layers: Qwen3-Next, Qwen3.5-MoE) cannot run: megatron-core's "
+               f"{model} (gated delta net layers: Qwen3-Next, Qwen3.5-MoE) cannot run: megatron-core's "
                "gated delta net refuses packed sequences; set parallel.max_tokens_per_microbatch=null")
     shape = _model_shape(cfg.model)
     yield from _divides("parallel.tp", p.tp, shape, "num_attention_heads")

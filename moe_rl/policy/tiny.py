@@ -219,11 +219,12 @@ def _hf_config(name: str, **kw: Any) -> Any:
 
 
 def tiny_hf_config(family: str, config: TinyMoEConfig) -> Any:
-    """The HF config of a fresh tiny model of `family` ("qwen3_moe", "qwen2_moe", "mixtral" or
-    "glm4_moe") with `config`'s shape (Mixtral has no dense layers, no QK-norm and always renormalises
-    its top-k: those fields do not apply, and its experts' `intermediate_size` is
+    """The HF config of a fresh tiny model of `family` ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
+    "deepseek_v3" or "qwen3_next") with `config`'s shape (Mixtral has no dense layers, no QK-norm and
+    always renormalises its top-k: those fields do not apply, and its experts' `intermediate_size` is
     `moe_intermediate_size`; Qwen2-MoE's head width is hidden / heads; GLM-4.5 keeps its own
-    layout: the first layer dense, one shared expert, RoPE on half of each head, q/k/v biases)."""
+    layout: the first layer dense, one shared expert, RoPE on half of each head, q/k/v biases;
+    Qwen3-Next's delta net takes its head counts and widths from the attention's)."""
     c = config
     if family == "qwen3_moe":
         return config.to_hf()
@@ -256,9 +257,23 @@ def tiny_hf_config(family: str, config: TinyMoEConfig) -> Any:
         kw = {k: v for k, v in c.__dict__.items() if k not in ("head_dim", "rope_theta")}
         return qwen2_moe_config(**kw, shared_expert_intermediate_size=c.moe_intermediate_size, use_sliding_window=False,
                                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+    if family == "qwen3_next":  # delta net at even layers: KV heads as key heads, query heads as value heads
+        return qwen3_next_config(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            moe_intermediate_size=c.moe_intermediate_size, shared_expert_intermediate_size=c.moe_intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, linear_num_key_heads=c.num_key_value_heads,
+            linear_num_value_heads=c.num_attention_heads, linear_key_head_dim=c.head_dim,
+            linear_value_head_dim=c.head_dim, linear_conv_kernel_dim=4, num_experts=c.num_experts,
+            num_experts_per_tok=c.num_experts_per_tok, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            layer_types=[("linear_attention", "full_attention")[i % 2] for i in range(c.num_hidden_layers)],
+            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+            tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+            pad_token_id=c.pad_token_id,
+            rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta, "partial_rotary_factor": 0.25})
     if family != "mixtral":
-        raise ValueError(f"model.tiny.family must be 'qwen3_moe', 'qwen2_moe', 'mixtral', 'glm4_moe' or "
-                         f"'deepseek_v3', got {family!r}")
+        raise ValueError(f"model.tiny.family must be 'qwen3_moe', 'qwen2_moe', 'mixtral', 'glm4_moe', "
+                         f"'deepseek_v3' or 'qwen3_next', got {family!r}")
     return mixtral_config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.moe_intermediate_size,
                           num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                           num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,

@@ -8,9 +8,12 @@ top-4 in 4 groups of which 2 are kept, a dense first layer, a shared expert, a d
 read from its config.json. Per family: log-probs within 1e-4 of
 HF in several layouts and the HF -> megatron -> HF round trip bit-exact; `moe-rl serve`'s engine
 with HF's log-probs and routes, before and after a weight push under the checkpoint's own names;
-R2 and R3 replay in EP2. Qwen3-Next and Qwen3.5-MoE (gated delta net and gated full attention) have
-their own, fewer tests at the end."""
+R2 and R3 replay in EP2. Qwen3-Next and Qwen3.5-MoE (gated delta net and gated full attention) share the
+serve, push and replay tests (unpacked rows: megatron's gated delta net has no packed sequences); their
+reading and layout tests are at the end."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +21,8 @@ import torch
 
 from moe_rl.policy.convert import HFCheckpoint
 from moe_rl.policy.parity import compare, hf_logprobs, layout_worker, sample_sequences
-from moe_rl.testing import make_tiny_deepseek_v3, make_tiny_glm4_moe, make_tiny_mixtral, make_tiny_qwen2_moe, run_ranks
+from moe_rl.testing import (make_tiny_deepseek_v3, make_tiny_glm4_moe, make_tiny_mixtral, make_tiny_qwen2_moe,
+                            make_tiny_qwen3_5_moe, make_tiny_qwen3_next, run_ranks)
 
 # YaRN as DeepSeek-V3's released checkpoints use it (factor 40, beta 32 / 1, mscale 1 / 1), over an
 # original context of 64 so that the tiny RoPE's frequencies really mix interpolated and kept ones.
@@ -32,12 +36,25 @@ def _deepseek_v3_yarn(out_dir, seed=0):
 
 BUILDERS = {"mixtral": make_tiny_mixtral, "qwen2_moe": make_tiny_qwen2_moe, "glm4_moe": make_tiny_glm4_moe,
             "deepseek_v3": _deepseek_v3_yarn}
+# The gated delta net families share the serve, push and replay tests; their layouts have their own tests
+# below (longer sequences, no packed rows).
+HYBRID = {"qwen3_next": make_tiny_qwen3_next, "qwen3_5_moe": make_tiny_qwen3_5_moe}
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
+_BUILT: dict[str, object] = {}
+
+
+def _tiny(name, tmp_path_factory):
+    """The tiny checkpoint of `name`, built once for this module (`family` and the fixtures below share it)."""
+    if name not in _BUILT:
+        _BUILT[name] = {**BUILDERS, **HYBRID}[name](tmp_path_factory.mktemp(f"tiny_{name}"), seed=0)
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS) + sorted(HYBRID))
 def family(request, tmp_path_factory):
     """(family name, tiny checkpoint directory)."""
-    return request.param, BUILDERS[request.param](tmp_path_factory.mktemp(f"tiny_{request.param}"), seed=0)
+    return request.param, _tiny(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +117,7 @@ def test_sigmoid_routers_megatron_cannot_match_are_refused_by_name():
         ParallelLayout(tp=2, world_size=2).validate(arch_from_hf_dict({**ds, "kv_lora_rank": 17}))
 
 
+@pytest.mark.parametrize("family", sorted(BUILDERS), indirect=True)
 @pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2", "pp2-first1"])
 def test_layouts_give_hfs_logprobs_and_export_the_checkpoint(family, layout, sequences, tmp_path):
     from moe_rl.policy.parallel import ParallelLayout
@@ -297,9 +315,7 @@ def test_the_selection_bias_is_frozen_by_default_and_balances_when_asked(tmp_pat
 # full attention 1 and 3, sequences of up to 72 tokens so that the delta net's chunks of 64 carry state.
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
-    from moe_rl.testing import make_tiny_qwen3_next
-
-    return make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"), seed=0)
+    return _tiny("qwen3_next", tmp_path_factory)
 
 
 def test_qwen3_next_is_read_as_itself_and_what_megatron_cannot_match_is_refused_by_name(qwen3_next):
@@ -329,6 +345,15 @@ def test_qwen3_next_is_read_as_itself_and_what_megatron_cannot_match_is_refused_
         ParallelLayout(tp=4, world_size=4).validate(arch_from_hf_dict({**base, "num_key_value_heads": 4}))
     with pytest.raises(ConfigError, match="max_tokens_per_microbatch.*gated delta net refuses packed"):
         load_config(None, [f"model.hf_path={qwen3_next}", "parallel.max_tokens_per_microbatch=512"])
+    demo = str(Path(__file__).resolve().parents[2] / "launch/configs/tiny_cpu.yaml")  # it packs rows
+    with pytest.raises(ConfigError,
+                       match=r"model.tiny.family=qwen3_next .*set parallel.max_tokens_per_microbatch=null"):
+        load_config(demo, ["model.tiny.family=qwen3_next"])
+    assert load_config(demo, ["model.tiny.family=qwen3_next", "parallel.max_tokens_per_microbatch=null"])
+    from moe_rl.policy.tiny import TinyMoEConfig, tiny_hf_config
+
+    tiny = arch_from_hf_dict(tiny_hf_config("qwen3_next", TinyMoEConfig()).to_dict())  # the fresh model's shape
+    assert (tiny.family, tiny.linear_attention.layers, tiny.linear_attention.value_heads) == ("qwen3_next", (0, 2), 4)
 
 
 @pytest.mark.parametrize("layout", ["tp2"])  # suite time: tp2 splits every reorder of the map over two ranks
@@ -374,9 +399,7 @@ def test_qwen3_next_served_by_moe_rl_serve_routes_as_hf(qwen3_next):
 # apart, multimodal RoPE and a router that always renormalises; layers 0-2 delta net, 3 full attention.
 @pytest.fixture(scope="module")
 def qwen3_5_moe(tmp_path_factory):
-    from moe_rl.testing import make_tiny_qwen3_5_moe
-
-    return make_tiny_qwen3_5_moe(tmp_path_factory.mktemp("tiny_qwen3_5_moe"), seed=0)
+    return _tiny("qwen3_5_moe", tmp_path_factory)
 
 
 def test_qwen3_5_moe_is_read_as_itself_its_rope_is_plain_at_text_positions_and_refusals_name_the_field(qwen3_5_moe):
