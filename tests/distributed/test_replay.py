@@ -17,7 +17,12 @@ from moe_rl.policy.replay import route_dtype
 from moe_rl.testing import run_ranks
 from moe_rl.testing.replay_worker import bad_routes_worker, replay_worker
 
-LAYOUTS = ["tp2", "pp2", "pp2-vpp2", "ep2", "tp2-ep2", "tp2-pp2", "dp2"]
+# Each mechanism replay needs per layout on two ranks: the sequence-parallel slice (tp2), layer
+# offsets of pipeline stages and virtual stages (pp2, pp2-vpp2), global expert ids (ep2), data
+# shards (dp2). They are independent of each other; their products on four ranks run in the
+# flagship rehearsal (tests/e2e/test_e2e_rehearsal.py: R3 on tp2 + sp + ep2, and tp2-ep2 for the critic
+# in tests/distributed/test_critic_layouts.py), which keeps the suite's time.
+LAYOUTS = ["tp2", "pp2", "pp2-vpp2", "ep2", "dp2"]
 
 
 @pytest.fixture(scope="module")

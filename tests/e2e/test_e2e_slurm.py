@@ -26,6 +26,7 @@ import json
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -124,8 +125,20 @@ def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
     assert not leftovers.exists(), f"the script left processes behind:\n{leftovers.read_text()}"
 
 
+def _real_slurm_up() -> bool:
+    """A real two-node SLURM cluster answers here (tools/slurm_cluster.sh, which CI brings up)."""
+    try:
+        return subprocess.run(["bash", "tools/slurm_cluster.sh", "status"], capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.skipif(_real_slurm_up(), reason="a real SLURM cluster is up: tests/slurm/test_real_slurm.py runs this "
+                                              "rendered job (rehearsal_cpu.yaml on 2 nodes, 1 for rollout) with the "
+                                              "same checks on it")
 def test_e2e_slurm_rehearsal_cpu_mode_router_and_weight_sync(tmp_path, monkeypatch):
     """launch/configs/rehearsal_cpu.yaml as `--nodes 2 --rollout-nodes 1 --gpus-per-node 0` renders it:
     2 gloo ranks (tp2+ep2) on node 1, two `moe-rl serve` workers behind the real sglang-router on node 2,

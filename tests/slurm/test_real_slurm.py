@@ -4,6 +4,7 @@ rehearsal, the disaggregated one preempted by USR1 with requeue and resume, and 
 killed mid-job. Every job must leave no queue entry and no process behind."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -61,6 +62,11 @@ def test_preempted_job_requeues_and_resumes_every_step_once(slurm_cluster, tmp_p
     assert (logs / f"job-{job.id}-0").is_dir() and (logs / f"job-{job.id}-1").is_dir(), job.report()
     first = (logs / f"slurm-{job.id}.out").read_text()
     assert "requeueing job" in first, job.report()
+    # the checks of the stand-in rehearsal of this job (tests/e2e/test_e2e_slurm.py), which skips here
+    assert "can't honor" not in first, job.report()  # every srun step's task counts agree
+    assert list((logs / f"job-{job.id}-0").glob("router-*.log")), job.report()  # behind the real sglang-router
+    rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert all("perf/weight_sync_s" in r for r in rows), job.report()  # weights synced every step
 
 
 def _server_pids(job) -> list[int]:
