@@ -371,28 +371,36 @@ def test_qwen3_next_layouts_give_hfs_logprobs_and_export_the_checkpoint(qwen3_ne
     assert all(torch.equal(back.get(n), src.get(n)) for n in src.weight_map)
 
 
-def test_qwen3_next_served_by_moe_rl_serve_routes_as_hf(qwen3_next):
-    # rows of different lengths finishing at different steps: the engine drops them from the delta net's
-    # conv and recurrent states as from the attention layers' keys and values
+def _served_as_hf(model_dir, rows: int, architecture: str, route_shape: tuple[int, int] | None = None) -> None:
+    """moe-rl serve's engine on `rows` prompts of different lengths finishing at different steps (the
+    engine drops finished rows from the delta net's conv and recurrent states as from the attention
+    layers' keys and values): log-probs within 1e-5 of HF's forward and routes equal to HF's own."""
     from transformers import AutoModelForCausalLM
 
     from moe_rl.drift.routes import hf_forward
     from moe_rl.rollout.engine import GenerateRequest, SamplingParams
     from moe_rl.rollout.local_engine import LocalEngine
 
-    eng = LocalEngine(qwen3_next, seed=0, max_batch=8)
+    eng = LocalEngine(model_dir, seed=0, max_batch=8)
     try:
         served = [r[0] for r in eng.generate([
-            GenerateRequest([5, 6, 7, 8][: 2 + i], SamplingParams(max_new_tokens=6 + i, ignore_eos=True, seed=3 + i),
-                            return_routed_experts=True) for i in range(3)])]
+            GenerateRequest([5, 6, 7, 8][: 2 + i], SamplingParams(max_new_tokens=5 + i, ignore_eos=True, seed=3 + i),
+                            return_routed_experts=True) for i in range(rows)])]
     finally:
         eng.close()
-    model = AutoModelForCausalLM.from_pretrained(qwen3_next, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert type(model).__name__ == architecture
     for res in served:
         fwd = hf_forward(model, torch.tensor([list(res.prompt_ids) + list(res.output_ids)]))
         np.testing.assert_allclose(res.output_logprobs, fwd.logprobs[0, len(res.prompt_ids) - 1:].numpy(),
                                    atol=1e-5, rtol=0)
+        if route_shape is not None:
+            assert res.routed_experts.shape[1:] == route_shape
         np.testing.assert_array_equal(res.routed_experts.astype(np.int64), fwd.routes[0, :-1].numpy())
+
+
+def test_qwen3_next_served_by_moe_rl_serve_routes_as_hf(qwen3_next):
+    _served_as_hf(qwen3_next, 3, "Qwen3NextForCausalLM")
 
 
 # Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`): Qwen3-Next's layers with the delta net's input projections stored
@@ -460,24 +468,4 @@ def test_qwen3_5_moe_tp2_gives_hfs_logprobs_and_exports_the_checkpoint(qwen3_5_m
 
 
 def test_qwen3_5_moe_served_by_moe_rl_serve_routes_as_hf(qwen3_5_moe):
-    from transformers import AutoModelForCausalLM
-
-    from moe_rl.drift.routes import hf_forward
-    from moe_rl.rollout.engine import GenerateRequest, SamplingParams
-    from moe_rl.rollout.local_engine import LocalEngine
-
-    eng = LocalEngine(qwen3_5_moe, seed=0, max_batch=8)
-    try:
-        served = [r[0] for r in eng.generate([
-            GenerateRequest([5, 6, 7, 8][: 2 + i], SamplingParams(max_new_tokens=5 + i, ignore_eos=True, seed=3 + i),
-                            return_routed_experts=True) for i in range(2)])]
-    finally:
-        eng.close()
-    model = AutoModelForCausalLM.from_pretrained(qwen3_5_moe, dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
-    for res in served:
-        fwd = hf_forward(model, torch.tensor([list(res.prompt_ids) + list(res.output_ids)]))
-        np.testing.assert_allclose(res.output_logprobs, fwd.logprobs[0, len(res.prompt_ids) - 1:].numpy(),
-                                   atol=1e-5, rtol=0)
-        assert res.routed_experts.shape[1:] == (4, 3)
-        np.testing.assert_array_equal(res.routed_experts.astype(np.int64), fwd.routes[0, :-1].numpy())
+    _served_as_hf(qwen3_5_moe, 2, "Qwen3_5MoeForCausalLM", route_shape=(4, 3))
