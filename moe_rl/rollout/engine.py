@@ -75,6 +75,20 @@ ALL_ONE_ID_MIN_LAYERS = 4
 ALL_ONE_ID_MAX_CHANCE = 1e-9
 
 
+def out_of_range(routes: np.ndarray, num_experts: int | None) -> np.ndarray:
+    """`[rows, L]` bool: the token's top-k in that layer names an id outside [0, num_experts) (none
+    when the expert count is unknown)."""
+    if num_experts is None:
+        return np.zeros(routes.shape[:2], dtype=bool)
+    return ((routes < 0) | (routes >= num_experts)).any(-1)
+
+
+def repeated_ids(routes: np.ndarray) -> np.ndarray:
+    """`[rows, L]` bool: the token's top-k in that layer repeats an id (a router picks K distinct)."""
+    ordered = np.sort(routes, axis=-1)
+    return (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+
+
 def check_route_rows(routes: np.ndarray, num_experts: int | None, layer_ids: Sequence[int] | None = None) -> None:
     """Refuse route rows `[rows, L, K]` that no router produced: an id outside [0, num_experts)
     (when it is known), an id repeated within one layer's top-k (a router picks K distinct
@@ -86,15 +100,13 @@ def check_route_rows(routes: np.ndarray, num_experts: int | None, layer_ids: Seq
         return
     rows, L, K = routes.shape
     name = lambda j: f"layer {layer_ids[j]}" if layer_ids is not None else f"MoE layer {j}"  # noqa: E731
-    if num_experts is not None:
-        lo, hi = int(routes.min()), int(routes.max())
-        if lo < 0 or hi >= num_experts:
-            t, j, _ = np.argwhere((routes < 0) | (routes >= num_experts))[0]
-            raise BadRoutes(f"expert id out of range [0, {num_experts}): min {lo}, max {hi} "
-                             f"(first at row {t}, {name(j)}: {routes[t, j].tolist()})")
+    wild = out_of_range(routes, num_experts)
+    if wild.any():
+        t, j = np.argwhere(wild)[0]
+        raise BadRoutes(f"expert id out of range [0, {num_experts}): min {int(routes.min())}, max {int(routes.max())} "
+                        f"(first at row {t}, {name(j)}: {routes[t, j].tolist()})")
     if K > 1:
-        ordered = np.sort(routes, axis=-1)
-        repeats = (ordered[..., 1:] == ordered[..., :-1]).any(-1)  # [rows, L]
+        repeats = repeated_ids(routes)
         if repeats.any():
             t, j = np.argwhere(repeats)[0]
             raise BadRoutes(f"row {t}, {name(j)} repeats an expert id within its top-{K}: {routes[t, j].tolist()} "

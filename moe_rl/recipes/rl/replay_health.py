@@ -19,6 +19,7 @@ import torch
 from moe_rl.algo.config import replay_mode, route_mask_bound
 from moe_rl.algo.route_mask import route_mask
 from moe_rl.drift.metrics import all_reduce_counts, route_stats
+from moe_rl.rollout.engine import out_of_range, repeated_ids
 
 # The layer-offset check. Measured on the tiny models (qwen3_moe, mixtral: 5 MoE layers; glm4_moe,
 # deepseek_v3: a dense first layer; 4 experts, top-2; two seeds; 384 tokens): a layer's routes
@@ -62,12 +63,9 @@ def sample_cover(routes: torch.Tensor | None, routed: int, num_layers: int, num_
     out = torch.zeros((routed, num_layers), dtype=torch.bool)
     if routes is None:
         return out
-    ids = routes[:routed].long()
-    valid = (ids.sort(-1).values.diff(dim=-1) != 0).all(-1) if ids.shape[-1] > 1 else torch.ones(ids.shape[:2],
-                                                                                                dtype=torch.bool)
-    if num_experts is not None:
-        valid &= ((ids >= 0) & (ids < num_experts)).all(-1)
-    out[:ids.shape[0]] = valid
+    ids = routes[:routed].numpy()
+    # the rules the rollout engine refuses rows by (moe_rl/rollout/engine.py check_route_rows)
+    out[:ids.shape[0]] = torch.from_numpy(~(repeated_ids(ids) | out_of_range(ids, num_experts)))
     return out
 
 
