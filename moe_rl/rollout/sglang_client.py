@@ -30,10 +30,12 @@ weight update, and a `generate()` that comes first (after an eval, a skipped ste
 warm-up step) loads the last weights again (`_target_weights`, or `initial_weights` before
 any update) before it samples.
 
-Seeds: a request with `seed` s and n > 1 is sent as n requests with
-`sampling_seed` s, s+1, ..., so the samples differ and rerun identically
-(SGLang applies one sampling_seed to all n copies, and honours it only when
-launched with --enable-deterministic-inference).
+Seeds: a request with `seed` s and n > 1 is sent as n items with `sampling_seed`
+s, s+1, ..., so the samples differ and rerun identically (SGLang applies one
+sampling_seed to all n copies, and honours it only when launched with
+--enable-deterministic-inference): one batched /generate per prompt group
+(`wire.group_payload`), or, behind a router, n requests (sglang-router 0.3.2
+re-serialises /generate into its own struct, and we send it only the single form).
 
 Log-probs: SGLang returns log(softmax(logits / T)), the distribution the token was
 sampled from, which is this framework's convention (see engine.py).
@@ -49,7 +51,8 @@ from moe_rl.rollout.auth import RunKeys
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, WeightsSource, moe_layer_ids,
                                    num_experts_of, topk_of)
 from moe_rl.rollout.server_pool import Retryable, Server, ServerPool, Unreachable
-from moe_rl.rollout.wire import Geometry, disk_update_payload, generate_payload, parse_reply, read_hf_config
+from moe_rl.rollout.wire import (Geometry, disk_update_payload, generate_payload, group_payload, parse_reply,
+                                read_hf_config)
 
 log = logging.getLogger(__name__)
 
@@ -192,13 +195,15 @@ class SGLangClient(ServerPool):
         if self._weights_lost:
             await self._areload_weights()
         geo = await self._resolve_geometry() if any(r.return_routed_experts for r in requests) else None
-        jobs: list[tuple[int, GenerateRequest]] = []
+        jobs: list[tuple[int, GenerateRequest, bool]] = []  # (request index, request, sent as a group)
         for i, r in enumerate(requests):
-            if r.sampling.seed is not None and r.sampling.n > 1:
-                jobs.extend((i, one) for one in r.single_samples())
+            if r.sampling.seed is None or r.sampling.n == 1:
+                jobs.append((i, r, False))
+            elif self._pool_for(r) is self._servers and self._behind_router:
+                jobs.extend((i, one, False) for one in r.single_samples())
             else:
-                jobs.append((i, r))
-        tasks = [asyncio.ensure_future(self._run_job(req, geo)) for _, req in jobs]
+                jobs.append((i, r, True))
+        tasks = [asyncio.ensure_future(self._run_job(req, geo, group)) for _, req, group in jobs]
         try:
             done = await asyncio.gather(*tasks)
         except BaseException:
@@ -207,7 +212,7 @@ class SGLangClient(ServerPool):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         out: list[list[GenerateResult]] = [[] for _ in requests]
-        for (i, _), res in zip(jobs, done):
+        for (i, _, _), res in zip(jobs, done):
             out[i].extend(res)
         return out
 
@@ -215,8 +220,8 @@ class SGLangClient(ServerPool):
         """Behind a router, requests for routed experts go to the workers (the router drops the field)."""
         return self._admin if self._behind_router and req.return_routed_experts else self._servers
 
-    async def _run_job(self, req: GenerateRequest, geo: Geometry | None) -> list[GenerateResult]:
-        payload = generate_payload(req)
+    async def _run_job(self, req: GenerateRequest, geo: Geometry | None, group: bool = False) -> list[GenerateResult]:
+        payload = group_payload(req) if group else generate_payload(req)
         pool = self._pool_for(req)
         errors: list[str] = []
         for attempt in range(1, self.max_attempts + 1):

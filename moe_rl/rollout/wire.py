@@ -48,6 +48,18 @@ def generate_payload(req: GenerateRequest) -> dict[str, Any]:
     return body
 
 
+def group_payload(req: GenerateRequest) -> dict[str, Any]:
+    """A seeded request's n samples as one batched /generate: the prompt n times, each copy with
+    n=1 and its own `sampling_seed` s, s+1, ... (GenerateReqInput takes a list of input_ids with a
+    list of sampling_params, one per item, and replies with a list in order). One request per
+    prompt group instead of n: each costs the trainer's client a JSON round trip under the GIL."""
+    singles = req.single_samples()
+    body = generate_payload(req)
+    body["input_ids"] = [list(one.prompt_ids) for one in singles]
+    body["sampling_params"] = [one.sampling.to_sglang() for one in singles]
+    return body
+
+
 def parse_reply(url: str, req: GenerateRequest, data: Any, geo: Geometry | None) -> list[GenerateResult]:
     """SGLang /generate JSON -> results, with every shape checked (errors name the server)."""
     n = req.sampling.n

@@ -147,19 +147,22 @@ class Recorder:
         if request.path == "/model_info":
             return web.json_response({"model_path": "m", "num_hidden_layers": 1, "num_experts_per_tok": 1,
                                       "num_experts": 2, "moe_layer_ids": [0], "weight_version": "v"})
-        if request.path == "/generate":
-            n = body["sampling_params"]["max_new_tokens"]
-            rows = len(body["input_ids"]) + n - 1
+        if request.path == "/generate":  # one reply per item (a batch: list input_ids), n copies each
             import base64
 
             import numpy as np
 
-            routes = base64.b64encode(np.zeros((rows, 1, 1), dtype=np.int32).tobytes()).decode()
-            sample = {"output_ids": [3] * n, "meta_info": {
-                "finish_reason": {"type": "length"}, "prompt_tokens": len(body["input_ids"]),
-                "output_token_logprobs": [[-1.0, 3, None]] * n, "routed_experts": routes}}
-            copies = body["sampling_params"].get("n", 1)
-            return web.json_response(sample if copies == 1 else [sample] * copies)
+            batch = isinstance(body["sampling_params"], list)
+            items = zip(body["input_ids"], body["sampling_params"]) if batch else \
+                [(body["input_ids"], body["sampling_params"])]
+            replies = []
+            for ids, sp in items:
+                n = sp["max_new_tokens"]
+                routes = base64.b64encode(np.zeros((len(ids) + n - 1, 1, 1), dtype=np.int32).tobytes()).decode()
+                replies += [{"output_ids": [3] * n, "meta_info": {
+                    "finish_reason": {"type": "length"}, "prompt_tokens": len(ids),
+                    "output_token_logprobs": [[-1.0, 3, None]] * n, "routed_experts": routes}}] * sp.get("n", 1)
+            return web.json_response(replies[0] if len(replies) == 1 and not batch else replies)
         return web.json_response({"success": True, "message": ""})
 
     def stop(self) -> None:
@@ -173,7 +176,7 @@ GENERATE_CASES = [
     GenerateRequest([7], SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=3,
                                         stop_token_ids=(2, 4), ignore_eos=True, seed=11)),
     GenerateRequest([8, 9], SamplingParams(max_new_tokens=2, n=3)),
-    GenerateRequest([8, 9], SamplingParams(max_new_tokens=2, n=2, seed=5)),  # sent as 2 seeded requests
+    GenerateRequest([8, 9], SamplingParams(max_new_tokens=2, n=2, seed=5)),  # one batch of 2 seeded items
 ]
 
 
@@ -199,12 +202,15 @@ def captured():
 
 def test_generate_bodies_pass_sglangs_parse_contract_and_sampling_checks(oracle, captured):
     bodies = [b for m, p, b in captured if p == "/generate"]
-    assert len(bodies) == 6  # 4 requests, the seeded n=2 one split in two
-    sent = {tuple(b["input_ids"]) + (b["sampling_params"].get("sampling_seed"),): b for b in bodies}
+    assert len(bodies) == 5  # one per request, the seeded n=2 one as a batch of two items
     for body in bodies:
         reply = _accepted(oracle.ask(op="generate", body=body, vocab_size=151936), f"/generate {body}")
-        ours = body["sampling_params"]
-        for sp in reply["sampling"]:  # what sglang's SamplingParams made of ours
+        batch = isinstance(body["sampling_params"], list)
+        assert not (batch and reply["is_single"])
+        # one per item of a batch; a single request's n copies (parallel sampling) each carry its params
+        ours_each = body["sampling_params"] if batch else [body["sampling_params"]] * len(reply["sampling"])
+        assert len(reply["sampling"]) == len(ours_each)
+        for ours, sp in zip(ours_each, reply["sampling"]):  # what sglang's SamplingParams made of ours
             greedy = ours["temperature"] == 0.0
             for key in ("top_p", "max_new_tokens", "n", "ignore_eos", "sampling_seed") + (() if greedy else
                                                                                            ("temperature",)):
@@ -218,11 +224,13 @@ def test_generate_bodies_pass_sglangs_parse_contract_and_sampling_checks(oracle,
             else:  # our -1 means the whole vocabulary; sglang says so with its largest top_k
                 assert sp["top_k"] >= 151936
         assert reply["return_routed_experts"] == body["return_routed_experts"]
-        ids = reply["input_ids"] if reply["is_single"] else reply["input_ids"][0]
+        ids = reply["input_ids"] if reply["is_single"] or batch else reply["input_ids"][0]
         assert ids == body["input_ids"]
         rl = reply["return_logprob"]
         assert (rl if reply["is_single"] else all(rl)) is True
-    assert {(8, 9, 5), (8, 9, 6)} <= set(sent)  # seeds s, s + 1
+    group = next(b for b in bodies if isinstance(b["sampling_params"], list))
+    assert group["input_ids"] == [[8, 9], [8, 9]]  # the prompt once per sample, each n=1 with seeds s, s + 1
+    assert [(sp["n"], sp["sampling_seed"]) for sp in group["sampling_params"]] == [(1, 5), (1, 6)]
 
 
 def test_the_oracle_refuses_what_sglang_refuses(oracle):

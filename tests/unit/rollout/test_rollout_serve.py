@@ -88,6 +88,7 @@ def test_client_over_cli_server(served):
         assert c.health()
         out = c.generate(REQS)
         again = c.generate(REQS[:1])
+        one_by_one = c.generate(REQS[0].single_samples())  # what the batched group stands for
     assert [len(r) for r in out] == [3, 1, 2]
     for req, results in zip(REQS, out):
         for r in results:
@@ -100,6 +101,7 @@ def test_client_over_cli_server(served):
             assert r.output_logprobs.dtype == np.float32 and (r.output_logprobs <= 0).all()
             assert r.routed_experts.shape == (len(r.token_ids) - 1, 4, 2) and r.routed_experts.dtype == np.uint8
     assert [r.output_ids for r in again[0]] == [r.output_ids for r in out[0]]       # same seed, same output
+    assert [r.output_ids for (r,) in one_by_one] == [r.output_ids for r in out[0]]  # a group = its n seeded samples
     assert len({tuple(r.output_ids) for r in out[0]}) == 3                             # n samples differ
     # stop ids: the greedy continuation stops at the first stop token (or EOS, id 2), which it keeps
     greedy = out[1][0].output_ids
