@@ -204,8 +204,13 @@ def _mla_config(arch: MoEArch, kw: dict[str, Any]) -> Any:
 
 
 def _swap_norms(spec: Any, config: Any) -> None:
-    """Replace the local spec's torch norms with SequenceParallelRMSNorm, in place (and give
-    multi-latent attention a core attention that takes its head widths)."""
+    """Replace the local spec's torch norms with SequenceParallelRMSNorm and its expert loop with
+    GroupedExperts, in place (and give multi-latent attention a core attention that takes its head
+    widths)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from moe_rl.policy.grouped_experts import GroupedExperts
+
     sub = spec.submodules
     sub.input_layernorm = SequenceParallelRMSNorm
     sub.pre_mlp_layernorm = SequenceParallelRMSNorm
@@ -215,6 +220,9 @@ def _swap_norms(spec: Any, config: Any) -> None:
         attn.core_attention = _mla_core_attention()
     elif config.qk_layernorm:
         attn.q_layernorm = attn.k_layernorm = SequenceParallelRMSNorm
+    experts = getattr(sub.mlp.submodules, "experts", None)  # dense layers (first_k_dense) have none
+    if experts is not None and experts.module is SequentialMLP:
+        experts.module = GroupedExperts  # the loop's math in two grouped matmuls (grouped_experts.py)
 
 
 def _mla_core_attention() -> type:

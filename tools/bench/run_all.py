@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))
 
 import async_rl
 import dpo_step
+import experts
 import critic
 import handoff_bytes
 import losses
@@ -72,6 +73,9 @@ def sections() -> list[Section]:
         ("overhead", "Framework overhead: moe_rl update step vs bare megatron-core",
          lambda q: overhead.format_table(overhead.bench_rows(rounds=2, worlds=(1,)) if q
                                          else overhead.bench_rows())),
+        ("experts", "Routed experts on CPU: megatron's per-expert loop vs GroupedExperts",
+         lambda q: experts.format_table(experts.bench_rows(tokens=(256, 2304), rounds=2) if q
+                                        else experts.bench_rows())),
         ("scaling", "Scaling of the update step: experts, sequence length, layout",
          lambda q: scaling.format_table(scaling.bench_rows(rounds=1, experts=(8, 16), seqs=(64, 128),
                                                            layouts=("ep2",)) if q

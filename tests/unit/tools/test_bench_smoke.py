@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "tools" / "bench"
 MODULES = ("common", "overhead", "scaling", "weight_sync", "memory", "gpu_update", "step_options", "run_all",
-           "handoff_bytes", "async_rl")
+           "handoff_bytes", "async_rl", "experts")
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m != "common"])
@@ -65,7 +65,7 @@ def test_tables_from_rows(bench):
 
 def test_run_all_finds_packing_when_present(bench):
     keys = [key for key, _, _ in bench["run_all"].sections()]
-    assert keys[:8] == ["losses", "rollout", "replay", "overhead", "scaling", "weight_sync", "routes",
+    assert keys[:9] == ["losses", "rollout", "replay", "overhead", "experts", "scaling", "weight_sync", "routes",
                         "step_options"]
     assert ("packing" in keys) == (BENCH / "packing.py").is_file()
 
