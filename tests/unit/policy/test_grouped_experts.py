@@ -38,7 +38,11 @@ def _compare_in_a_fresh_process() -> dict:
 
     init_distributed(ParallelLayout())
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    out = {}
+    from moe_rl.policy.model import layer_spec
+
+    moe_layer = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+                                  moe_ffn_hidden_size=32, add_bias_linear=False, use_cpu_initialization=True)
+    out = {"cpu_spec_experts": layer_spec(moe_layer).layer_specs[0].submodules.mlp.submodules.experts.module.__name__}
     for name, (fields, _) in CASES.items():
         base = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_ffn_hidden_size=32,
                     moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
@@ -92,3 +96,7 @@ def test_grouped_experts_match_megatrons_loop(compared: dict, case: str) -> None
 @pytest.mark.parametrize("case", [c for c, (_, grouped) in CASES.items() if not grouped])
 def test_configs_the_grouped_path_cannot_compute_exactly_keep_the_loop(compared: dict, case: str) -> None:
     assert not compared[case]["grouped_path"]
+
+
+def test_the_cpu_layer_spec_builds_grouped_experts(compared: dict) -> None:
+    assert compared["cpu_spec_experts"] == "GroupedExperts"
