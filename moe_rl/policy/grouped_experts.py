@@ -26,7 +26,7 @@ _ALIGN = 16  # bytes: grouped_mm wants every row stride a multiple of 16 bytes
 # autograd cost per expert, and pays a copy of every local expert weight (the stack) each pass and
 # somewhat slower matmuls. So it wins on small experts and few tokens only: a tiny 8-expert layer at
 # 2,304 routed tokens takes 0.5x the loop's time, at 16,384 tokens 1.0x; 16 experts of hidden 256 and
-# FFN 512 take 1.8x at 32 tokens (the 24 MB stack). Above either bound, the loop runs.
+# FFN 512 take 1.8-2.0x at 32 tokens (the 24 MB stack). Above either bound, the loop runs.
 _MAX_STACKED = 1 << 20  # elements of all local expert weights
 _MAX_FC1_MACS = 1 << 24  # multiply-adds of one call's first matmul (routed tokens x hidden x fc1 width)
 
