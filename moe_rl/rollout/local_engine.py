@@ -276,7 +276,7 @@ class LocalEngine:
                 r.finish = "abort"
             return
         dev = self.device
-        logits, cache, mask, pos, (version, kv_epoch) = self._prefill(rows, [r.prompt for r in rows])
+        logits, cache, mask, pos, (version, kv_epoch) = self._prefill(rows, [r.prompt for r in rows], epoch)
         active = list(range(len(rows)))  # rows[active[b]] is batch row b
         eos = self.eos_token_ids
         maxpos = self.max_positions
@@ -342,19 +342,25 @@ class LocalEngine:
                 again = [rows[k] for k in active]
                 for r in again:
                     r.retractions, r.routes = r.retractions + 1, []
-                logits, cache, mask, pos, (version, kv_epoch) = self._prefill(again, [r.prompt + r.out for r in again])
+                logits, cache, mask, pos, (version, kv_epoch) = self._prefill(again, [r.prompt + r.out for r in again],
+                                                                              epoch)
                 continue
             if routes is not None:
                 for b, k in enumerate(active):
                     rows[k].routes.append(routes[b:b + 1])
             logits = out.logits[:, -1, :]
 
-    def _prefill(self, rows: list[_Row], tokens: list[list[int]]) -> tuple[torch.Tensor, Any, torch.Tensor,
-                                                                             torch.Tensor, tuple[str, int]]:
+    def _prefill(self, rows: list[_Row], tokens: list[list[int]], abort_epoch: int
+                 ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, tuple[str, int]]:
         """One forward over left-padded `tokens` (a row's prompt, or after a retract its prompt and
         output so far): the last position's logits, the cache, attention mask, positions, and the
         weight version and retract count the cache was computed under; every position's routes
-        are appended to its row's."""
+        are appended to its row's. A paused engine starts no prefill (SGLang's scheduler runs no
+        forward while paused): a push pauses, then loads its buckets one by one, so a prefill
+        between two of them would compute the cache, routes and first token on half-new weights
+        under the new version's label and retract count, and no retract would redo it. Rows of a
+        generate call that an abort pause ended go ahead (they finish as aborted at their next
+        step)."""
         from transformers.cache_utils import DynamicCache
 
         dev = self.device
@@ -367,14 +373,19 @@ class LocalEngine:
             mask[i, P - len(t):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        with self._lock:
-            epoch = self._retract_epoch  # under the lock: the retract count this cache is computed under
-            cache = DynamicCache(config=self.config)
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                             logits_to_keep=1, **{self._cache_kw: cache})
-            routes = self._recorder.take() if self._recorder else None
-            computed = (self.weight_version, epoch)
-            self.last_forward_time = time.monotonic()
+        while True:
+            while not self._running.wait(0.05) and self._abort_epoch == abort_epoch:
+                pass  # paused: wait for continue_generation()
+            with self._lock:  # a pause may land between the wait and the lock: look again under it
+                if self._running.is_set() or self._abort_epoch != abort_epoch:
+                    epoch = self._retract_epoch  # under the lock: the retract count this cache is computed under
+                    cache = DynamicCache(config=self.config)
+                    out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                     logits_to_keep=1, **{self._cache_kw: cache})
+                    routes = self._recorder.take() if self._recorder else None
+                    computed = (self.weight_version, epoch)
+                    self.last_forward_time = time.monotonic()
+                    break
         if routes is not None:
             routes = routes.view(B, P, *routes.shape[1:])
             for i, (r, t) in enumerate(zip(rows, tokens)):

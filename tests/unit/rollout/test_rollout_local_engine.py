@@ -282,3 +282,61 @@ def test_a_retract_landing_between_the_park_and_the_forward_prefills_again(tiny_
     new_lp, new_routes = hf_reference(new_model, res.prompt_ids, res.output_ids)
     np.testing.assert_array_equal(res.routed_experts.astype(np.int64), new_routes)
     np.testing.assert_allclose(res.output_logprobs[1:], new_lp[1:], atol=1e-4, rtol=0)
+
+
+class _HalfPushOnEntry:
+    """The engine's lock, which on the generating (main) thread's n-th entry first pauses the engine
+    and loads the first half of the new weights, and leaves the second half and continue_generation()
+    to a pusher thread 0.3 s later: a prefill reaching the lock in the middle of a push."""
+
+    def __init__(self, lock, n: int, first, rest):
+        self.lock, self.n, self.first, self.rest, self.entries, self.pushing = lock, n, first, rest, 0, False
+
+    def __enter__(self):
+        if not self.pushing and threading.current_thread() is threading.main_thread():
+            self.entries += 1
+            if self.entries == self.n:
+                self.pushing = True
+                self.first()
+                threading.Timer(0.3, self.rest).start()
+                self.pushing = False
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_a_prefill_waits_out_a_push_that_paused_between_its_buckets(tiny_hf_dir, tmp_path):
+    # One sample per chunk (max_batch=1), one token each: the second chunk's prefill reaches the lock
+    # after the push paused and loaded half its tensors. It must wait for the whole push (as SGLang
+    # runs no forward while paused) and compute the sample on the new weights alone; before, it ran
+    # on half-new weights under the new version's label and retract count, and no retract redid it.
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.testing import make_tiny_qwen3_moe
+
+    new_dir = make_tiny_qwen3_moe(tmp_path / "new", seed=1)
+    new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    named = list(new_model.state_dict().items())
+    eng = LocalEngine(tiny_hf_dir, seed=0, max_batch=1, weight_version="1")
+
+    def first_half():
+        eng.pause_generation("retract")
+        eng.update_weights_from_tensors(named[: len(named) // 2], version="2")
+
+    def second_half():
+        eng.update_weights_from_tensors(named[len(named) // 2:], version="2")
+        eng.continue_generation()
+
+    eng._lock = _HalfPushOnEntry(eng._lock, 2, first_half, second_half)
+    try:
+        short, long = eng.generate([GenerateRequest(p, SamplingParams(max_new_tokens=1, ignore_eos=True, seed=3),
+                                                    return_routed_experts=True) for p in (PROMPTS[1], PROMPTS[0])])
+    finally:
+        eng.close()
+    assert short[0].weight_version == "1"          # the first chunk, before the push
+    (res,) = long                                   # the second chunk: prefilled during the push
+    assert res.weight_version == "2"
+    new_lp, new_routes = hf_reference(new_model, res.prompt_ids, res.output_ids)
+    np.testing.assert_array_equal(res.routed_experts.astype(np.int64), new_routes)
+    np.testing.assert_allclose(res.output_logprobs, new_lp, atol=1e-4, rtol=0)
