@@ -84,8 +84,9 @@ def grouped_supported(experts: SequentialMLP) -> bool:
     """Whether the grouped forward computes exactly what the loop does for this config: more than one
     local expert, `MLP`'s unfused activation branch, no biases (the loop adds them per expert), no fp8
     or fp4 padding, no deferred or fused weight-gradient accumulation, no latent projection, dims
-    `grouped_mm` accepts, and experts small enough that stacking their weights each pass pays. Expert-parallel and expert-TP layouts are local matmuls in the loop too (their
-    communication is the token dispatcher's), so they take the grouped path as well."""
+    `grouped_mm` accepts, and experts small enough that stacking their weights each pass pays.
+    Expert-parallel and expert-TP layouts are local matmuls in the loop too (their communication is
+    the token dispatcher's), so they take the grouped path as well."""
     cfg = experts.config
     if not hasattr(F, "grouped_mm") or experts.num_local_experts < 2:
         return False

@@ -309,8 +309,7 @@ class LocalEngine:
                     feed.append(b)
             if not feed:
                 break
-            while not self._running.wait(0.05) and self._abort_epoch == epoch:
-                pass  # parked by pause_generation(mode="in_place" / "retract")
+            self._wait_while_paused(epoch)  # parked by pause_generation(mode="in_place" / "retract")
             if self._abort_epoch != epoch:  # pause_generation(mode="abort"), also while parked
                 for k in active:
                     if rows[k].finish is None:
@@ -350,6 +349,11 @@ class LocalEngine:
                     rows[k].routes.append(routes[b:b + 1])
             logits = out.logits[:, -1, :]
 
+    def _wait_while_paused(self, abort_epoch: int) -> None:
+        """Until continue_generation(), or an abort pause ends the generate call of `abort_epoch`."""
+        while not self._running.wait(0.05) and self._abort_epoch == abort_epoch:
+            pass
+
     def _prefill(self, rows: list[_Row], tokens: list[list[int]], abort_epoch: int
                  ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, tuple[str, int]]:
         """One forward over left-padded `tokens` (a row's prompt, or after a retract its prompt and
@@ -374,8 +378,7 @@ class LocalEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
         while True:
-            while not self._running.wait(0.05) and self._abort_epoch == abort_epoch:
-                pass  # paused: wait for continue_generation()
+            self._wait_while_paused(abort_epoch)
             with self._lock:  # a pause may land between the wait and the lock: look again under it
                 if self._running.is_set() or self._abort_epoch != abort_epoch:
                     epoch = self._retract_epoch  # under the lock: the retract count this cache is computed under
