@@ -1,10 +1,11 @@
 """Run a function on N local processes joined in one torch.distributed group.
 
-`run_ranks(fn, world_size)` starts the ranks from a fork server (a fresh interpreter
-that has imported megatron-core and transformers once, `moe_rl.policy.preload`, and
-nothing else: no state leaks from the caller, as with `spawn`, and no rank pays ~5 s of
-imports), gives them the caller's environment, sets the torchrun environment variables
-on a free port, and returns each rank's return value. A failing rank's traceback is
+`run_ranks(fn, world_size)` starts fresh interpreters (`spawn`: no state leaks from the
+caller), or with `start_method="forkserver"` forks them from a server that imported
+megatron-core and transformers once (`PRELOAD`; the tests' choice, `moe_rl.testing.run_ranks`:
+a fresh interpreter spends ~5 s of CPU on those imports, most of a short test). Either way
+each rank gets the caller's environment of the call, sets the torchrun environment variables
+on a free port, and returns its return value. A failing rank's traceback is
 raised in the parent; a rank that hangs is killed after `timeout` seconds instead of
 blocking the test suite forever.
 """
@@ -34,6 +35,8 @@ def set_local_rank_env(rank: int, world_size: int, port: int) -> None:
 
 
 # What the fork server imports before it starts any rank (a module name: this module imports no megatron).
+# Benchmarks and `check-parity` keep `spawn`: side-by-side step times of forked ranks were within
+# this machine's noise of spawned ones, not shown equal.
 PRELOAD = ["moe_rl.policy.preload"]
 
 
@@ -75,16 +78,19 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-              timeout: float = 300.0, pg_timeout: float | None = None, **kwargs: Any) -> list[Any]:
+              timeout: float = 300.0, pg_timeout: float | None = None, start_method: str = "spawn",
+              **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` processes; return the per-rank results.
     `pg_timeout`: the default group's timeout in seconds (torch's default when None).
+    `start_method`: "spawn" or "forkserver" (see the module's docstring).
 
     `fn` must be importable by name (a module-level function). The default process
     group is created here with `backend`; `fn` adds megatron's groups with
     `moe_rl.policy.parallel.init_distributed`, which reuses it.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of this process
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of this process
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)

@@ -1,6 +1,7 @@
 """The modules every trainer rank imports before its first step, imported here in one place.
 
-`moe_rl.dist.spawn.run_ranks` starts its ranks from a fork server that imports this module once;
+`moe_rl.dist.spawn.run_ranks(..., start_method="forkserver")` (the tests' `moe_rl.testing.run_ranks`)
+starts its ranks from a fork server that imports this module once;
 a rank started from a fresh interpreter would import megatron-core (which imports torch's compiler
 stack for its fused kernels) and transformers itself, ~5 s of CPU per rank, most of a short
 multi-process job such as a layout check.

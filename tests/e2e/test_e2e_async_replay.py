@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from moe_rl.config import load_config
-from moe_rl.dist.spawn import run_ranks
+from moe_rl.testing import run_ranks
 from moe_rl.testing.async_replay_worker import async_replay_worker
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ produced, refused where they enter). One trainer rank with the engine in its pro
 from __future__ import annotations
 
 from moe_rl.config import load_config
-from moe_rl.dist.spawn import run_ranks
+from moe_rl.testing import run_ranks
 from moe_rl.testing.corrupt_routes_worker import corrupt_routes_worker
 
 OVERRIDES = ["train.world_size=1", "parallel.ep=1", "rollout.engine=inprocess", "rollout.weight_sync=tensor",

@@ -1,4 +1,4 @@
-"""`run_ranks` starts its ranks from a fork server: with megatron-core already imported, with the
+"""`moe_rl.testing.run_ranks` starts its ranks from a fork server: with megatron-core already imported, with the
 caller's environment of the call (not the server's, which started with an earlier one), and with
 none of the caller's state."""
 from __future__ import annotations

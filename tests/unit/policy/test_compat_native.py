@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_rl.dist.spawn import run_ranks
+from moe_rl.testing import run_ranks
 
 
 def _redirected(device: str) -> str:

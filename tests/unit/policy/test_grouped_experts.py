@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_rl.dist.spawn import run_ranks
+from moe_rl.testing import run_ranks
 
 # name -> TransformerConfig fields beyond the shared ones; whether the grouped path is expected
 CASES = {
