@@ -49,9 +49,9 @@ def async_replay_worker(cfg_dict: dict[str, Any], run_dir: str, steps: int) -> d
         real_push(named_tensors, version)
         weights[int(version)] = copy.deepcopy(engine.model.state_dict())
 
-    def old_logprobs(run_: Any, mine: Any, step: int) -> Any:
+    def old_logprobs(run_: Any, mine: Any, step: int, first: Any = None) -> Any:
         current["samples"] = mine
-        return real_old(run_, mine, step)
+        return real_old(run_, mine, step, first)
 
     def update(sequences: Any, extras: Any, loss: Any, replay_routes: Any = None) -> Any:
         trained.append((current["samples"], list(sequences), replay_routes))

@@ -102,8 +102,8 @@ class _ReplaySpy:
         self.loop, self.old_pass, self.mine, self.updates = loop, None, None, []
         real_old, real_update = loop.old_logprobs, run.policy.update
 
-        def old_logprobs(run: Any, mine: Any, step: int) -> Any:
-            self.old_pass, self.mine = real_old(run, mine, step), mine
+        def old_logprobs(run: Any, mine: Any, step: int, first: Any = None) -> Any:
+            self.old_pass, self.mine = real_old(run, mine, step, first), mine
             return self.old_pass
 
         def update(sequences: Any, extras: Any, loss: Any, replay_routes: Any = None) -> Any:

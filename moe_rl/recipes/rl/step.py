@@ -61,7 +61,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics, share = batch.metrics, batch.share
     if share is None:                                             # DAPO: no informative group, step skipped
         return metrics | clock.metrics()
-    old = old_logprobs(run, share.samples, step)                  # routes recorded (R2) or the engine's (R3)
+    old = old_logprobs(run, share.samples, step, share.minibatches[0])  # routes recorded (R2) or the engine's (R3)
     clock.lap("old_logprobs")
     if run.critic is not None:                                    # algo.advantage=gae (moe_rl/recipes/rl/critic.py):
         metrics |= critic_step(run, share, old, step)             # values, GAE advantages, critic updates
@@ -91,14 +91,19 @@ class OldPass:
     replay: torch.Tensor | None        # routes replayed in the updates (None = replay off)
     route_keep: torch.Tensor | None = None  # [B, T - 1] bool: the route mask's kept tokens (None: no mask)
     metrics: dict[str, float] = field(default_factory=dict)  # correction/route_* of the route mask
+    current: torch.Tensor | None = None  # [B] bool: rows whose pi_old is the first update's own pass
 
 
-def old_logprobs(run: Run, mine: Samples, step: int) -> OldPass:
+def old_logprobs(run: Run, mine: Samples, step: int, first: list[int] | None = None) -> OldPass:
     """pi_old: the trainer's log-probs of the samples before the step's updates (algo.behaviour=
     recompute), or the engine's (engine); the trainer's own free routes where R2 replays them, this
     step measures drift on its tokens, the route mask compares them with the engine's, or R3 checks
     the engine's layers (moe_rl/recipes/rl/replay_health.py). With behaviour=engine the pass runs
-    only for those routes."""
+    only for those routes.
+
+    `first`: the rows of the step's first update. When pi_old is all the trainer's pass is for, it
+    skips them: the first update's forward runs the same weights on them before its optimizer step,
+    so its own log-probs, detached, are pi_old there (`OldPass.current`; TRL does the same)."""
     mode, drift, masking = replay_mode(run.cfg.algo), step_drift_due(run, step), route_mask_bound(run.cfg.algo)
     engine_pi = run.cfg.algo.behaviour == "engine"
     width = max(mine.lengths()) - 1
@@ -106,6 +111,8 @@ def old_logprobs(run: Run, mine: Samples, step: int) -> OldPass:
     free_due = drift or masking is not None or (mode == "r3" and free_pass_due(run))
     if engine_pi and mode != "r2" and not free_due:      # nothing needs the trainer: no pass
         return OldPass(engine_logp_tokens(mine, width), None, None, engine.routes if mode == "r3" else None)
+    if first is not None and mode == "off" and not free_due and not engine_pi:  # pi_old alone
+        return old_pass_after_first(run, mine, first, width)
     if mode == "r3":
         free = run.policy.logprobs(mine.sequences, record_routes=True).routes if free_due else None
         replay = replay_routes(engine, free)          # the engine's; the trainer's own where it has none
@@ -116,6 +123,19 @@ def old_logprobs(run: Run, mine: Samples, step: int) -> OldPass:
     health = route_health(run, mine, engine, free, response_mask(mine, width).bool())
     pi_old = engine_logp_tokens(mine, old.logp.shape[1]) if engine_pi else old.logp
     return OldPass(pi_old, old.logp, free, replay, health.keep, health.metrics)
+
+
+def old_pass_after_first(run: Run, mine: Samples, first: list[int], width: int) -> OldPass:
+    """pi_old of the rows after the first update's (a pass only with algo.num_minibatches > 1, the
+    same on every rank); the first update's rows are `current`, their `logp` a placeholder."""
+    current = torch.zeros(len(mine), dtype=torch.bool)
+    current[first] = True
+    logp = torch.zeros(len(mine), width)
+    rest = (~current).nonzero().flatten().tolist()
+    if rest:
+        got = run.policy.logprobs([mine.sequences[i] for i in rest]).logp
+        logp[rest, : got.shape[1]] = got
+    return OldPass(logp, None, None, None, current=current)
 
 
 def engine_routes(samples: Samples) -> torch.Tensor:
@@ -161,9 +181,10 @@ def loss_extras(mine: Samples, old: OldPass) -> dict[str, torch.Tensor]:
     and the route mask's kept tokens (`route_keep`, 1 everywhere without it)."""
     width = old.logp.shape[1]
     keep = torch.ones(len(mine), width) if old.route_keep is None else old.route_keep.float()
+    current = torch.zeros(len(mine)) if old.current is None else old.current.float()
     return {"old_logp": old.logp, "adv": mine.advantages.float(), "mask": response_mask(mine, width),
             "rollout_logp": engine_logp_tokens(mine, width), "correct": (mine.rewards >= 1.0).float(),
-            "route_keep": keep}
+            "route_keep": keep, "old_is_current": current}
 
 
 def _loss_fn(run: Run, num_tokens: float, num_seqs: float, num_correct_tokens: float = 0.0):
@@ -176,8 +197,10 @@ def _loss_fn(run: Run, num_tokens: float, num_seqs: float, num_correct_tokens: f
         ex = mb.extras
         # the route mask's tokens leave the objective; the normalisers (num_tokens, num_seqs) stay the batch's
         mask = ex["mask"] * valid * ex["route_keep"]
+        # rows the old pass skipped (old_pass_after_first): this pass, before its update, is pi_old
+        old_logp = torch.where(ex["old_is_current"].unsqueeze(1) > 0, logp.detach(), ex["old_logp"])
         value, metrics = compute_loss(
-            a.loss, logp=logp, old_logp=ex["old_logp"], advantages=ex["adv"], mask=mask,
+            a.loss, logp=logp, old_logp=old_logp, advantages=ex["adv"], mask=mask,
             agg=a.aggregation, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
             max_len=run.cfg.rollout.max_new_tokens, rollout_logp=ex["rollout_logp"] if corrected else None,
             beta=a.kl_coef, kl_estimator=a.kl_estimator, **params)

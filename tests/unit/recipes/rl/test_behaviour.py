@@ -27,14 +27,17 @@ class _Policy:
     dp_size, dp_group = 1, None
     arch = SimpleNamespace(moe_layers=[1])
 
-    def __init__(self, logp: torch.Tensor) -> None:
-        self.logp, self.calls = logp, []
+    def __init__(self, logp: torch.Tensor, samples: Samples | None = None) -> None:
+        self.logp, self.calls, self.rows = logp, [], []
+        self.row_of = {} if samples is None else {id(s): i for i, s in enumerate(samples.sequences)}
 
     def logprobs(self, sequences, *, record_routes=False, replay_routes=None, **_):
         width = max(s.shape[0] for s in sequences) - 1
+        rows = [self.row_of.get(id(s), i) for i, s in enumerate(sequences)]  # the samples' rows of the table
         self.calls.append({"record_routes": record_routes, "replay": replay_routes is not None})
+        self.rows.append(rows)
         routes = torch.tensor([0, 1]).expand(len(sequences), width, 1, 2).clone() if record_routes else None
-        return SimpleNamespace(logp=self.logp[:, :width], routes=routes)
+        return SimpleNamespace(logp=self.logp[rows, :width], routes=routes)
 
 
 def _samples(engine_lp: torch.Tensor) -> Samples:
@@ -83,19 +86,23 @@ def _reference(theta, pi_old, behav, adv, loss, cap, eps):
 @pytest.mark.parametrize("loss", ["grpo", "gspo"])
 @pytest.mark.parametrize("behaviour,cap", [("recompute", 2.0), ("recompute", 1.2), ("recompute", None),
                                            ("engine", None)])
-def test_the_step_trains_on_decoupled_ppo_as_the_loop_reference(loss, behaviour, cap):
+@pytest.mark.parametrize("first", [None, [0]], ids=["full-pass", "first-update-rows-skipped"])
+def test_the_step_trains_on_decoupled_ppo_as_the_loop_reference(loss, behaviour, cap, first):
+    """`first`: sample 0 is the first update's, whose own pass (theta, before it steps) is its pi_old."""
     prox, behav, theta = _tables()
     mine = _samples(behav)
     eps = (0.2, 0.2) if loss == "grpo" else (0.01, 0.02)
-    run = _run(_Policy(prox), f"algo.loss={loss}", f"algo.behaviour={behaviour}", "algo.replay=off",
+    run = _run(_Policy(prox, mine), f"algo.loss={loss}", f"algo.behaviour={behaviour}", "algo.replay=off",
                f"algo.tis_cap={'null' if cap is None else cap}", f"algo.eps_low={eps[0]}", f"algo.eps_high={eps[1]}")
-    old = old_logprobs(run, mine, step=1)
+    old = old_logprobs(run, mine, 1, first)
     extras = loss_extras(mine, old)
     leaf = theta.clone().requires_grad_(True)
     value, metrics = _loss_fn(run, float(sum(COMPLETIONS)), 3.0)(leaf, SimpleNamespace(index=torch.arange(3),
                                                                                       extras=extras))
     value.backward()
-    pi_old = prox if behaviour == "recompute" else behav
+    pi_old = (prox if behaviour == "recompute" else behav).clone()
+    if first is not None and behaviour == "recompute":
+        pi_old[first] = theta[first]
     ref_leaf = theta.clone().requires_grad_(True)
     ref = _reference(ref_leaf, pi_old, behav, mine.advantages, loss, cap, eps)
     ref.backward()
@@ -125,6 +132,25 @@ def test_engine_behaviour_runs_the_trainer_pass_only_for_routes():
     policy = _Policy(prox)  # recompute: one pass, pi_old the trainer's
     old = old_logprobs(_run(policy, "algo.replay=off"), mine, step=1)
     assert len(policy.calls) == 1 and torch.equal(old.logp, prox) and torch.equal(old.trainer_logp, prox)
+
+
+def test_the_pass_skips_the_first_updates_rows_only_when_pi_old_is_all_it_is_for():
+    prox, behav, _ = _tables()
+    mine = _samples(behav)
+    policy = _Policy(prox, mine)  # recompute, no replay, no route mask, no drift on the step's tokens
+    old = old_logprobs(_run(policy, "algo.replay=off"), mine, 1, [0])
+    assert policy.rows == [[1, 2]] and policy.calls[0]["record_routes"] is False
+    assert old.current.tolist() == [True, False, False]
+    rest = PROMPT + max(COMPLETIONS[1:]) - 1  # the width of rows 1 and 2
+    assert torch.equal(old.logp[1:, :rest], prox[1:, :rest]) and old.trainer_logp is None
+    policy = _Policy(prox, mine)  # one minibatch: every row is the first update's, no pass at all
+    assert old_logprobs(_run(policy, "algo.replay=off"), mine, 1, [0, 1, 2]).current.all() and policy.calls == []
+    for needs in (["algo.replay=r2"], ["algo.replay=r3"], ["algo.replay=off", "drift.enabled=true"],
+                  ["algo.replay=off", "algo.rollout_correction.mode=route_mask"]):
+        policy = _Policy(prox, mine)  # the pass is for routes or drift too: every row, pi_old the pass's
+        old = old_logprobs(_run(policy, *needs), mine, 1, [0])
+        assert [0, 1, 2] in policy.rows and old.current is None, needs
+        assert torch.equal(old.logp, prox), needs
 
 
 def test_engine_behaviour_with_a_correction_is_refused():
