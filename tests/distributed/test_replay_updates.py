@@ -17,10 +17,9 @@ tensor's update after three steps agrees to 1e-3 of its norm (the reference test
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moe_rl.testing import run_ranks
-from moe_rl.testing.minibatches import completion_mask, gspo_batch
+from moe_rl.testing.minibatches import completion_mask, gspo_batch, hf_weights, update_errors
 
 LR, CLIP, EPS = 3e-3, 0.5, (0.2, 0.2)
 
@@ -54,18 +53,11 @@ def r2_updates(hf_dir: str, out_dir: str, layout: str) -> dict:
     return {"norms": norms}
 
 
-def _weights(d) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    return {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
-            .named_parameters()}
-
-
 @pytest.fixture(scope="module")
 def single(tiny_hf_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("r2_single")
     (result,) = run_ranks(r2_updates, 1, str(tiny_hf_dir), str(out), "single", timeout=600)
-    return result, _weights(out)
+    return result, hf_weights(out)
 
 
 @pytest.mark.parametrize("layout", ["ep2", "dp2"])
@@ -75,8 +67,5 @@ def test_replayed_updates_match_one_process(layout, single, tiny_hf_dir, tmp_pat
     assert max(ref["norms"]) > CLIP  # clipping is exercised
     for r in results:
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-4)
-    got, start = _weights(tmp_path), _weights(tiny_hf_dir)
-    for n, w in ref_weights.items():
-        want = w - start[n]
-        err = float((got[n] - start[n] - want).norm() / want.norm().clamp_min(1e-12))
+    for n, err in update_errors(hf_weights(tmp_path), ref_weights, hf_weights(tiny_hf_dir)).items():
         assert err <= 1e-3, f"{layout} {n}: replayed update differs from one process by {err:.2e} of its norm"

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from moe_rl.testing import run_ranks
-from moe_rl.testing.minibatches import PAD, completion_mask, gspo_batch
+from moe_rl.testing.minibatches import PAD, completion_mask, gspo_batch, hf_weights, update_errors
 
 LR, CLIP, EPS = 3e-3, 0.5, (0.2, 0.2)
 
@@ -121,15 +121,9 @@ def test_gradient_norms_match_the_reference(runs):
 
 
 def test_updates_match_plain_torch_adamw(runs, tiny_hf_dir):
-    from transformers import AutoModelForCausalLM
-
     _, ref, _, out = runs
-    load = lambda d: {n: p.detach() for n, p in  # noqa: E731
-                      AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).named_parameters()}
-    got, start = load(out), load(tiny_hf_dir)
+    got, start = hf_weights(out), hf_weights(tiny_hf_dir)
     assert sorted(got) == sorted(ref)
-    for n in ref:
-        want = ref[n] - start[n]
-        err = float((got[n] - start[n] - want).norm() / want.norm().clamp_min(1e-12))
+    for n, err in update_errors(got, ref, start).items():
         assert err <= 1e-3, f"{n}: update differs from plain torch by {err:.2e} of its norm"
     assert torch.equal(got["model.embed_tokens.weight"][PAD], start["model.embed_tokens.weight"][PAD])
