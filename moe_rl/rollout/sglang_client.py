@@ -51,8 +51,8 @@ from moe_rl.rollout.auth import RunKeys
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, WeightsSource, moe_layer_ids,
                                    num_experts_of, topk_of)
 from moe_rl.rollout.server_pool import Retryable, Server, ServerPool, Unreachable
-from moe_rl.rollout.wire import (Geometry, disk_update_payload, generate_payload, group_payload, parse_reply,
-                                read_hf_config)
+from moe_rl.rollout.wire import (INITIAL_WEIGHT_VERSION, Geometry, disk_update_payload, generate_payload,
+                                group_payload, parse_reply, read_hf_config)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,10 @@ class SGLangClient(ServerPool):
         self._geo_args = (num_layers, topk, num_experts, None if moe_layer_ids is None else list(moe_layer_ids))
         self._geometry: Geometry | None = None
         self._target_weights: tuple[str, str | None] | None = None  # last (path, version) applied
-        self._pushed: list[str] = []  # the versions pushed, oldest first (the last version_lag + 1 kept)
+        # the versions the servers may have sampled with, oldest first (the last version_lag + 1 kept): the
+        # label of the weights they started with, then each push's
+        self._pushed: list[str] = [INITIAL_WEIGHT_VERSION]
+        self._stale_resamples = 0  # samples generated again because their server sampled with other weights
         self.flush_on_update, self.version_lag = bool(flush_on_update), int(version_lag)
         self._released = False  # the servers gave their memory away (release_memory_occupation)
         self._weights_lost = False  # resumed from a release with no weight load since
@@ -234,6 +237,7 @@ class SGLangClient(ServerPool):
                     results = parse_reply(server.url, req, data, geo)
                     stale = self._stale_version(results)
                     if stale is not None:  # a restarted server that has not taken the weights yet
+                        self._stale_resamples += len(results)
                         errors.append(f"{server.url}: sampled with weight version {stale!r}, expected "
                                       f"{self._target_weights[1]!r}")  # type: ignore[index]
                         await self._resync(server)
@@ -255,7 +259,9 @@ class SGLangClient(ServerPool):
 
     def _stale_version(self, results: list[GenerateResult]) -> str | None:
         """A weight version a sample's tokens report that is not among the last `version_lag` + 1
-        pushed (else None)."""
+        the servers served (else None). The weights they started with count as the first of them,
+        as SGLang labels them "default": a request alive at the first push reports a
+        ("default", 0, k) span, which is version 0, good while 0 is within `version_lag`."""
         if self._target_weights is None or self._target_weights[1] is None:
             return None
         accepted = set(self._pushed)  # the last version_lag + 1 pushes, the target among them
@@ -263,6 +269,14 @@ class SGLangClient(ServerPool):
         return next((v for r in results
                      for v in ([s[0] for s in r.weight_versions] if r.weight_versions else [r.weight_version])
                      if v is not None and v not in accepted), None)
+
+    def take_stale_resamples(self) -> int:
+        """Samples generated again since the last call because their server reported weights outside
+        the accepted versions (a restarted server that had not taken the last push)."""
+        async def take() -> int:  # on the client's loop, where the count grows: no count is lost
+            n, self._stale_resamples = self._stale_resamples, 0
+            return n
+        return int(self._run(take()))
 
     async def _resync(self, server: Server) -> None:
         """After a sample from stale weights: a server we update directly goes out of rotation
@@ -309,10 +323,7 @@ class SGLangClient(ServerPool):
         # Every server unreachable (dead, restarting): the weights are still the target. None of
         # them serves again before a probe has applied them, and the next call waits for one
         # (`_pick`, up to no_server_timeout), so nothing generates from stale weights.
-        self._target_weights = (path, version)
-        if version is not None:
-            self._pushed = (self._pushed + [version])[-(self.version_lag + 1):]
-        self._weights_lost = False
+        self._record_push(path, version)
         for s, r in failed:  # stale now: kept out of rotation until a probe re-applies the update
             self._mark_unhealthy(s, f"missed weight update {version}: {r}")
         if not ok:
@@ -321,6 +332,14 @@ class SGLangClient(ServerPool):
         elif failed:
             log.warning("weights %s applied on %d of %d servers; the others are re-tried when probed",
                         path, len(ok), len(servers))
+
+    def _record_push(self, path: str, version: str | None) -> None:
+        """The servers' weights are now `path`, labelled `version` (their target, also for a server that
+        missed the push); the last `version_lag` + 1 labels stay accepted on samples."""
+        self._target_weights = (path, version)
+        if version is not None:
+            self._pushed = (self._pushed + [version])[-(self.version_lag + 1):]
+        self._weights_lost = False
 
     def update_weights_from_disk(self, path: str | Path, version: str | int | None = None) -> None:
         """POST /update_weights_from_disk to every (admin) server.

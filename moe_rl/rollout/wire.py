@@ -29,6 +29,11 @@ from moe_rl.rollout.engine import (BadRoutes, GenerateRequest, GenerateResult, R
                                    to_route_dtype)
 
 
+# SGLang's label of the weights a server starts with (sglang/srt/arg_groups/fields/serving.py
+# `weight_version`): the run's version 0, and the first span of every request alive at the first push.
+INITIAL_WEIGHT_VERSION = "default"
+
+
 @dataclass
 class Geometry:
     """The model's shape as the routed experts need it: layers, top-k, experts, which layers are MoE."""

@@ -113,8 +113,13 @@ def rollout(run: Any, step: int) -> tuple[Samples, int, dict[str, float]]:
     and the truncated IS correction (`algo.tis_cap`) account for the difference.
     """
     if run.pipeline is None:
-        return generate(run, next_prompts(run), step), 0, {}
-    return run.pipeline.take(run, step, _request, _samples, next_prompts)
+        samples, staleness, metrics = generate(run, next_prompts(run), step), 0, {}
+    else:
+        samples, staleness, metrics = run.pipeline.take(run, step, _request, _samples, next_prompts)
+    take = getattr(run.engine, "take_stale_resamples", None)  # SGLang servers: samples from other weights
+    if take is not None:
+        metrics["rollout/stale_resamples"] = float(take())
+    return samples, staleness, metrics
 
 
 def generate(run: Any, prompts: list[Prompt], step: int, greedy: bool = False) -> Samples:

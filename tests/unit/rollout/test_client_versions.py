@@ -1,0 +1,79 @@
+"""Which weight versions SGLangClient accepts on a sample (`_stale_version`), and what it does with one it does not.
+
+SGLang labels the weights a server starts with "default" (sglang/srt/arg_groups/fields/serving.py) and
+puts a ("default", 0, k) span on every request alive at the first push (srt/utils/weight_versions.py).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from moe_rl.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
+from moe_rl.rollout.sglang_client import SGLangClient
+
+
+def _result(spans) -> GenerateResult:
+    n = spans[-1][2]
+    return GenerateResult(prompt_ids=[1], output_ids=[3] * n, output_logprobs=np.zeros(n, np.float32),
+                          finish_reason="length", weight_version=spans[-1][0], weight_versions=tuple(spans))
+
+
+def _client(lag: int, pushes: list[str]) -> SGLangClient:
+    client = SGLangClient(["http://127.0.0.1:9"], version_lag=lag)  # never contacted
+    for v in pushes:
+        client._record_push(f"/weights/v{v}", v)
+    return client
+
+
+@pytest.mark.parametrize("lag, pushes, spans, stale", [
+    # alive at the first push: its first tokens are the servers' initial weights, version 0
+    (1, ["1"], [("default", 0, 2), ("1", 2, 4)], None),
+    (2, ["1", "2"], [("default", 0, 1), ("1", 1, 3), ("2", 3, 4)], None),
+    # version 0 is beyond the bound once version_lag + 1 versions were pushed
+    (1, ["1", "2"], [("default", 0, 2), ("2", 2, 4)], "default"),
+    # a synchronous run trains on the last push's tokens only
+    (0, ["1"], [("default", 0, 2), ("1", 2, 4)], "default"),
+    (1, ["1", "2"], [("1", 0, 2), ("2", 2, 4)], None),
+    # a restarted server, back on the initial weights after the pushes
+    (1, ["1", "2", "3"], [("default", 0, 4)], "default"),
+])
+def test_the_initial_weights_count_as_version_zero(lag, pushes, spans, stale):
+    client = _client(lag, pushes)
+    try:
+        assert client._stale_version([_result(spans)]) == stale
+    finally:
+        client.close()
+
+
+def test_a_request_alive_at_the_first_push_is_kept(tmp_path):
+    """moe-rl serve labels its first weights "default" as SGLang does; a retracted push lands while a request
+    generates: the client returns the sample spanning both versions and generates nothing again."""
+    from moe_rl.rollout.local_engine import LocalEngine
+    from moe_rl.rollout.server import ServerThread
+    from moe_rl.testing import make_tiny_qwen3_moe
+
+    model = tmp_path / "tiny"
+    make_tiny_qwen3_moe(model)
+    engine = LocalEngine(model)
+    with ServerThread(engine) as server, SGLangClient([server.url], version_lag=1, probe_interval=0.2) as client:
+        out: dict = {}
+        req = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=300, ignore_eos=True))
+        th = threading.Thread(target=lambda: out.update(r=client.generate([req])), daemon=True)
+        th.start()
+        deadline = time.monotonic() + 30
+        while not engine.busy:
+            assert time.monotonic() < deadline and th.is_alive(), "the request never reached the engine"
+            time.sleep(0.01)
+        client.pause_generation("retract")
+        try:
+            client.update_weights_from_disk(model, "1")
+        finally:
+            client.continue_generation()
+        th.join(60)
+        spans = out["r"][0][0].weight_versions
+        assert [v for v, _, _ in spans] == ["default", "1"] and spans[-1][2] == 300
+        assert client.take_stale_resamples() == 0
+        assert client.server_states()[server.url]["healthy"]
