@@ -214,6 +214,9 @@ class GenerateRequest:
     # SGLang's routed_experts_start_len: the routes of positions [start, len(prompt + output) - 1) only,
     # the rows not known yet (a multi-turn episode's earlier turns have the others). In [0, len(prompt)].
     routed_experts_start_len: int = 0
+    # Requests of one key go to one server while it is healthy (SGLangClient): an episode's turns and a
+    # prompt group's samples find their shared prefix in that server's cache. None: any server.
+    affinity: str | None = None
 
     def __post_init__(self) -> None:
         ids = [int(t) for t in self.prompt_ids]
