@@ -289,7 +289,8 @@ class Recording:
         num_sequences = max(int(mb.index.max()) for mb in microbatches) + 1
         s = max(mb.tokens.shape[1] for mb in microbatches)
         # id + 1, 0 where this rank saw no route (the MAX over model-parallel ranks fills it in), in the
-        # smallest type that holds the expert count: the buffer is all-reduced over TP x PP every pass.
+        # smallest type that holds the expert count: the buffer is all-reduced over TP x PP every pass
+        # (as bytes: `_merge_ids_over_model_parallel`).
         self.buf = torch.zeros((num_sequences, s, arch.num_moe_layers, arch.moe_router_topk),
                                dtype=record_dtype(arch.num_moe_experts))
         # both columns are >= 0, so -1 marks what this rank did not see (MAX-reduced like the ids)
@@ -324,7 +325,7 @@ class Recording:
         for column, calls in self.conf_calls.items():
             for mb, conf in zip(self.microbatches, calls):
                 self._place(mb, conf, column, self.conf_buf)
-        self.buf = _max_over_model_parallel(self.buf)
+        self.buf = _merge_ids_over_model_parallel(self.buf)
         if self.conf_buf is not None:
             self.confidence = _max_over_model_parallel(self.conf_buf)[:, :-1].clone()
         lengths = torch.full((self.buf.shape[0],), -1, dtype=torch.long)
@@ -361,10 +362,25 @@ class Recording:
 
 
 def record_dtype(num_experts: int) -> torch.dtype:
-    """The smallest type NCCL and gloo reduce that holds expert id + 1 (0 = not seen here)."""
-    if num_experts < 256:
-        return torch.uint8
-    return torch.int16 if num_experts < 32767 else torch.int32
+    """The recording buffer's type: expert id + 1 (0 = not seen on this rank), so `route_dtype` of one id
+    more (uint8 up to 255 experts, int16 for DeepSeek-V3's 256 and Kimi-K2's 384), the routes' own rule."""
+    return route_dtype(num_experts + 1)
+
+
+def _merge_ids_over_model_parallel(buf: torch.Tensor) -> torch.Tensor:
+    """The recording buffer (id + 1, 0 where this rank saw no route) merged over the model-parallel group.
+
+    Reduced as its bytes, `buf.view(uint8)`: neither backend reduces a 16-bit integer (gloo's typed
+    dispatch, GENERATE_ALL_TYPES in ProcessGroupGlooDetail.hpp, has float, double, half, bfloat16, int8,
+    uint8/bool, int32, int64, and refuses int16 with "Invalid scalar type"; torch's NCCL type map,
+    `ncclDataType` in NCCLUtils.hpp, has int8, uint8, int32, int64, half, float, double, bfloat16, fp8,
+    and NCCL itself no 16-bit integer type), while uint8 MAX runs on both. Viewing the bytes keeps what
+    goes over the wire as compact as what is stored (2 bytes per id for 256..32767 experts, not int32's
+    4). It is exact because every element is non-zero on at most one rank of the group (the tp-pp ranks:
+    TP ranks route disjoint sequence-parallel slices, pipeline stages disjoint layers) and 0 on the
+    others, and the byte-wise max of {0, v} is v's bytes.
+    """
+    return _max_over_model_parallel(buf.contiguous().view(torch.uint8)).view(buf.dtype)
 
 
 def _max_over_model_parallel(buf: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,13 @@ record_routes=True)` and divide the returned tensors' bytes (numel × element
 size) by the tokens they cover. The last rows apply the same rule to published
 model shapes (computed, not measured). SGLang sends routes as int32 (4 bytes per id).
 
+The old pass records into a buffer of expert id + 1 (0 = not seen on this rank) and
+all-reduces it over TP x PP as bytes (`moe_rl.policy.replay.record_dtype`,
+`_merge_ids_over_model_parallel`): L·K·itemsize of that type per token, one id more
+than the stored routes hold, so 256 experts (DeepSeek-V3) store 1 byte per id and
+reduce 2 (int16 as two uint8 planes: gloo and NCCL reduce no 16-bit integer; int32
+would be 4).
+
 Peak memory per rank is a column of the overhead and scaling tables.
 
     python tools/bench/memory.py
@@ -37,7 +44,8 @@ SHAPES: tuple[Shape, ...] = (
     _SMALL.with_(num_hidden_layers=2, num_experts=512, num_experts_per_tok=8),
 )
 # (name, MoE layers, experts, top-k) of published models, for scale.
-PUBLISHED = (("Qwen3-30B-A3B", 48, 128, 8), ("Qwen3-235B-A22B", 94, 128, 8), ("DeepSeek-V3", 58, 256, 8))
+PUBLISHED = (("Qwen3-30B-A3B", 48, 128, 8), ("Qwen3-235B-A22B", 94, 128, 8), ("DeepSeek-V3", 58, 256, 8),
+             ("Kimi-K2", 60, 384, 8))
 
 
 def _worker(hf_dirs: list[str], batch: int, seq: int) -> list[dict[str, Any]]:
@@ -74,15 +82,19 @@ def bench_rows(shapes: tuple[Shape, ...] = SHAPES, batch: int = 4, seq: int = 64
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
+    from moe_rl.policy.replay import record_dtype
+
     cells = [[r["model"], r["layers"], r["experts"], r["topk"], r["dtype"], f"{r['route_bytes']:.0f}",
               f"{r['logp_bytes']:.0f}", f"{r['route_bytes'] / r['logp_bytes']:.1f}",
+              f"{r['layers'] * r['topk'] * record_dtype(r['experts']).itemsize:.0f}",
               f"{r['layers'] * r['topk'] * 4:.0f}", f"{r['route_bytes'] * 1e6 / 2**20:.0f}"]
              for r in rows]
     table = common.md_table(["model", "MoE layers", "experts", "top-k", "id dtype", "routes B/token",
-                             "log-probs B/token", "routes × log-probs", "as int32 (SGLang) B/token",
-                             "routes MiB per 1M tokens"], cells, "lrrrlrrrrr")
+                             "log-probs B/token", "routes × log-probs", "recorded, reduced over TP×PP B/token",
+                             "as int32 (SGLang) B/token", "routes MiB per 1M tokens"], cells, "lrrrlrrrrrr")
     return ("Measured rows: `Policy.logprobs(record_routes=True)` on small models, bytes of the returned "
-            "tensors / tokens; named rows: L·K·itemsize for published shapes.\n\n" + table)
+            "tensors / tokens; named rows: L·K·itemsize for published shapes. The recording buffer's bytes "
+            "(id + 1, all-reduced as bytes) are L·K·itemsize of `record_dtype` in every row.\n\n" + table)
 
 
 def main(argv: list[str] | None = None) -> int:
