@@ -194,10 +194,12 @@ def update_group(cfg: RunConfig, servers: Any, out: Path | None = None) -> dict[
 
 
 def inflight_client_args(cfg: RunConfig) -> dict[str, Any]:
-    """An in-place push (rollout.inflight_update) asks for no cache flush, and the samples a push
-    pauses (in place or retracted) may hold tokens of the last algo.max_staleness + 1 pushed versions."""
+    """An in-place push (rollout.inflight_update) asks for no cache flush, and its samples' version spans
+    are read as overlapping SGLang servers label them; the samples a push pauses (in place or retracted)
+    may hold tokens of the last algo.max_staleness + 1 pushed versions."""
     paused = pause_mode(cfg.rollout, staleness_bound(cfg.algo)) is not None
-    return {"flush_on_update": not pushes_in_place(cfg.rollout),
+    in_place = pushes_in_place(cfg.rollout)
+    return {"flush_on_update": not in_place, "pushes_in_place": in_place,
             "version_lag": staleness_bound(cfg.algo) if paused else 0}
 
 

@@ -8,7 +8,7 @@ What it does for robustness (SGLangClient's, through it):
 - async aiohttp core with bounded concurrency (`max_concurrency` requests in flight);
 - a per-request timeout (`request_timeout`): a hung server costs a timeout, never a hang;
 - retries with exponential backoff and jitter, each attempt on the least-loaded
-  healthy server; a server that fails (connection error, timeout, HTTP 5xx / 429)
+  healthy server, or the healthy server a request's affinity key hashes to (`affine`); a server that fails (connection error, timeout, HTTP 5xx / 429)
   is marked unhealthy and re-probed via GET /health_generate every `probe_interval` s
   (a wedged SGLang server still answers a plain /health with 200; /health_generate
   generates a token); a recovered server first gets the latest weights
@@ -21,6 +21,7 @@ What it does for robustness (SGLangClient's, through it):
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import random
@@ -56,6 +57,16 @@ class Server:
     next_probe: float = 0.0
     last_error: str | None = None
     probing: bool = False
+
+
+def affine(key: str, servers: Sequence[Server]) -> Server:
+    """The server `key` belongs to: the highest hash of (key, url) among `servers` (rendezvous hashing).
+    A key stays on its server while that server is healthy, and when one leaves or comes back only
+    its own keys move, so an episode's turns and a prompt group's samples keep finding their prefix
+    in one server's cache. (The sglang-router balances by prefix itself, but R3 requests bypass it.)"""
+    def score(s: Server) -> bytes:
+        return hashlib.blake2b(f"{key}\0{s.url}".encode(), digest_size=8).digest()
+    return max(servers, key=score)
 
 
 class LoopThread:
@@ -260,14 +271,17 @@ class ServerPool:
             if not s.healthy and not s.probing and s.next_probe <= now:
                 asyncio.get_running_loop().create_task(self._probe(s))
 
-    async def _pick(self, pool: list[Server] | None = None) -> Server:
-        """The least-loaded healthy server of `pool` (default: the generate URLs); waits
-        (probing) up to `no_server_timeout` for one."""
+    async def _pick(self, pool: list[Server] | None = None, affinity: str | None = None) -> Server:
+        """The least-loaded healthy server of `pool` (default: the generate URLs), or with an `affinity`
+        key the healthy server that key hashes to (`affine`); waits (probing) up to `no_server_timeout`
+        for one."""
         pool = self._servers if pool is None else pool
         deadline = time.monotonic() + self.no_server_timeout
         while True:
             self._schedule_probes(pool)
             healthy = [s for s in pool if s.healthy]
+            if healthy and affinity is not None:
+                return affine(affinity, healthy)
             if healthy:
                 low = min(s.inflight for s in healthy)
                 best = [s for s in healthy if s.inflight == low]

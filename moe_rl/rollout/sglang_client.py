@@ -7,7 +7,8 @@ Behind sglang-router (`SGLangClient(urls=[router], admin_urls=workers)`): sglang
 0.3.2 re-serialises /generate into a fixed struct that has no `return_routed_experts`,
 so routes never come back through it. A generate request that asks for routed experts
 therefore goes straight to the workers (`admin_urls`), balanced by this client
-(least-loaded, with the same health checks and retries as without a router); every
+(least-loaded, with the same health checks and retries as without a router; requests that
+share a `GenerateRequest.affinity` key, an episode's turns, stay on one worker); every
 other generate request goes through the router. Weight updates, pause / flush and
 memory release / resume always go to the workers, which the router does not relay them to.
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -52,7 +54,7 @@ from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError
                                    num_experts_of, topk_of)
 from moe_rl.rollout.server_pool import Retryable, Server, ServerPool, Unreachable
 from moe_rl.rollout.wire import (INITIAL_WEIGHT_VERSION, Geometry, disk_update_payload, generate_payload,
-                                group_payload, parse_reply, read_hf_config)
+                                group_payload, in_place_spans, parse_reply, read_hf_config)
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,9 @@ class SGLangClient(ServerPool):
         pushes under requests paused in place, where SGLang refuses the flush and fails the call.
     version_lag: how many pushes back a sample's tokens may have been generated: 0 = every token
         from the last pushed weights; 1 for in-place pushes, whose paused samples span the last two.
+    pushes_in_place: the pushes pause generation in place (rollout.inflight_update=in_place): on servers
+        with SGLang's overlap scheduler (`disable_overlap_schedule` false in /server_info, its default)
+        each sample's version spans are read as `wire.in_place_spans` says, one token later than labelled.
     """
 
     def __init__(self, urls: Sequence[str] | str, *, admin_urls: Sequence[str] | None = None,
@@ -87,7 +92,8 @@ class SGLangClient(ServerPool):
                  num_layers: int | None = None, topk: int | None = None, num_experts: int | None = None,
                  moe_layer_ids: Sequence[int] | None = None, retry_aborted: bool = False,
                  keys: RunKeys | None = None, served_name: str | None = None,
-                 initial_weights: str | Path | None = None, flush_on_update: bool = True, version_lag: int = 0):
+                 initial_weights: str | Path | None = None, flush_on_update: bool = True, version_lag: int = 0,
+                 pushes_in_place: bool = False):
         super().__init__(urls, admin_urls=admin_urls, max_concurrency=max_concurrency,
                          request_timeout=request_timeout, connect_timeout=connect_timeout,
                          max_attempts=max_attempts, backoff_base=backoff_base, backoff_max=backoff_max,
@@ -97,9 +103,10 @@ class SGLangClient(ServerPool):
         self._geo_args = (num_layers, topk, num_experts, None if moe_layer_ids is None else list(moe_layer_ids))
         self._geometry: Geometry | None = None
         self._target_weights: tuple[str, str | None] | None = None  # last (path, version) applied
-        # the versions the servers may have sampled with, oldest first (the last version_lag + 1 kept): the
-        # label of the weights they started with, then each push's
-        self._pushed: list[str] = [INITIAL_WEIGHT_VERSION]
+        # the labels of the weights the servers served, oldest first: those they started with, then each push's
+        self._labels: list[str] = [INITIAL_WEIGHT_VERSION]
+        self.pushes_in_place = bool(pushes_in_place)
+        self._overlap: bool | None = None  # the servers run SGLang's overlap scheduler (read once, if needed)
         self._stale_resamples = 0  # samples generated again because their server sampled with other weights
         self.flush_on_update, self.version_lag = bool(flush_on_update), int(version_lag)
         self._released = False  # the servers gave their memory away (release_memory_occupation)
@@ -228,13 +235,17 @@ class SGLangClient(ServerPool):
         pool = self._pool_for(req)
         errors: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
-            server = await self._pick(pool)
+            server = await self._pick(pool, req.affinity)
             assert self._sem is not None
             async with self._sem:
                 server.inflight += 1
                 try:
+                    sent = self._labels[-1]
                     data = await self._json(server, "POST", "/generate", payload)
                     results = parse_reply(server.url, req, data, geo)
+                    if self.pushes_in_place and await self._overlap_schedule(server):
+                        results = [replace(r, weight_versions=in_place_spans(r.weight_versions, sent, self._labels))
+                                   for r in results]
                     stale = self._stale_version(results)
                     if stale is not None:  # a restarted server that has not taken the weights yet
                         self._stale_resamples += len(results)
@@ -264,7 +275,7 @@ class SGLangClient(ServerPool):
         ("default", 0, k) span, which is version 0, good while 0 is within `version_lag`."""
         if self._target_weights is None or self._target_weights[1] is None:
             return None
-        accepted = set(self._pushed)  # the last version_lag + 1 pushes, the target among them
+        accepted = set(self._labels[-(self.version_lag + 1):])  # the target among them
         # every span of a sample's tokens (SGLang's weight_versions), else the version it reports
         return next((v for r in results
                      for v in ([s[0] for s in r.weight_versions] if r.weight_versions else [r.weight_version])
@@ -277,6 +288,14 @@ class SGLangClient(ServerPool):
             n, self._stale_resamples = self._stale_resamples, 0
             return n
         return int(self._run(take()))
+
+    async def _overlap_schedule(self, server: Server) -> bool:
+        """Whether the servers run SGLang's overlap scheduler (its default, unless launched with
+        --disable-overlap-schedule): /server_info of the first that answers, read once."""
+        if self._overlap is None:
+            info = await self._json(server, "GET", "/server_info", timeout=self.probe_timeout)
+            self._overlap = not bool(info.get("disable_overlap_schedule", False)) if isinstance(info, dict) else True
+        return self._overlap
 
     async def _resync(self, server: Server) -> None:
         """After a sample from stale weights: a server we update directly goes out of rotation
@@ -337,8 +356,8 @@ class SGLangClient(ServerPool):
         """The servers' weights are now `path`, labelled `version` (their target, also for a server that
         missed the push); the last `version_lag` + 1 labels stay accepted on samples."""
         self._target_weights = (path, version)
-        if version is not None:
-            self._pushed = (self._pushed + [version])[-(self.version_lag + 1):]
+        if version is not None and version != self._labels[-1]:
+            self._labels.append(version)
         self._weights_lost = False
 
     def update_weights_from_disk(self, path: str | Path, version: str | int | None = None) -> None:

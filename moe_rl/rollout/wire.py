@@ -128,6 +128,40 @@ def parse_version_spans(where: str, meta: dict[str, Any], num_tokens: int) -> tu
     return out
 
 
+def in_place_spans(spans: tuple[tuple[str, int, int], ...] | None, sent: str, labels: list[str]
+                   ) -> tuple[tuple[str, int, int], ...] | None:
+    """A sample's version spans as the weights that sampled each token, from the labels an overlapping
+    SGLang server gives under in-place pushes.
+
+    With the overlap scheduler (SGLang's default), the forward of each running request's next token is
+    in flight when an in-place pause lands (scheduler.py `event_loop_overlap` leaves its result unprocessed,
+    `pause_generation` in_place returns at once), so the version change counts the tokens before it
+    (`record_weight_version_events`: `len(req.output_ids)`) and that token, sampled from the old weights,
+    opens the new version's span. Each boundary therefore moves one token later. A request whose prefill
+    was in flight has no tokens when the version changes and no event at all: its first token is labelled
+    with the new version. It cannot be told from a request still queued at the push (whose first token is
+    the new version's), so a first token labelled with a version pushed after the request was `sent` counts
+    with the version before it: never newer than the weights that sampled it, so the staleness bound holds.
+    `labels`: the versions the servers served, in order ("default" first)."""
+    if not spans or spans[-1][2] == 0:
+        return spans
+    last = len(spans) - 1
+    moved = [[v, a + (i > 0), b + (i < last)] for i, (v, a, b) in enumerate(spans)]
+    first = spans[0][0]
+    if sent in labels and first in labels and labels.index(first) > labels.index(sent):
+        moved[0][1] += 1
+        moved.insert(0, [labels[labels.index(first) - 1], 0, 1])
+    out: list[list[Any]] = []
+    for v, a, b in moved:
+        if a >= b:
+            continue
+        if out and out[-1][0] == v:
+            out[-1][2] = b
+        else:
+            out.append([v, a, b])
+    return tuple((str(v), int(a), int(b)) for v, a, b in out)
+
+
 def decode_routes(where: str, b64: Any, rows: int, geo: Geometry) -> np.ndarray:
     if not isinstance(b64, str):
         raise RolloutError(f"{where}: meta_info.routed_experts is missing (launch SGLang with "

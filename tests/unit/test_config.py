@@ -466,7 +466,7 @@ def test_an_in_place_push_needs_requests_in_flight():
         assert f"rollout.inflight_update: '{mode}' needs algo.max_staleness >= 1" in error_of(
             [f"rollout.inflight_update={mode}"])
         cfg = load_config(None, [f"rollout.inflight_update={mode}", f"algo.max_staleness={k}"])
-        assert inflight_client_args(cfg) == {"flush_on_update": flush, "version_lag": k}
+        assert inflight_client_args(cfg) == {"flush_on_update": flush, "pushes_in_place": not flush, "version_lag": k}
         nccl = dataclasses.replace(cfg.rollout, weight_sync="nccl", engine="sglang")
         sync = make_weight_sync(nccl, admin_urls=["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
         assert sync.flush_cache is flush
@@ -478,6 +478,7 @@ def test_an_in_place_push_needs_requests_in_flight():
     assert pause_mode(load_config(None, ["rollout.inflight_update=in_place", "algo.max_staleness=1"]).rollout, 1) \
         == "in_place"
     assert inflight_client_args(load_config(None, ["algo.max_staleness=2"])) == {"flush_on_update": True,
+                                                                                "pushes_in_place": False,
                                                                                 "version_lag": 2}
 
 

@@ -77,3 +77,39 @@ def test_a_request_alive_at_the_first_push_is_kept(tmp_path):
         assert [v for v, _, _ in spans] == ["default", "1"] and spans[-1][2] == 300
         assert client.take_stale_resamples() == 0
         assert client.server_states()[server.url]["healthy"]
+
+
+LABELS = ["default", "1", "2"]
+
+
+@pytest.mark.parametrize("spans, sent, expected", [
+    # the token that opens a version's span was sampled before the push: one token later
+    ((("default", 0, 3), ("1", 3, 6)), "default", (("default", 0, 4), ("1", 4, 6))),
+    ((("default", 0, 2), ("1", 2, 3), ("2", 3, 5)), "default", (("default", 0, 3), ("1", 3, 4), ("2", 4, 5))),
+    ((("default", 0, 3), ("1", 3, 4)), "default", (("default", 0, 4),)),  # its one new-labelled token was old
+    # no span before the push: the prefill may have been in flight, its first token is counted older
+    ((("1", 0, 4),), "default", (("default", 0, 1), ("1", 1, 4))),
+    ((("2", 0, 1),), "default", (("1", 0, 1),)),
+    ((("1", 0, 4),), "1", (("1", 0, 4),)),  # sent after the push: exact
+    ((("1", 0, 0),), "default", (("1", 0, 0),)),  # no tokens
+    ((("restarted", 0, 2),), "1", (("restarted", 0, 2),)),  # an unknown label is left for the stale check
+])
+def test_in_place_spans_count_each_token_with_the_weights_that_sampled_it(spans, sent, expected):
+    from moe_rl.rollout.wire import in_place_spans
+
+    assert in_place_spans(spans, sent, LABELS) == expected
+
+
+def test_affinity_keeps_a_key_on_one_server_and_moves_only_a_lost_servers_keys():
+    from moe_rl.rollout.server_pool import Server, affine
+
+    servers = [Server(f"http://10.0.0.{i}:30000") for i in range(3)]
+    keys = [f"episode-{i}" for i in range(300)]
+    home = {k: affine(k, servers) for k in keys}
+    assert all(affine(k, list(reversed(servers))) is home[k] for k in keys)  # the order of the pool does not matter
+    share = [sum(home[k] is s for k in keys) / len(keys) for s in servers]
+    assert min(share) > 0.2, share  # spread over every server
+    lost = servers[1]
+    moved = {k: affine(k, [servers[0], servers[2]]) for k in keys}
+    assert all(moved[k] is home[k] for k in keys if home[k] is not lost)
+    assert all(moved[k] is not lost for k in keys)
