@@ -404,24 +404,48 @@ def position_turns(mine: Samples, width: int) -> torch.Tensor:
     return out
 
 
+CONTEXT, NO_ROW = -1, -2  # route_turns' values for rows of no model turn, and for positions past a sample
+
+
+def route_turns(mine: Samples, width: int) -> torch.Tensor:
+    """`[B, width]`: the model turn each route row counts for in `drift_by_turn`.
+
+    Row t is the forward of token t and computes the distribution of token t + 1, which is where
+    routing acts on the model's actions: a row counts as model turn k when token t + 1 is one of
+    turn k's tokens (the forwards turn k's tokens were sampled from, from the last token before the
+    turn to its last but one; the rows of the response mask, as `drift/logp_by_turn`). A row whose
+    next token is the prompt's or an environment's reads context forward and samples nothing (the
+    prompt's positions but its last, each turn's last token, an answer's tokens but its last): it
+    counts as CONTEXT, in no turn, so that a turn's figures are its own tokens' and not the prompt's
+    or the tool output's. NO_ROW past each sample's routed positions (its last token has no row).
+    (Counting a row as the turn of its own token instead would leave a turn that ends the episode
+    with one token, its last, without a row, and put the prompt's rows into turn 0.)
+    """
+    routed = torch.arange(width).view(1, -1) < (torch.tensor(mine.lengths()) - 1).view(-1, 1)
+    own = position_turns(mine, width + 1)[:, 1:]  # the turn of token t + 1 (model tokens'; context's aside)
+    return torch.where(response_mask(mine, width).bool(), own, torch.where(routed, CONTEXT, NO_ROW))
+
+
 def drift_by_turn(run: Run, mine: Samples, old: OldPass, before: torch.Tensor, after: torch.Tensor,
                   engine: torch.Tensor | None, tokens: torch.Tensor, resp: torch.Tensor,
                   engine_logp: torch.Tensor, have: torch.Tensor | None = None) -> dict[str, float]:
     """By episode turn t = 0..rollout.max_turns - 1: the step's volatility (`before` / `after` the
     updates: [N, L, K] of the routed `tokens`), the engine-vs-trainer route mismatch (`engine` vs
     `before`, None without engine routes; `have` [N]: the tokens it has routes for) and log-prob mismatch
-    of the model's tokens of turn t."""
+    of the model's tokens of turn t; the rows of the prompt and the environment's answers apart, as
+    `drift/*_by_turn/context` (which rows count where: `route_turns`)."""
     width, layers, group = resp.shape[1], list(run.policy.arch.moe_layers), run.policy.dp_group
-    turns = position_turns(mine, width + 1)
-    routed, predicted = turns[:, :width][tokens], turns[:, 1:]  # position t routes token t, predicts t + 1
+    rows = route_turns(mine, width)
+    routed = rows[tokens]  # the turn of each routed token's row, as `before` / `after` / `engine` are ordered
     out = {}
-    for t in range(run.cfg.rollout.max_turns):
-        out |= route_stats(before, after, mask=routed == t).all_reduce(group).summary(f"drift/volatility_by_turn/{t}",
-                                                                                    layers)
+    for t, name in [(t, str(t)) for t in range(run.cfg.rollout.max_turns)] + [(CONTEXT, "context")]:
+        out |= route_stats(before, after, mask=routed == t).all_reduce(group).summary(
+            f"drift/volatility_by_turn/{name}", layers)
         if engine is not None:
             out |= route_stats(engine, before, mask=(routed == t) & have).all_reduce(group).summary(
-                f"drift/rollout_mismatch_by_turn/{t}", layers)
-        at = resp & (predicted == t)
-        logp = logprob_mismatch(old.trainer_logp[at], engine_logp[at]).all_reduce(group).summary("x")
-        out |= {f"drift/logp_by_turn/{t}/{name[2:]}": v for name, v in logp.items()}
+                f"drift/rollout_mismatch_by_turn/{name}", layers)
+        if t != CONTEXT:  # the context's tokens were not sampled: no log-probs to compare
+            at = rows == t
+            logp = logprob_mismatch(old.trainer_logp[at], engine_logp[at]).all_reduce(group).summary("x")
+            out |= {f"drift/logp_by_turn/{t}/{key[2:]}": v for key, v in logp.items()}
     return out

@@ -83,3 +83,17 @@ def test_each_position_keeps_the_routes_of_the_forward_that_first_processed_it(t
     last_prefill = routes(2, pushing.contexts[-1])  # what keeping the last request's routes would replay
     first_turns = slice(0, len(pushing.contexts[1]) - 1)
     assert not np.array_equal(merged[first_turns], last_prefill[first_turns])
+
+    # drift by turn compares, for turn t, rows that turn t's own request computed (at turn t's weights):
+    # the rows drift_by_turn counts as turn t lie in that request's rows [start, len(context) - 1)
+    from moe_rl.recipes.rl.batch import Samples
+    from moe_rl.recipes.rl.step import route_turns
+
+    sample = Samples([prompt], [torch.tensor(list(prompt.prompt_ids) + list(episode.output_ids))],
+                     torch.tensor([len(prompt.prompt_ids)]), [torch.zeros(len(episode.output_ids))], None, [""],
+                     action_masks=[torch.tensor(episode.action_mask)])
+    rows, start = route_turns(sample, merged.shape[0])[0], 0
+    for turn, ctx in enumerate(pushing.contexts):
+        counted = (rows == turn).nonzero().view(-1).tolist()
+        assert counted and all(start <= r < len(ctx) - 1 for r in counted), (turn, counted, start, len(ctx))
+        start = len(ctx) - 1

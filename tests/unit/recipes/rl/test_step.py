@@ -283,3 +283,75 @@ def test_each_position_is_lagged_by_the_weights_that_computed_it():
     assert position_lags(s, 6, 5).tolist() == [[1, 1, 1, 1, 0, -1], [0, 0, 0, -1, -1, -1]]
     # retracted at the push to 5, sample 0 was prefilled again: all its routes are version 5's
     assert position_lags(s, 6, 5, retracted=True).tolist() == [[0, 0, 0, 0, 0, -1], [0, 0, 0, -1, -1, -1]]
+
+
+def _episodes(*episodes):
+    """Samples of multi-turn episodes: (prompt length, completion action mask) each."""
+    import torch
+
+    from moe_rl.recipes.rl.batch import Samples
+
+    return Samples(prompts=list(range(len(episodes))), sequences=[torch.arange(p + len(a)) for p, a in episodes],
+                   prompt_lens=torch.tensor([p for p, _ in episodes]),
+                   engine_logp=[torch.zeros(len(a)) for _, a in episodes], routes=None, completions=[""] * len(episodes),
+                   action_masks=[torch.tensor(a, dtype=torch.bool) for _, a in episodes])
+
+
+# Two episodes with known rows. Row t routes token t and produces token t + 1; C: a row whose next token
+# is the prompt's or the environment's, N: no row (a sample's last token, padding).
+#   A: prompt p0 p1 p2, the environment's opening o, turn 0 m00 m01, answer a0 a1, turn 1 m10
+#   B (the calculator tool's shape): prompt p0 p1 p2, turn 0 m0 (the call), answer a, turn 1 m1
+EPISODE_A = (3, [0, 1, 1, 0, 0, 1])
+EPISODE_B = (3, [1, 0, 1])
+C, N = -1, -2
+ROWS_A = [C, C, C, 0, 0, C, C, 1, N]   # p0 p1 p2 o m00 m01 a0 a1 | m10
+ROWS_B = [C, C, 0, C, 1, N, N, N, N]   # p0 p1 p2 m0 a | m1, padding
+
+
+def test_route_rows_count_for_the_turn_of_the_token_they_produce_and_context_apart():
+    from moe_rl.recipes.rl.step import CONTEXT, NO_ROW, route_turns
+
+    assert (CONTEXT, NO_ROW) == (C, N)
+    s = _episodes(EPISODE_A, EPISODE_B)
+    assert route_turns(s, 9).tolist() == [ROWS_A, ROWS_B]
+    assert route_turns(s, 6).tolist() == [ROWS_A[:6], ROWS_B[:6]]  # cut at the width
+
+
+def test_drift_by_turn_counts_each_turns_rows_and_the_context_apart():
+    """Hand-built routes (one MoE layer, top-2) whose change depends on the row's turn, so each key's value
+    is known: after the updates turn 0's rows keep their experts, turn 1's change one of two (0.5) and the
+    context's both (1.0); the engine differs from the trainer by one expert on turn 0's rows only; the
+    trainer's log-probs differ from the engine's by 0.25 on turn 1's tokens only. The turn-1 keys had
+    no tokens when rows counted as the turn of their own token (the tool episode's turn 1 is its last token)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moe_rl.recipes.rl.batch import response_mask
+    from moe_rl.recipes.rl.step import drift_by_turn
+
+    s, width = _episodes(EPISODE_A, EPISODE_B), 8
+    rows = torch.tensor([ROWS_A[:width], ROWS_B[:width]])
+    tokens = rows != N
+    n = int(tokens.sum())
+    before = torch.tensor([[0, 1]]).expand(n, 1, 2).clone()
+    turn = rows[tokens]  # hand-written turns of the routed rows, in the order step_drift flattens them
+    after = torch.where((turn == 1).view(-1, 1, 1), torch.tensor([0, 2]), before)
+    after = torch.where((turn == C).view(-1, 1, 1), torch.tensor([3, 4]), after)
+    engine = torch.where((turn == 0).view(-1, 1, 1), torch.tensor([5, 1]), before)
+    engine_logp = torch.zeros(2, width)
+    trainer_logp = torch.where(rows == 1, 0.25, 0.0)
+    run = SimpleNamespace(policy=SimpleNamespace(arch=SimpleNamespace(moe_layers=(1,)), dp_group=None),
+                          cfg=SimpleNamespace(rollout=SimpleNamespace(max_turns=2)))
+    out = drift_by_turn(run, s, SimpleNamespace(trainer_logp=trainer_logp), before, after, engine, tokens,
+                        response_mask(s, width).bool(), engine_logp, torch.ones(n, dtype=torch.bool))
+    assert out["drift/volatility_by_turn/1/num_tokens"] == out["drift/rollout_mismatch_by_turn/1/num_tokens"] == 2.0
+    assert out["drift/volatility_by_turn/0/num_tokens"] == 3.0
+    assert out["drift/volatility_by_turn/context/num_tokens"] == 8.0  # with the turns', every routed row once
+    assert (out["drift/volatility_by_turn/0"], out["drift/volatility_by_turn/1"],
+            out["drift/volatility_by_turn/context"]) == (0.0, 0.5, 1.0)
+    assert out["drift/volatility_by_turn/1/layer_01"] == 0.5
+    assert (out["drift/rollout_mismatch_by_turn/0"], out["drift/rollout_mismatch_by_turn/1"],
+            out["drift/rollout_mismatch_by_turn/context"]) == (0.5, 0.0, 0.0)
+    assert out["drift/logp_by_turn/0/abs_diff"] == 0.0 and out["drift/logp_by_turn/1/abs_diff"] == 0.25
+    assert "drift/logp_by_turn/context/abs_diff" not in out  # the context was not sampled
