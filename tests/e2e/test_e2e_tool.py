@@ -32,7 +32,9 @@ def test_tool_episodes_train_only_the_models_tokens_replay_merged_routes_and_kee
         model_tokens = completion_tokens * (1 - row["rollout/env_token_frac"])
         assert row["loss/num_tokens"] == pytest.approx(model_tokens, abs=1e-3)  # the environment's are not trained
         by_turn = [row[f"drift/volatility_by_turn/{t}/num_tokens"] for t in (0, 1)]
-        assert sum(by_turn) == row["drift/volatility/num_tokens"] and by_turn[1] > 0  # each position in one turn
+        # each routed row in one turn (the one whose token it produces) or in the context (prompt, environment)
+        assert sum(by_turn) + row["drift/volatility_by_turn/context/num_tokens"] == row["drift/volatility/num_tokens"] \
+            and by_turn[1] > 0
     # step 1's episodes come from the trained weights (staleness 0): the routes merged turn by turn
     # over HTTP (routed_experts_start_len) are the ones the trainer's routers choose
     first = rows[0]
