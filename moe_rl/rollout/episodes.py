@@ -23,6 +23,10 @@ fed it (its turn's last token, the next turn's prefill). Re-sending the conversa
 the last request's routes instead would give the earlier turns' tokens the last prefill's routes,
 which differ as soon as the weights changed between turns or a near-tie flips. Engines that
 return every row (`routes_start` 0) are sliced the same way.
+
+Every turn of a prompt group's episodes carries the group's `affinity` key, so a client of several
+servers sends them all to one server, whose prefix cache holds the prompt and each episode's context
+so far: a turn prefills only what the last one added, not the whole history on another server.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ class _Episode:
     prompt_ids: tuple[int, ...]
     env: Environment
     seed: int | None
+    affinity: str | None = None  # its prompt group's key: every turn on the server that has its context cached
     ids: list[int] = field(default_factory=list)
     logp: list[float] = field(default_factory=list)
     action: list[bool] = field(default_factory=list)
@@ -89,7 +94,8 @@ class EpisodeRunner:
             group = []
             for j in range(req.sampling.n):
                 env = self.make_env()
-                ep = _Episode(req.prompt_ids, env, None if req.sampling.seed is None else req.sampling.seed + j)
+                ep = _Episode(req.prompt_ids, env, None if req.sampling.seed is None else req.sampling.seed + j,
+                              req.affinity if req.affinity is not None else f"prompt-{hash(req.prompt_ids)}")
                 first = list(env.reset(prompt))[:self.max_tokens - 1]  # room for one model token at least
                 ep.append(first, [0.0] * len(first), False, [None] * len(first))
                 group.append(ep)
@@ -105,7 +111,8 @@ class EpisodeRunner:
                 max_new_tokens=min(base.max_new_tokens, self.max_tokens - len(ep.ids)),
                 stop_token_ids=tuple(dict.fromkeys((*base.stop_token_ids, *ep.env.stop_token_ids)))),
                 return_routed_experts=routes and ep.routes is not None,
-                routed_experts_start_len=self._covered(ep) if routes and ep.routes is not None else 0)
+                routed_experts_start_len=self._covered(ep) if routes and ep.routes is not None else 0,
+                affinity=ep.affinity)
                 for ep in live]
             for ep, (res,) in zip(live, engine.generate(calls)):
                 self._play(ep, res, turn)
