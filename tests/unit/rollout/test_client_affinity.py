@@ -11,7 +11,7 @@ from collections import defaultdict
 from moe_rl.data.dataset import Prompt
 from moe_rl.env.base import Turn
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
-from moe_rl.rollout.episodes import EpisodeRunner
+from moe_rl.rollout.episodes import TURN_SEED_STRIDE, EpisodeRunner
 from moe_rl.rollout.server_pool import Server, affine
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.testing import make_tiny_qwen3_moe
@@ -55,7 +55,7 @@ def test_every_turn_of_an_episode_goes_to_one_server(tmp_path):
         with SGLangClient([s.url for s in servers]) as client:
             spy = _Spy(client)
             runner = EpisodeRunner(_ThreeTurns, max_turns=3, max_episode_tokens=64, eos_id=2)
-            prompts = [Prompt(f"p{i}", [1, 3 + i, 4], "", None) for i in range(6)]
+            prompts = [Prompt(f"p{i}", [1, 3 + i, 4], "", None) for i in range(5)]
             reqs = [GenerateRequest(p.prompt_ids, SamplingParams(max_new_tokens=2, seed=10 * i, n=2, ignore_eos=True))
                     for i, p in enumerate(prompts)]
             episodes = runner.generate(spy, prompts, reqs)
@@ -63,14 +63,13 @@ def test_every_turn_of_an_episode_goes_to_one_server(tmp_path):
         for s in servers:
             s.stop()
     assert all(ep.turns == 3 for group in episodes for ep in group)
-    # an episode's later turns extend its earlier contexts: group the calls by episode (first turn's context)
-    per_episode: dict[tuple, set] = defaultdict(set)
+    # a turn's seed is its episode's plus turn x TURN_SEED_STRIDE (the episodes' seeds are below the stride)
+    per_episode: dict[int, set] = defaultdict(set)
     per_group: dict[tuple, set] = defaultdict(set)
     for req, server in spy.calls:
         per_group[tuple(req.prompt_ids[:3])].add(server)
-        first = next((k for k in per_episode if tuple(req.prompt_ids[:len(k)]) == k), None)
-        per_episode[first or tuple(req.prompt_ids)].add(server)
-    assert len(spy.calls) == 6 * 2 * 3 and len(per_episode) == 12
+        per_episode[req.sampling.seed % TURN_SEED_STRIDE].add(server)
+    assert len(spy.calls) == 5 * 2 * 3 and len(per_episode) == 10
     assert all(len(s) == 1 for s in per_episode.values()), per_episode  # one server per episode
     assert all(len(s) == 1 for s in per_group.values()), per_group  # and per prompt group
     assert len(set().union(*per_group.values())) >= 2  # the groups are spread over the servers
