@@ -3,13 +3,15 @@
 Each subcommand lives next to the code it drives, in a module that exposes
 `add_arguments(parser)` and `run(args) -> int`. Modules are imported only when
 their subcommand runs, so `moe-rl --help` stays fast and a CPU machine never
-imports GPU-only packages.
+imports GPU-only packages. Exit status: 0 done, 1 a check that ran and failed (parity out of
+tolerance), 2 input the command cannot take (one line on stderr naming it).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -58,6 +60,11 @@ def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     return p, mod
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, ValueError) or type(e).__name__ in text else f"{type(e).__name__}: {text}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Import only the chosen subcommand's module, so one broken optional module
@@ -66,7 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in cmds:
         p, mod = command_parser(argv[0])
         args = p.parse_args(argv[1:])
-        return int(mod.run(args) or 0)
+        try:
+            return int(mod.run(args) or 0)
+        except (ValueError, OSError) as e:
+            # What a command cannot take (a model it does not support, a file that is not there or not
+            # readable, a port in use) is one line and exit status 2, as `moe-rl train`'s preflight.
+            if os.environ.get("MOE_RL_TRACEBACK"):
+                raise
+            print(f"moe-rl {argv[0]}: {_one_line(e)} (MOE_RL_TRACEBACK=1 shows where)", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -37,7 +37,7 @@ _ARCH_FIELDS = ("model_type", "num_hidden_layers", "num_experts", "num_experts_p
 
 
 class DriftError(RuntimeError):
-    """A user-facing error of `moe-rl drift`: printed as one message, exit status 1."""
+    """A user-facing error of `moe-rl drift`: printed as one message, exit status 2."""
 
 
 # ------------------------------------------------------------------- CLI
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     except DriftError as e:
         # plain print: rich would wrap a long path:line at the terminal width
         print(f"moe-rl drift: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print_report(report, out)
     out.print(f"report written to {args.out}", highlight=False)
     return 0

@@ -57,12 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the report; exit code 1 with a one-line reason when there is nothing to plot."""
+    """Write the report; exit code 2 with a one-line reason when there is nothing to plot."""
     try:
         results = build_report(args.run_dir, args.out)
     except ReportError as e:
         print(f"moe-rl report: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     for r in results:
         print(f"  {r.name:<28} {r.path}" if r.path else f"  {r.name:<28} skipped: {r.skipped}")
     print(f"report: {_index_path(results)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.policy.arch import read_hf_config
 from moe_rl.policy.parallel import LayoutError, ParallelLayout
 
 DEFAULT_LAYOUTS = "tp2,pp2,ep2,tp2-ep2,tp2-pp2,pp2-vpp2,dp2"
@@ -185,7 +187,6 @@ def check_layouts(hf_dir: str | Path, layouts: list[str], num_tokens: int = 24, 
     `pack_tokens`: also score the sequences packed into rows of this many tokens.
     """
     from moe_rl.dist.spawn import run_ranks
-    from moe_rl.policy.model import read_hf_config
 
     arch = read_hf_config(hf_dir)
     sequences = sample_sequences(arch.vocab_size, num=num_sequences, max_len=num_tokens)
@@ -239,6 +240,10 @@ def _argument_problem(args: argparse.Namespace, layouts: list[str]) -> str | Non
     """One line saying what is wrong with the command line, or None."""
     if not (Path(args.hf_model) / "config.json").is_file():
         return f"--hf-model {args.hf_model}: no config.json there; give a HF checkpoint directory"
+    try:
+        read_hf_config(args.hf_model)  # a family or a setting megatron-core cannot reproduce: said before any rank
+    except ValueError as e:
+        return f"--hf-model {args.hf_model}: {e}"
     if not layouts:
         return "--layouts names no layout; give e.g. --layouts tp2,ep2"
     for name in layouts:
@@ -262,8 +267,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     problem = _argument_problem(args, layouts)
-    if problem:
-        console.print(f"[red]moe-rl check-parity: {problem}[/red]")
+    if problem:  # plain print: rich would wrap the line at the terminal's width
+        print(f"moe-rl check-parity: {problem}", file=sys.stderr)
         return 2
     console.print(f"checking {len(layouts)} layouts of {args.hf_model} against HF transformers "
                   f"(tolerance {args.tolerance:g})")
@@ -275,8 +280,8 @@ def run(args: argparse.Namespace) -> int:
 
     pack = args.pack_tokens
     if pack is not None and pack < args.tokens:
-        console.print(f"[red]--pack-tokens {pack} cannot hold a {args.tokens}-token sequence; use at least "
-                      f"{args.tokens}[/red]")
+        print(f"moe-rl check-parity: --pack-tokens {pack} cannot hold a {args.tokens}-token sequence; use at "
+              f"least {args.tokens}", file=sys.stderr)
         return 2
     rows = check_layouts(args.hf_model, layouts, args.tokens, args.sequences, args.tolerance, progress=progress,
                          pack_tokens=pack)

@@ -158,4 +158,4 @@ def test_check_parity_cli_with_packing(tiny_hf_dir, tmp_path):
     assert row["layout"] == "ep2" and row["ok"] and row["packed_max_abs_diff"] <= 1e-4
 
     bad = subprocess.run(cmd[:-4] + ["--pack-tokens", "10"], capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "--pack-tokens 10 cannot hold a 24-token sequence" in bad.stdout
+    assert bad.returncode == 2 and "--pack-tokens 10 cannot hold a 24-token sequence" in bad.stderr

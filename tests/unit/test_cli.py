@@ -36,3 +36,30 @@ def test_launch_slurm_help_keeps_its_paragraphs_apart(capsys):
         cli.main(["launch", "slurm", "--help"])
     text = capsys.readouterr().out
     assert "train.steps=3\n\nTrailing `key.sub=value` words override the config for the trainer" in text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["check-parity", "--hf-model", "UNSUPPORTED", "--layouts", "single"], "topk_group=1 is not supported"),
+    (["serve", "--model", "MISSING", "--port", "0"], "does not exist"),
+    (["drift", "--before", "MISSING", "--after", "MISSING", "--data", "MISSING", "--out", "OUT"], "does not exist"),
+    (["report", "MISSING"], "not found"),
+    (["export", "--checkpoint", "MISSING", "--out", "OUT"], "not a finished checkpoint"),
+    (["launch", "slurm", "--config", "MISSING", "--nodes", "2"], "not found"),
+    (["train", "--config", "MISSING"], "not found"),
+    (["config", "no.such.key"], "unknown key"),
+])
+def test_input_a_command_cannot_take_is_one_line_and_exit_2(tmp_path, capfd, argv, needle):
+    """Every subcommand, as `moe-rl train` does: what it cannot take is one line naming it on stderr, exit
+    status 2, no traceback (check-parity printed 20 lines of one for an unsupported model, serve for a
+    missing model directory, drift and report exited 1)."""
+    from moe_rl.policy.tiny import make_tiny_deepseek_v3
+
+    paths = {"MISSING": str(tmp_path / "missing"), "OUT": str(tmp_path / "out")}
+    if "UNSUPPORTED" in argv:
+        paths["UNSUPPORTED"] = str(make_tiny_deepseek_v3(tmp_path / "dsv3", n_group=2, topk_group=1,
+                                                         num_experts_per_tok=4))
+    capfd.readouterr()
+    assert cli.main([paths.get(a, a) for a in argv]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    err = [line for line in err if "Loading weights" not in line]  # transformers' progress bar
+    assert len(err) == 1 and needle in err[0] and err[0].startswith(f"moe-rl {argv[0]}"), err

@@ -75,13 +75,13 @@ def test_same_checkpoint_gives_exactly_zero(tiny_hf_dir, rows_file, tmp_path):
 def test_bad_row_names_file_and_line(tiny_hf_dir, tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n\n{"input_ids": [4, "x"]}\n')
-    assert _drift(tiny_hf_dir, tiny_hf_dir, data, tmp_path / "o.json") == 1
+    assert _drift(tiny_hf_dir, tiny_hf_dir, data, tmp_path / "o.json") == 2
     assert f"{data}:3: `input_ids` must be a list of integers" in capsys.readouterr().err
     data.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n')
-    assert _drift(tiny_hf_dir, tiny_hf_dir, data, tmp_path / "o.json") == 1
+    assert _drift(tiny_hf_dir, tiny_hf_dir, data, tmp_path / "o.json") == 2
     assert f"{data}:2: not valid JSON" in capsys.readouterr().err
     data.write_text('{"input_ids": [1, 2, 300]}\n')
-    assert _drift(tiny_hf_dir, tiny_hf_dir, data, tmp_path / "o.json") == 1
+    assert _drift(tiny_hf_dir, tiny_hf_dir, data, tmp_path / "o.json") == 2
     assert f"{data}:1: token ids outside the vocabulary [0, 128): [300]" in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()
 
@@ -89,7 +89,7 @@ def test_bad_row_names_file_and_line(tiny_hf_dir, tmp_path, capsys):
 def test_text_rows_without_tokenizer_ask_for_input_ids(tiny_hf_dir, tmp_path, capsys):
     data = tmp_path / "text.jsonl"
     data.write_text('{"prompt": "1 + 1 =", "response": " 2"}\n')
-    assert _drift(tiny_hf_dir, tiny_hf_dir, data, tmp_path / "o.json") == 1
+    assert _drift(tiny_hf_dir, tiny_hf_dir, data, tmp_path / "o.json") == 2
     err = capsys.readouterr().err
     assert f"{data}:1:" in err and "no tokenizer" in err and "input_ids" in err
 
@@ -116,19 +116,19 @@ def test_text_rows_use_the_checkpoint_tokenizer(tiny_hf_dir, noisy_router_dir, t
 
 def test_checkpoint_errors(tiny_hf_dir, rows_file, tmp_path, capsys):
     data, _ = rows_file
-    assert _drift(tmp_path / "nope", tiny_hf_dir, data, tmp_path / "o.json") == 1
+    assert _drift(tmp_path / "nope", tiny_hf_dir, data, tmp_path / "o.json") == 2
     assert "--before" in capsys.readouterr().err
     deeper = tmp_path / "six_layers"
     deeper.mkdir()
     cfg = json.loads((tiny_hf_dir / "config.json").read_text())
     cfg["num_hidden_layers"] = 6
     (deeper / "config.json").write_text(json.dumps(cfg))
-    assert _drift(tiny_hf_dir, deeper, data, tmp_path / "o.json") == 1
+    assert _drift(tiny_hf_dir, deeper, data, tmp_path / "o.json") == 2
     err = capsys.readouterr().err
     assert "architecture mismatch" in err and "num_hidden_layers: 4 vs 6" in err
     more = tmp_path / "eight_experts"
     more.mkdir()
     cfg["num_hidden_layers"], cfg["num_local_experts"] = 4, 8  # Qwen3-MoE saves num_experts under this name
     (more / "config.json").write_text(json.dumps(cfg))
-    assert _drift(tiny_hf_dir, more, data, tmp_path / "o.json") == 1
+    assert _drift(tiny_hf_dir, more, data, tmp_path / "o.json") == 2
     assert "num_experts: 4 vs 8" in capsys.readouterr().err

@@ -102,15 +102,15 @@ def test_cli_report_exit_codes(tmp_path, capsys):
     assert (tmp_path / "rep" / "reward.png").stat().st_size > 0
     assert "skipped" in capsys.readouterr().out
 
-    assert main(["report", str(tmp_path / "missing")]) == 1
+    assert main(["report", str(tmp_path / "missing")]) == 2
     assert "run directory not found" in capsys.readouterr().err
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert main(["report", str(empty)]) == 1
+    assert main(["report", str(empty)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
     (empty / "metrics.jsonl").write_text("")
-    assert main(["report", str(empty)]) == 1
+    assert main(["report", str(empty)]) == 2
     assert "no metric records" in capsys.readouterr().err
 
 
