@@ -96,6 +96,22 @@ def test_deepseek_v3_class_configs_fit_the_published_models(name, world, hf):
     assert cfg.algo.replay == "r3" and cfg.model.expert_bias_update_rate == 0.0
 
 
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b_gspo.yaml", "deepseek_v3_671b_gspo.yaml", "glm45_air_gspo.yaml",
+                                  "moonlight_16b_a3b_gspo.yaml"])
+def test_flagship_gspo_configs_are_one_step_off_with_retracting_pushes(name):
+    """Asynchronous RL is the measured faster shape (README: K=1 1.3x the samples/s of K=0); the flagships
+    ship it: one step off, pushes that retract (exact versions and routes for R3, no stale prefix cache),
+    the decoupled-PPO correction."""
+    from moe_rl.algo.config import staleness_bound
+    from moe_rl.recipes.build import inflight_client_args
+    from moe_rl.rollout.config import pause_mode
+
+    cfg = load_config(CONFIGS / name)
+    assert staleness_bound(cfg.algo) == 1 and pause_mode(cfg.rollout, 1) == "retract"  # auto, when asynchronous
+    assert cfg.algo.tis_cap == 2.0 and cfg.algo.replay == "r3" and cfg.algo.behaviour == "recompute"
+    assert inflight_client_args(cfg) == {"flush_on_update": True, "pushes_in_place": False, "version_lag": 1}
+
+
 def test_defaults_validate_without_a_file():
     cfg = load_config(None)
     assert cfg == RunConfig()

@@ -23,7 +23,8 @@ CASES = [
     (TINY, 2, 1, 2, []),
     (TINY, 3, 2, 2, []),
     (TINY, 4, 0, 1, []),
-    (QWEN, 2, 0, 8, ["parallel.ep=4", "parallel.pp=2", "rollout.weight_sync=disk"]),
+    (QWEN, 2, 0, 8, ["parallel.ep=4", "parallel.pp=2", "rollout.weight_sync=disk",
+                     "algo.max_staleness=0"]),  # colocated: synchronous
     (QWEN, 4, 2, 8, ["parallel.ep=4"]),
     (QWEN, 8, 4, 8, []),
     (QWEN, 16, 8, 8, []),
@@ -507,7 +508,8 @@ def _bash_cpus(text: str, node_cpus: int) -> tuple[int, int]:
 ])
 def test_launch_gpu_mode_gives_every_task_its_share_of_the_cpus(tmp_path, rollout_nodes, cpus, expected):
     """On clusters that bind tasks to cores, a step without --cpus-per-task runs each task on one core."""
-    overrides = ["parallel.ep=4"] + (["rollout.weight_sync=disk"] if rollout_nodes == 0 else [])
+    # colocated servers cannot generate while the trainer trains: synchronous
+    overrides = ["parallel.ep=4"] + (["rollout.weight_sync=disk", "algo.max_staleness=0"] if rollout_nodes == 0 else [])
     shape = NodeShape(4, rollout_nodes, 8, None, cpus)
     r = render_script(QWEN, overrides, shape, _opts(), run_dir=tmp_path)
     assert _bash_cpus(r.text, 96) == expected
