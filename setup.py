@@ -31,7 +31,9 @@ setup(
         "torch>=2.6",
         "megatron-core==0.16.1",
         "numpy",
-        "transformers>=4.51",
+        # sglang 0.5.23 requires exactly this release: the image's servers and every test run the same one
+        # (docker/Dockerfile checks the pin)
+        "transformers==5.19.0",
         "safetensors",
         "omegaconf>=2.3",
         "rich",

@@ -165,13 +165,21 @@ def _read_qwen2_moe(cfg: dict[str, Any]) -> MoEArch:
                    hf_architecture="Qwen2MoeForCausalLM")
 
 
+def _partial_rotary(cfg: dict[str, Any], params: dict[str, Any]) -> Any:
+    """The rotated share of each head: transformers' rotary embeddings read `rope_parameters` (its config
+    classes fill it from a top-level `partial_rotary_factor` only when it has none), so that one first.
+    A config.json may hold both and disagree: transformers 5.19's Qwen3.5-MoE config saves its default
+    top-level 0.25 beside a `rope_parameters` value it then uses."""
+    return params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+
+
 def _read_glm4_moe(cfg: dict[str, Any]) -> MoEArch:
     """GLM-4.5 / 4.6: GQA with partial rotary (the first `partial_rotary_factor` of each head, halves
     rotated as Llama's), q/k/v biases (`attention_bias`), optional QK-norm, `first_k_dense_replace`
     dense layers, `n_shared_experts` always-on experts (no gate) and a sigmoid router with a selection
     bias, renormalised top-k and `routed_scaling_factor`."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    partial = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.5)
+    partial = float(_partial_rotary(cfg, params) or 0.5)
     experts = int(cfg["n_routed_experts"])
     dense = int(cfg.get("first_k_dense_replace", 1))
     arch = _read_qwen3_moe({**cfg, "num_experts": experts, "decoder_sparse_step": 1,
@@ -241,7 +249,7 @@ def _read_qwen3_next(cfg: dict[str, Any], name: str = "Qwen3-Next") -> MoEArch:
         raise UnsupportedModel(f"{name} with hidden_act={cfg['hidden_act']!r} is not supported: megatron-core's "
                                "gated delta net and experts are built with silu")
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    partial = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
+    partial = float(_partial_rotary(cfg, params) or 0.25)
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     if int(head_dim * partial) % 2:
         raise UnsupportedModel(f"{name} partial_rotary_factor={partial} of head_dim={head_dim} rotates an odd "

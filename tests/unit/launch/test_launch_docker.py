@@ -33,6 +33,24 @@ def test_launch_gpu_image_pins_every_version():
     assert "pip install -e \".[dev]\"" in text
 
 
+def test_one_transformers_for_the_tests_and_the_image():
+    """sglang 0.5.23 requires one transformers release: setup.py pins the same (the tests run it), the image
+    installs it and its final check finds it (the image resolved 5.19 while every test ran 5.24)."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    theirs = [str(Requirement(r).specifier) for r in requires("sglang") or [] if Requirement(r).name == "transformers"
+              and Requirement(r).marker is None]
+    ours = [str(Requirement(m.group(1)).specifier)
+            for m in re.finditer(r'"(transformers[=<>!~][^"]*)"', Path("setup.py").read_text())]
+    assert theirs and ours == theirs, (ours, theirs)
+    text = GPU.read_text()
+    assert f"=={_args(text)['TRANSFORMERS_VERSION']}" == ours[0]
+    assert '"transformers==${TRANSFORMERS_VERSION}"' in text  # installed with sglang
+    assert '"transformers=${TRANSFORMERS_VERSION}"' in text  # and checked after the last resolver run
+
+
 def test_launch_gpu_image_pins_transformer_engine_inside_megatron_cores_range():
     """megatron-core's own metadata (the installed 0.16.1) is the reference for the allowed range."""
     from importlib.metadata import requires, version
