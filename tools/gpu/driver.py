@@ -225,6 +225,7 @@ def validate_train(argv: list[str], gpus: int = 1) -> str | None:
     from unittest import mock
 
     from moe_rl.config import ConfigError, load_config
+    from moe_rl.reward.registry import get_reward
     from moe_rl.train.preflight import preflight
 
     i = argv.index("--config")
@@ -235,7 +236,14 @@ def validate_train(argv: list[str], gpus: int = 1) -> str | None:
         return str(e)
     # the preflight's server placement counts this machine's GPUs (moe_rl.dist.devices.gpu_count)
     with mock.patch("moe_rl.dist.devices.gpu_count", return_value=gpus):
-        return preflight(cfg, cfg.train.world_size)
+        problem = preflight(cfg, cfg.train.world_size)
+    if problem:
+        return problem
+    try:  # a `module:function` reward is only imported when the run builds
+        get_reward(cfg.reward.name, data=cfg.data.train)
+    except Exception as e:  # noqa: BLE001 - whatever the import raises is the answer
+        return f"reward.name={cfg.reward.name}: {type(e).__name__}: {e}"
+    return None
 
 
 def validate_python(argv: list[str]) -> str | None:

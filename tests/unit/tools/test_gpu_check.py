@@ -76,6 +76,7 @@ def test_the_train_commands_pass_only_through_the_config_loader(gpu):
     base = [sys.executable, "-m", "moe_rl.cli", "train", "--config", gpu.plan.TINY, *gpu.plan.ONE_GPU]
     assert gpu.driver.validate_train(base) is None
     assert "algo.replay" in gpu.driver.validate_train(base + ["algo.replay=r9"])
+    assert "reward.name" in gpu.driver.validate_train(base + ["reward.name=moe_rl.testing.e2e:no_such_reward"])
     sglang = [sys.executable, "-m", "moe_rl.cli", "train", "--config", gpu.plan.TINY, "train.world_size=1",
               "parallel.ep=1", "rollout.engine=sglang"]  # not colocated: its own GPU after the trainer's
     assert "rollout.num_servers" in gpu.driver.validate_train(sglang, gpus=1)
