@@ -37,6 +37,19 @@ def pushes_in_place(rollout: Any) -> bool:
     """Whether a weight push pauses the generating requests in place: they keep their KV cache, so it
     asks for no cache flush, which SGLang refuses under running requests (a retract frees them first)."""
     return getattr(rollout, "inflight_update", "wait") == "in_place"
+def in_place_refusal(rollout: Any, url: str, server_info: Any) -> str | None:
+    """Why a run that pushes in place must not use the running server at `url` (rollout.urls): its /server_info
+    does not say `disable_radix_cache: true`. The servers this run launches get --disable-radix-cache
+    (launcher.radix_cache_args); one started by someone else may keep a prefix cache, which an in-place
+    push never flushes. None: fine (or the run does not push in place)."""
+    if not pushes_in_place(rollout) or (isinstance(server_info, dict) and server_info.get("disable_radix_cache") is True):
+        return None
+    return (f"rollout.inflight_update=in_place: the server {url} keeps a prefix cache (its /server_info has no "
+            "disable_radix_cache: true) and an in-place push flushes none, so cached prompts would keep the KV and "
+            "routes of old weights for the rest of the run; restart it with --disable-radix-cache, or set "
+            "rollout.inflight_update=retract")
+
+
 # SGLang 0.5.23's names of its parallel sizes (sglang/srt/arg_groups/fields/parallel.py; argparse
 # also takes an unambiguous prefix such as --tp).
 SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")

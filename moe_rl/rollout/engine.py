@@ -123,6 +123,24 @@ def check_route_rows(routes: np.ndarray, num_experts: int | None, layer_ids: Seq
                              "unset rows written as routes?")
 
 
+# The keys of SGLang 0.5.23's `sampling_params` (its api/v1 JSON contract, sglang/api/v1/api_types.py, checked by
+# http_server.generate_request before anything else): any other key is refused with this message's wording.
+SGLANG_SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+                        "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+                        "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                        "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+                        "sampling_seed", "custom_params", "beam_width", "watermark", "choice")
+# What the contract's decoder expects of each key this engine reads (the wording of its type errors).
+_SGLANG_TYPES = {"max_new_tokens": (int, "i64"), "temperature": (float, "f64"), "top_p": (float, "f64"),
+                 "top_k": (int, "i64"), "n": (int, "i64"), "ignore_eos": (bool, "a boolean"),
+                 "sampling_seed": (int, "i64"), "skip_special_tokens": (bool, "a boolean"),
+                 "no_stop_trim": (bool, "a boolean")}
+
+
+class SamplingContractError(ValueError):
+    """A `sampling_params` that SGLang's JSON contract refuses (its message is SGLang's)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (names follow SGLang's `SamplingParams`).
@@ -131,6 +149,8 @@ class SamplingParams:
     makes a request reproducible: sample j of a request with seed s is drawn
     with seed s + j, so the n samples differ yet rerun identically.
     `ignore_eos` keeps generating through EOS (stop_token_ids too), as in SGLang.
+    `stop`: strings that end the sample once its text contains one (SGLang's stop; needs a tokenizer),
+    trimmed from the reply's text unless `no_stop_trim`.
     """
 
     temperature: float = 1.0
@@ -141,9 +161,14 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        stop = self.stop
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop or ()))
         self.validate()
 
     def validate(self) -> None:
@@ -159,6 +184,8 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {list(self.stop)}")
 
     @property
     def greedy(self) -> bool:
@@ -175,23 +202,47 @@ class SamplingParams:
             out["stop_token_ids"] = list(self.stop_token_ids)
         if self.seed is not None:
             out["sampling_seed"] = self.seed
+        if self.stop:
+            out["stop"] = list(self.stop)
         return out
 
     @classmethod
     def from_sglang(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
-        """Parse SGLang's `sampling_params` dict; unknown keys that change sampling are refused."""
+        """Parse SGLang's `sampling_params` dict. A key outside SGLang's contract, or a value of the wrong
+        JSON type, raises SamplingContractError with SGLang's words; a known key that would change
+        sampling in a way this engine does not implement raises ValueError."""
         d = dict(d or {})
+        for key in d:
+            if key not in SGLANG_SAMPLING_KEYS:
+                raise SamplingContractError(f"unknown field `{key}`, expected one of "
+                                            + ", ".join(f"`{k}`" for k in SGLANG_SAMPLING_KEYS))
+        for key, (typ, what) in _SGLANG_TYPES.items():
+            v = d.get(key)
+            if v is None:
+                continue
+            ok = isinstance(v, bool) if typ is bool else not isinstance(v, bool) and (
+                isinstance(v, int) or (typ is float and isinstance(v, float)))
+            if not ok:  # the decoder's (serde's) words for what it got
+                got = (f"boolean `{str(v).lower()}`" if isinstance(v, bool) else f"integer `{v}`" if isinstance(v, int)
+                       else f"floating point `{v!r}`" if isinstance(v, float) else f'string "{v}"' if isinstance(v, str)
+                       else "sequence" if isinstance(v, list) else "map")
+                raise SamplingContractError(f"invalid type: {got}, expected {what}")
         unsupported = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                        "repetition_penalty": 1.0, "min_new_tokens": 0, "logit_bias": None,
-                       "json_schema": None, "regex": None, "ebnf": None, "stop": None,
-                       "stop_regex": None, "structural_tag": None, "beam_width": None}
+                       "json_schema": None, "regex": None, "ebnf": None, "stop_regex": None,
+                       "structural_tag": None, "beam_width": None, "custom_params": None, "watermark": None,
+                       "choice": None}
         for key, neutral in unsupported.items():
             if key in d and d[key] not in (neutral, None, [], {}):
-                raise ValueError(f"sampling_params.{key} is not supported by this engine")
+                raise ValueError(f"sampling_params.{key} is not supported by this engine (moe-rl serve): "
+                                 "leave it out")
         top_k = d.get("top_k")
         top_k = -1 if top_k is None or int(top_k) >= (1 << 30) else int(top_k)
-        seed = d.get("sampling_seed", d.get("seed"))
+        seed = d.get("sampling_seed")
         mnt = d.get("max_new_tokens")
+        stop = d.get("stop") or []
+        if not isinstance(stop, (str, list)) or (isinstance(stop, list) and not all(isinstance(x, str) for x in stop)):
+            raise ValueError(f"sampling_params.stop must be a string or a list of strings, got {stop!r}")
         return cls(
             temperature=float(1.0 if d.get("temperature") is None else d["temperature"]),
             top_p=float(1.0 if d.get("top_p") is None else d["top_p"]),
@@ -201,6 +252,9 @@ class SamplingParams:
             seed=None if seed is None else int(seed),
             n=int(1 if d.get("n") is None else d["n"]),
             ignore_eos=bool(d.get("ignore_eos") or False),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            no_stop_trim=bool(d.get("no_stop_trim") or False),
+            skip_special_tokens=bool(True if d.get("skip_special_tokens") is None else d["skip_special_tokens"]),
         )
 
 
@@ -217,6 +271,13 @@ class GenerateRequest:
     # Requests of one key go to one server while it is healthy (SGLangClient): an episode's turns and a
     # prompt group's samples find their shared prefix in that server's cache. None: any server.
     affinity: str | None = None
+    # SGLang's logprob_start_len: -1 = no prompt log-probs; p in [0, len(prompt)] = those of prompt tokens
+    # [p, len) (the first of them None: nothing predicts it), as SGLang's input_token_logprobs
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0                         # SGLang's: the n most likely tokens at each position
+    token_ids_logprob: tuple[int, ...] | None = None  # SGLang's: the log-probs of these tokens at each position
+    # moe-rl serve's hooks into a sample while it runs (`SampleHooks`); None for everyone else
+    hooks: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         ids = [int(t) for t in self.prompt_ids]
@@ -225,13 +286,30 @@ class GenerateRequest:
         if not 0 <= self.routed_experts_start_len <= len(ids):
             raise ValueError(f"routed_experts_start_len must be in [0, {len(ids)}] (the prompt's tokens), "
                              f"got {self.routed_experts_start_len}")
+        if not -1 <= self.logprob_start_len <= len(ids):
+            raise ValueError(f"logprob_start_len must be -1 (output tokens only) or in [0, {len(ids)}] (the "
+                             f"prompt's tokens), got {self.logprob_start_len}")
+        if self.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}")
         object.__setattr__(self, "prompt_ids", tuple(ids))
+        if self.token_ids_logprob is not None:
+            object.__setattr__(self, "token_ids_logprob", tuple(int(t) for t in self.token_ids_logprob))
 
     def single_samples(self) -> list["GenerateRequest"]:
         """The n samples as n requests with n=1 (seeds s, s+1, ... when seeded)."""
         sp = self.sampling
         return [replace(self, sampling=replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j))
                 for j in range(sp.n)]
+
+
+class SampleHooks(Protocol):
+    """What moe-rl serve asks of a running sample (`GenerateRequest.hooks`): `aborted(j)` is asked at every
+    step (SGLang's /abort_request of sample j's rid), `progress(j, result)` gets sample j's output so far
+    after every step (SGLang's streaming; no routes until it finishes, as SGLang captures them at the end)."""
+
+    def aborted(self, sample: int) -> bool: ...
+
+    def progress(self, sample: int, result: "GenerateResult") -> None: ...
 
 
 def version_spans(token_versions: Sequence[str], current: str) -> tuple[tuple[str, int, int], ...]:
@@ -289,6 +367,17 @@ class GenerateResult:
     turns: int = 1
     # the position of routed_experts' first row (a request's routed_experts_start_len; 0: all of them)
     routes_start: int = 0
+    # SGLang's meta_info["cached_tokens"]: prompt tokens whose KV (and routes) came from the prefix cache
+    cached_tokens: int = 0
+    # the stop string that ended the sample (finish_reason "stop" on text); None: a token or not stopped
+    matched_stop: str | None = None
+    # SGLang's logprob extras (moe-rl serve): prompt log-probs from logprob_start_len (the first None),
+    # and per position the top_logprobs_num best / the token_ids_logprob tokens as ([logprob], [token id])
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[tuple[list[float], list[int]] | None] | None = None
+    input_token_ids_logprobs: list[tuple[list[float], list[int]] | None] | None = None
+    output_top_logprobs: list[tuple[list[float], list[int]]] | None = None
+    output_token_ids_logprobs: list[tuple[list[float], list[int]]] | None = None
 
     def token_versions(self) -> list[str] | None:
         """The weight version of each output token (None when the engine did not say)."""

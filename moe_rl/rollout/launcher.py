@@ -2,7 +2,7 @@
 
 Two kinds of servers, chosen by `rollout.engine`:
 
-- `local`: `python -m moe_rl.cli serve --model DIR --host H --port P` (HF
+- `local`: `python -m moe_rl.cli serve --model-path DIR --host H --port P` (HF
   transformers on CPU, SGLang's HTTP API). Several of them are balanced by
   `SGLangClient` itself, unless `rollout.router` is true: then the real
   sglang-router goes in front of them too (the CPU rehearsal of a cluster run).
@@ -35,13 +35,10 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -49,10 +46,10 @@ from typing import Any, Mapping, Sequence
 from moe_rl.dist.ports import free_ports
 from moe_rl.rollout.auth import RunKeys, needs_keys, redact, write_key_file
 from moe_rl.rollout.engines import engine_kind
+from moe_rl.rollout.processes import (_WILDCARD_HOSTS, _die_with_parent, _group_members, _http_ok,  # noqa: F401
+                                      _wait_port_free, port_is_free, tail)
 
 log = logging.getLogger(__name__)
-
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 class LauncherError(RuntimeError):
@@ -83,9 +80,26 @@ class ServerSpec:
 
 def local_server_command(model_dir: str | Path, *, host: str, port: int, python: str | None = None,
                          extra_args: Sequence[str] = ()) -> list[str]:
-    """argv of one `moe-rl serve` process."""
-    return [python or sys.executable, "-m", "moe_rl.cli", "serve", "--model", str(model_dir),
-            "--host", host, "--port", str(port), *map(str, extra_args)]
+    """argv of one `moe-rl serve` process, with SGLang's flag names. Routes are returned
+    (`--enable-return-routed-experts`, as `sglang_server_command` asks SGLang): without the flag
+    `moe-rl serve`, as SGLang, returns none."""
+    return [python or sys.executable, "-m", "moe_rl.cli", "serve", "--model-path", str(model_dir),
+            "--host", host, "--port", str(port), "--enable-return-routed-experts", *map(str, extra_args)]
+
+
+def radix_cache_args(cfg: Any) -> list[str]:
+    """`--disable-radix-cache` for a run whose pushes pause in place (`rollout.inflight_update=in_place`).
+
+    A server keeps a prompt prefix it computed (KV and, captured per KV slot, routes) until its cache is
+    flushed, and reuses it for every later request that starts with it: a chat template, a shared system
+    prompt, an episode's earlier turns. SGLang refuses a flush under requests paused in place, so an in-place
+    push asks for none; and an asynchronous run keeps its servers busy, so a flush "at the next idle point"
+    may never come. With the cache on, prefixes computed by version 0 would then serve every later version,
+    unseen by the staleness metrics (they read the output tokens' versions) and replayed by R3. Without
+    the cache every prompt is computed by the weights that sample from it."""
+    from moe_rl.rollout.config import pushes_in_place
+
+    return ["--disable-radix-cache"] if pushes_in_place(cfg) else []
 
 
 def sglang_server_command(model_path: str | Path, *, host: str, port: int, tp_size: int = 1, ep_size: int = 1,
@@ -142,7 +156,8 @@ def _local_server(cfg: Any, model_path: str | Path, *, host: str, port: int, pyt
                   identity: "RunIdentity | None", saver: list[str], gpu: int | None, tp: int,
                   ep: int) -> tuple[list[str], dict[str, str]]:
     """`moe-rl serve`: this run's identity and trusted dirs, its device (`--device cuda:N`)."""
-    extra = own + saver + [a for d in (identity.trusted_dirs if identity else ()) for a in ("--trusted-dir", str(d))]
+    extra = own + saver + radix_cache_args(cfg)
+    extra += [a for d in (identity.trusted_dirs if identity else ()) for a in ("--trusted-dir", str(d))]
     extra += [] if gpu is None else ["--device", f"cuda:{gpu}"]
     return local_server_command(model_path, host=host, port=port, python=python, extra_args=extra), _local_env()
 
@@ -151,7 +166,7 @@ def _sglang_server(cfg: Any, model_path: str | Path, *, host: str, port: int, py
                    identity: "RunIdentity | None", saver: list[str], gpu: int | None, tp: int,
                    ep: int) -> tuple[list[str], dict[str, str]]:
     """`python -m sglang.launch_server` on `tp` GPUs from `gpu`; `rollout.sglang_args` come last (they win)."""
-    extra = [a for a in saver if a not in cfg.sglang_args] + list(cfg.sglang_args)
+    extra = [a for a in saver + radix_cache_args(cfg) if a not in cfg.sglang_args] + list(cfg.sglang_args)
     argv = sglang_server_command(model_path, host=host, port=port, tp_size=tp, ep_size=ep,
                                  mem_fraction=float(cfg.mem_fraction), base_gpu_id=gpu, python=python,
                                  extra_args=own + extra)
@@ -277,83 +292,6 @@ def _local_env() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the process that started it dies (Linux), so a
-    server never outlives a trainer killed with -9, holding its port."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux / no glibc: the atexit stop() is all there is
-        pass
-
-
-def port_is_free(host: str, port: int) -> bool:
-    """True when nothing listens on host:port now (a bind test, as the server itself would do)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host if host not in _WILDCARD_HOSTS else ("::" if family == socket.AF_INET6 else ""), port))
-        except OSError:
-            return False
-    return True
-
-
-def _wait_port_free(host: str, port: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not port_is_free(host, port):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def tail(path: str | Path, lines: int = 25) -> str:
-    """The last `lines` lines of a text file ('' when it does not exist)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))  # enough for 25 long lines, never the whole log
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _http_ok(url: str, timeout: float) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group, from /proc; [] when none."""
-    proc = Path("/proc")
-    if not proc.is_dir():  # no procfs: ask the kernel whether anything is left in the group
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except (ProcessLookupError, PermissionError):
-            return []
-    found = []
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        # fields after the ")" that ends the command name: state ppid pgrp ...
-        rest = stat[stat.rfind(")") + 2:].split()
-        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) == pgid:
-            found.append(int(d.name))
-    return found
-
 
 # ----------------------------------------------------------------------------- the group
 

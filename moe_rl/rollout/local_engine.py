@@ -3,7 +3,9 @@
 A hand-written sampling loop over the model's own `forward()` with its KV cache
 (`DynamicCache`), so every number it returns is visible here:
 
-  prefill   left-padded prompts [B, P] -> logits of the last position, routes of every prompt token
+  prefill   left-padded prompts -> logits of the last position, routes of every prompt token. With the
+            prefix cache (prefix_cache.py, SGLang's radix cache) a prompt's cached start is not computed:
+            its keys, values and routes are those cached, and only the rest is fed
   decode    one token per active row -> logits, routes of the fed token; finished rows are
             dropped from the batch and the cache (`DynamicCache.batch_select_indices`)
   retract   after `pause_generation("retract")`, the paused rows are prefilled again, prompt and
@@ -11,22 +13,17 @@ A hand-written sampling loop over the model's own `forward()` with its KV cache
             replaced (SGLang's `reset_for_retract` drops them and its re-prefill captures anew),
             their tokens' log-probs and versions stay those they were sampled with
 
-Log-probs: `output_logprobs[t] = log_softmax(logits / T)[token]`, the distribution
-the token was sampled from (before top-k / top-p truncation), as SGLang's sampler
-returns by default (sglang/srt/layers/sampler.py) and as the trainer recomputes it.
-Greedy rows count as T = 1. `logprob_mode="raw"` gives log_softmax(logits) at any T
-(SGLang with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`), for comparisons only.
+Log-probs and sampling: sampler.py. Routes: route_recorder.py (the model's own top-k, hooked).
 
-Routes: a forward hook on every router module (`Qwen3MoeTopKRouter`, which
-returns (router_logits, scores, indices)) records the indices the model itself
-used, so the top-k rule is the model's own. Routers that return only logits get
-softmax + top-k (`num_experts_per_tok`), the Qwen/Mixtral rule.
+Weight-version labels (`overlap_labels`, on in `moe-rl serve` unless --disable-overlap-schedule): SGLang's
+default overlap scheduler launches step N before it processes step N - 1's result, and an in-place pause
+leaves the result in flight unprocessed; the weight-version event of a push counts only the processed
+tokens, so the token sampled last before an in-place pause, from the old weights, is labelled with the
+version that follows (scheduler.py event_loop_overlap, pause_generation, record_weight_version_change;
+utils/weight_versions.py). Retract pauses process the result first: their labels are exact.
 """
 from __future__ import annotations
 
-import inspect
-import math
-import re
 import threading
 import time
 from pathlib import Path
@@ -35,76 +32,49 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from moe_rl.drift.routes import RouteCaptureError, router_modules, router_topk
-from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, SamplingParams,
-                                   WeightsSource, num_experts_of, to_route_dtype, version_spans)
-from moe_rl.rollout.fused_weights import partner, split_pairs
-from moe_rl.rollout.hf_models import load_model, select_rows
+from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, SamplingParams, WeightsSource, num_experts_of,
+                                   to_route_dtype, version_spans)
+from moe_rl.rollout.hf_models import (caches_plain_kv, kv_bytes_per_token, load_model, load_tokenizer, prefilled_cache,
+                                      row_kv, select_rows)
 from moe_rl.rollout.memory import MEMORY_TAGS, MemoryRegions
+from moe_rl.rollout.prefix_cache import PrefixCache, PrefixHit
+from moe_rl.rollout.route_recorder import make_recorder
+from moe_rl.rollout.sampler import ids_logprobs, prompt_logprobs, sample, top_logprobs
+from moe_rl.rollout.weight_load import apply_plan, check_checkpoint, plan_tensors
 
+PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's default size: 1 GiB of keys and values
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# Mixtral's checkpoint names (pushes send them, as SGLang's mixtral loader reads them) as transformers' modules
-_MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
-_MIXTRAL_RE = re.compile(r"\.block_sparse_moe\.|\.w[123]\.")
-
-
-class _RouteRecorder:
-    """Forward hooks on the router modules; `take()` returns this forward's top-k ids.
-
-    `take()` gives an int64 tensor [num_tokens, num_moe_layers, topk] in layer order.
-    """
-
-    def __init__(self, model: torch.nn.Module, topk: int):
-        self.topk = topk
-        try:
-            routers = router_modules(model)  # (layer, module) in layer order
-        except RouteCaptureError as e:
-            raise RolloutError(str(e)) from None
-        self.layer_ids: list[int] = [layer for layer, _ in routers]
-        self._slots: list[torch.Tensor | None] = [None] * len(routers)
-        self._handles = [mod.register_forward_hook(self._hook(pos)) for pos, (_, mod) in enumerate(routers)]
-
-    def _hook(self, pos: int):
-        def hook(_mod, _inp, out):
-            idx = router_topk(out, self.topk)
-            self._slots[pos] = idx.reshape(-1, idx.shape[-1]).detach().to("cpu", torch.int64)
-        return hook
-
-    def take(self) -> torch.Tensor | None:
-        if not self._slots:
-            return None
-        if any(s is None for s in self._slots):
-            missing = [self.layer_ids[i] for i, s in enumerate(self._slots) if s is None]
-            raise RolloutError(f"no routes recorded for MoE layers {missing}")
-        out = torch.stack(self._slots, dim=1)  # [tokens, layers, k]
-        self._slots = [None] * len(self._slots)
-        return out
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
 
 class _Row:
     """One sample being generated."""
 
-    __slots__ = ("req", "sample", "prompt", "sp", "gen", "out", "lps", "routes", "finish", "want_routes",
-                 "versions", "retractions")
+    __slots__ = ("req", "sample", "prompt", "sp", "gen", "out", "lps", "routes", "finish", "want_routes", "versions",
+                 "retractions", "hooks", "cached", "cache_epoch", "lp_start", "top_n", "ids_lp", "in_lps", "in_top",
+                 "in_ids", "out_top", "out_ids", "matched")
 
-    def __init__(self, req: int, sample: int, prompt: list[int], sp: SamplingParams, seed: int,
-                 want_routes: bool):
-        self.req, self.sample, self.prompt, self.sp = req, sample, prompt, sp
+    def __init__(self, req: int, sample: int, one: GenerateRequest, seed: int):
+        self.req, self.sample, self.prompt, self.sp = req, sample, list(one.prompt_ids), one.sampling
         self.gen = torch.Generator(device="cpu").manual_seed(seed % (1 << 63))
         self.out: list[int] = []
         self.lps: list[float] = []
         self.routes: list[torch.Tensor] = []
         self.finish: str | None = None
-        self.want_routes = want_routes
+        self.want_routes = one.return_routed_experts
         self.versions: list[str] = []  # weight version of the forward that produced each output token
         self.retractions = 0  # times a retract pause made it prefill again (SGLang's num_retractions)
+        self.hooks = one.hooks
+        self.cached = 0  # prompt tokens taken from the prefix cache
+        self.cache_epoch = -1  # the prefix cache's epoch when this row's KV was computed
+        self.lp_start, self.top_n, self.ids_lp = one.logprob_start_len, one.top_logprobs_num, one.token_ids_logprob
+        self.in_lps = self.in_top = self.in_ids = None
+        self.out_top: list | None = [] if self.top_n else None
+        self.out_ids: list | None = [] if self.ids_lp is not None else None
+        self.matched: str | None = None
+
+    def aborted(self) -> bool:
+        return self.hooks is not None and self.hooks.aborted(self.sample)
 
 
 class LocalEngine:
@@ -112,11 +82,16 @@ class LocalEngine:
 
     Thread-safe: `generate` calls are serialized; `update_weights*` load and
     validate outside the lock and swap between two decode steps.
+
+    max_cached_tokens: the prefix cache's size in tokens (0: no prefix cache; None: what PREFIX_CACHE_BYTES
+    hold; `moe-rl serve` keeps one, as SGLang does unless --disable-radix-cache). overlap_labels: see the
+    module doc.
     """
 
     def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: str = "float32",
                  device: str = "cpu", max_batch: int = 64, logprob_mode: str = "scaled",
-                 weight_version: str = "default", memory_saver: bool = False, weights_cpu_backup: bool = False):
+                 weight_version: str = "default", memory_saver: bool = False, weights_cpu_backup: bool = False,
+                 max_cached_tokens: int | None = 0, overlap_labels: bool = False):
         if logprob_mode not in ("raw", "scaled"):
             raise ValueError(f"logprob_mode must be 'raw' or 'scaled', got {logprob_mode!r}")
         if dtype not in _DTYPES:
@@ -126,12 +101,14 @@ class LocalEngine:
         self.max_batch = int(max_batch)
         self.logprob_mode = logprob_mode
         self.weight_version = str(weight_version)
+        self.overlap_labels = bool(overlap_labels)
         self._lock = threading.RLock()          # model swaps vs forward steps
         self._gen_lock = threading.Lock()       # one generate() at a time
         self._running = threading.Event()       # cleared while paused
         self._running.set()
         self._abort_epoch = 0                   # bumped by pause_generation(mode="abort")
         self._retract_epoch = 0                 # bumped by pause_generation(mode="retract")
+        self._inplace_epoch = 0                 # bumped by pause_generation(mode="in_place")
         self._pause_mode: str | None = None     # the mode of the pause in effect
         self._seed_gen = torch.Generator(device="cpu").manual_seed(int(seed))
         self._closed = False
@@ -141,20 +118,26 @@ class LocalEngine:
         self._install(model, Path(model_dir))
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
+        # SGLang keeps no radix cache for hybrid (linear-attention) layers without its mamba cache: neither here
+        self.prefix_cache = None
+        if max_cached_tokens != 0 and caches_plain_kv(self.config):
+            if max_cached_tokens is None:  # as many tokens as PREFIX_CACHE_BYTES hold
+                per_token = kv_bytes_per_token(self.model, self._cache_kw, device)
+                if self._recorder is not None:
+                    self._recorder.take()  # the measuring forward's routes
+                max_cached_tokens = max(1, PREFIX_CACHE_BYTES // per_token)
+            self.prefix_cache = PrefixCache(max_cached_tokens)
 
     # ----------------------------------------------------------------- model facts
     def _install(self, model: torch.nn.Module, path: Path) -> None:
-        cfg = model.config
-        topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
-        recorder = _RouteRecorder(model, topk) if topk else None
-        if recorder is not None and not recorder.layer_ids:
-            recorder.remove()
-            recorder = None
+        recorder = make_recorder(model)
         old = getattr(self, "_recorder", None)
+        import inspect
+
         # transformers >= 5.x names the KV-cache argument `cache`; earlier releases `past_key_values`.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.model, self.config, self._recorder, self.model_path = model, cfg, recorder, str(path)
+        self.model, self.config, self._recorder, self.model_path = model, model.config, recorder, str(path)
         if old is not None:
             old.remove()
 
@@ -200,16 +183,7 @@ class LocalEngine:
         """The model dir's tokenizer, or None when it has no tokenizer files."""
         if not self._tokenizer_loaded:
             self._tokenizer_loaded = True
-            # transformers 5 builds an empty tokenizer for a dir without tokenizer files: look first.
-            files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-            if not any((Path(self.model_path) / f).is_file() for f in files):
-                return None
-            try:
-                from transformers import AutoTokenizer
-
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-            except Exception:
-                self._tokenizer = None
+            self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
 
     # ------------------------------------------------------------------ protocol
@@ -225,9 +199,14 @@ class LocalEngine:
         if self.max_positions and len(req.prompt_ids) >= self.max_positions:
             raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the model holds at most "
                              f"{self.max_positions} positions")
-        bad = [t for t in req.sampling.stop_token_ids if t >= V]
-        if bad:
-            raise ValueError(f"stop_token_ids out of range [0, {V}): {bad[:5]}")
+        for what, ids in (("stop_token_ids", req.sampling.stop_token_ids), ("token_ids_logprob",
+                                                                              req.token_ids_logprob or ())):
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"{what} out of range [0, {V}): {bad[:5]}")
+        if req.sampling.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop needs the model's tokenizer, and this model directory has no "
+                             "tokenizer files: use stop_token_ids")
 
     def generate(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
         for r in requests:
@@ -238,50 +217,60 @@ class LocalEngine:
                 seed = one.sampling.seed
                 if seed is None:
                     seed = int(torch.randint(0, 1 << 62, (1,), generator=self._seed_gen))
-                rows.append(_Row(i, j, list(one.prompt_ids), one.sampling, seed, r.return_routed_experts))
+                rows.append(_Row(i, j, one, seed))
+        # SGLang caches the prompt of a request with n > 1 first (one prefill, max_new_tokens 0), so that
+        # its n samples find it in the prefix cache (tokenizer_manager._handle_batch_request)
+        warm = [_Row(-1, 0, GenerateRequest(r.prompt_ids, SamplingParams(max_new_tokens=0, n=1),
+                                            return_routed_experts=False), 0)
+                for r in requests if r.sampling.n > 1 and self.prefix_cache is not None]
         with self._gen_lock:
             self._running.wait()  # requests that arrive while paused wait for continue_generation()
             self._check_resident("generate", MEMORY_TAGS)
             epoch = self._abort_epoch
-            # Similar prompt lengths together: less padding.
-            order = sorted(range(len(rows)), key=lambda k: len(rows[k].prompt))
-            for s in range(0, len(order), self.max_batch):
-                self._generate_chunk([rows[k] for k in order[s:s + self.max_batch]], epoch)
+            for batch in (warm, rows):
+                # Similar prompt lengths together: less padding.
+                order = sorted(range(len(batch)), key=lambda k: len(batch[k].prompt))
+                for s in range(0, len(order), self.max_batch):
+                    self._generate_chunk([batch[k] for k in order[s:s + self.max_batch]], epoch)
         out: list[list[GenerateResult]] = [[] for _ in requests]
         for row in rows:  # rows are in (request, sample) order
             out[row.req].append(self._result(row))
         return out
 
-    def _result(self, row: _Row) -> GenerateResult:
-        routes = None
+    def _result(self, row: _Row, routes: bool = True) -> GenerateResult:
+        got = None
         # A sample aborted before its prefill ran has no routes (and no output).
-        if row.want_routes and self._recorder is not None and row.routes:
+        if routes and row.want_routes and self._recorder is not None and row.routes:
             n = len(row.prompt) + len(row.out) - 1
             r = torch.cat(row.routes, 0)[:n]
             if r.shape[0] != n:
-                raise RolloutError(f"internal: recorded {r.shape[0]} route rows, expected {n}")
-            routes = to_route_dtype(r.numpy(), self.num_experts)
+                raise RuntimeError(f"internal: recorded {r.shape[0]} route rows, expected {n}")
+            got = to_route_dtype(r.numpy(), self.num_experts)
         return GenerateResult(prompt_ids=list(row.prompt), output_ids=list(row.out),
                               output_logprobs=np.asarray(row.lps, dtype=np.float32),
-                              finish_reason=row.finish or "length", routed_experts=routes,
+                              finish_reason=row.finish or "length", routed_experts=got,
                               weight_version=row.versions[-1] if row.versions else self.weight_version,
                               weight_versions=version_spans(row.versions, self.weight_version),
-                              num_retractions=row.retractions)
+                              num_retractions=row.retractions, cached_tokens=row.cached, matched_stop=row.matched,
+                              input_logprobs=row.in_lps, input_top_logprobs=row.in_top,
+                              input_token_ids_logprobs=row.in_ids,
+                              output_top_logprobs=None if row.out_top is None else list(row.out_top),
+                              output_token_ids_logprobs=None if row.out_ids is None else list(row.out_ids))
 
     # ------------------------------------------------------------- the sampler
     @torch.no_grad()
     def _generate_chunk(self, rows: list[_Row], epoch: int) -> None:
-        if self._abort_epoch != epoch:  # aborted before this chunk started
-            for r in rows:
+        for r in rows:
+            if self._abort_epoch != epoch or r.aborted():  # aborted before this chunk started
                 r.finish = "abort"
+        rows = [r for r in rows if r.finish is None]
+        if not rows:
             return
         dev = self.device
-        logits, cache, mask, pos, (version, kv_epoch) = self._prefill(rows, [r.prompt for r in rows], epoch)
+        logits, cache, mask, pos, (version, kv_epoch, inplace_at) = self._prefill(rows, [r.prompt for r in rows], epoch)
         active = list(range(len(rows)))  # rows[active[b]] is batch row b
-        eos = self.eos_token_ids
-        maxpos = self.max_positions
         for r in rows:
-            if r.sp.max_new_tokens == 0:
+            if r.sp.max_new_tokens == 0:  # a prefill only: its prompt went into the prefix cache
                 r.finish = "length"
         while True:
             live = [b for b, k in enumerate(active) if rows[k].finish is None]
@@ -292,28 +281,29 @@ class LocalEngine:
                 select_rows(cache, sel)
                 logits, mask, pos = logits[sel], mask[sel], pos[sel]
                 active = [active[b] for b in live]
-            toks, lps = self._sample(logits, [rows[k] for k in active])
+            step = [rows[k] for k in active]
+            toks, lps, logp = sample(logits, [r.sp for r in step], [r.gen for r in step], self.logprob_mode)
             feed = []
-            for b, k in enumerate(active):
-                r = rows[k]
-                t = toks[b]
-                r.out.append(t)
-                r.lps.append(lps[b])
-                r.versions.append(version)
-                if not r.sp.ignore_eos and (t in eos or t in r.sp.stop_token_ids):
-                    r.finish = "stop"  # SGLang checks stop tokens before the length cap
-                elif len(r.out) >= r.sp.max_new_tokens or \
-                        (maxpos is not None and len(r.prompt) + len(r.out) >= maxpos):
-                    r.finish = "length"
-                else:
+            for b, r in enumerate(step):
+                self._append(r, toks[b], lps[b], logp[b], version)
+                if r.finish is None:
                     feed.append(b)
+                elif r.finish != "abort":
+                    self._cache_row(r, cache, mask, b)  # SGLang inserts a finished request's KV
+            # Parked while paused: SGLang's scheduler runs no forward then. With its overlap schedule the
+            # result of the step in flight at an in-place pause (even one whose rows all finished) is only
+            # processed after continue_generation, so its tokens take the next version (module doc).
+            if feed or (self.overlap_labels and self._pause_mode == "in_place"):
+                self._wait_while_paused(epoch)
+            self._relabel(step, inplace_at)
+            for r in step:
+                if r.hooks is not None and r.finish is None:
+                    r.hooks.progress(r.sample, self._result(r, routes=False))
+            for b in list(feed):  # pause_generation(mode="abort"), also while parked, or /abort_request
+                if self._abort_epoch != epoch or step[b].aborted():
+                    step[b].finish = "abort"
+                    feed.remove(b)
             if not feed:
-                break
-            self._wait_while_paused(epoch)  # parked by pause_generation(mode="in_place" / "retract")
-            if self._abort_epoch != epoch:  # pause_generation(mode="abort"), also while parked
-                for k in active:
-                    if rows[k].finish is None:
-                        rows[k].finish = "abort"
                 break
             if len(feed) < len(active):
                 sel = torch.tensor(feed, device=dev)
@@ -324,110 +314,146 @@ class LocalEngine:
             nxt = torch.tensor(toks, dtype=torch.long, device=dev).view(-1, 1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = pos[:, -1:] + 1
-            with self._lock:
-                # Checked under the lock, where a retract bumps the count: a retract that landed since
-                # the cache was computed (also between the park above and here, with the new weights
-                # already in) means the cache is gone. A forward on it would mix the new weights with
-                # the old KV, which SGLang's retract never does, and a row finishing on that token
-                # would keep the old routes.
-                retracted = self._retract_epoch != kv_epoch
-                if not retracted:
-                    out = self.model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True,
-                                     **{self._cache_kw: cache})
-                    routes = self._recorder.take() if self._recorder else None
-                    version = self.weight_version
-                    self.last_forward_time = time.monotonic()
+            while True:
+                with self._lock:
+                    # Checked under the lock, where a retract bumps the count: a retract that landed since
+                    # the cache was computed (also between the park above and here, with the new weights
+                    # already in) means the cache is gone. A forward on it would mix the new weights with
+                    # the old KV, which SGLang's retract never does, and a row finishing on that token
+                    # would keep the old routes. A pause landing after the park waits (no forward while paused).
+                    retracted = self._retract_epoch != kv_epoch
+                    paused = not self._running.is_set() and self._abort_epoch == epoch
+                    if not retracted and not paused:
+                        self._relabel([rows[k] for k in active], inplace_at)  # the last word: launched now
+                        out = self.model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True,
+                                         **{self._cache_kw: cache})
+                        routes = self._recorder.take() if self._recorder else None
+                        version, inplace_at = self.weight_version, self._inplace_epoch
+                        self.last_forward_time = time.monotonic()
+                if not paused:
+                    break
+                self._wait_while_paused(epoch)
             if retracted:  # prefill again, prompt and output so far, under the weights the rows continue with
                 again = [rows[k] for k in active]
                 for r in again:
                     r.retractions, r.routes = r.retractions + 1, []
-                logits, cache, mask, pos, (version, kv_epoch) = self._prefill(again, [r.prompt + r.out for r in again],
-                                                                              epoch)
+                logits, cache, mask, pos, (version, kv_epoch, inplace_at) = self._prefill(
+                    again, [r.prompt + r.out for r in again], epoch)
+                rows, active = again, list(range(len(again)))
                 continue
             if routes is not None:
                 for b, k in enumerate(active):
                     rows[k].routes.append(routes[b:b + 1])
             logits = out.logits[:, -1, :]
 
+    def _append(self, r: _Row, tok: int, lp: float, logp: torch.Tensor, version: str) -> None:
+        """Take the sampled token; decide whether it ends the sample (SGLang's update_finish_state order:
+        stop strings, then stop tokens and EOS unless ignore_eos, then the length cap)."""
+        r.out.append(tok)
+        r.lps.append(lp)
+        r.versions.append(version)
+        if r.out_top is not None:
+            r.out_top.append(top_logprobs(logp, r.top_n))
+        if r.out_ids is not None:
+            r.out_ids.append(ids_logprobs(logp, r.ids_lp))
+        maxpos = self.max_positions
+        if r.sp.stop and self._stop_string(r):
+            r.finish = "stop"
+        elif not r.sp.ignore_eos and (tok in self.eos_token_ids or tok in r.sp.stop_token_ids):
+            r.finish = "stop"
+        elif len(r.out) >= r.sp.max_new_tokens or (maxpos is not None and len(r.prompt) + len(r.out) >= maxpos):
+            r.finish = "length"
+
+    def _relabel(self, step: list[_Row], inplace_at: int) -> None:
+        """With overlap labels: an in-place pause since the forward that sampled the rows' last tokens
+        (counted `inplace_at`) left that step's result in flight, so SGLang labels its tokens with the
+        version of the moment it is processed, when the next forward is launched or the rows finish."""
+        if self.overlap_labels and self._inplace_epoch != inplace_at:
+            for r in step:
+                r.versions[-1] = self.weight_version
+
+    def _stop_string(self, r: _Row) -> bool:
+        """Whether the sample's text now holds one of its stop strings (checked on the decoded tail)."""
+        tail = self.tokenizer.decode(r.out[-(max(map(len, r.sp.stop)) + 4):],
+                                     skip_special_tokens=r.sp.skip_special_tokens)
+        for s in r.sp.stop:
+            if s in tail:
+                r.matched = s
+                return True
+        return False
+
     def _wait_while_paused(self, abort_epoch: int) -> None:
         """Until continue_generation(), or an abort pause ends the generate call of `abort_epoch`."""
         while not self._running.wait(0.05) and self._abort_epoch == abort_epoch:
             pass
 
-    def _prefill(self, rows: list[_Row], tokens: list[list[int]], abort_epoch: int
-                 ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, tuple[str, int]]:
-        """One forward over left-padded `tokens` (a row's prompt, or after a retract its prompt and
-        output so far): the last position's logits, the cache, attention mask, positions, and the
-        weight version and retract count the cache was computed under; every position's routes
-        are appended to its row's. A paused engine starts no prefill (SGLang's scheduler runs no
-        forward while paused): a push pauses, then loads its buckets one by one, so a prefill
-        between two of them would compute the cache, routes and first token on half-new weights
-        under the new version's label and retract count, and no retract would redo it. Rows of a
-        generate call that an abort pause ended go ahead (they finish as aborted at their next
-        step)."""
-        from transformers.cache_utils import DynamicCache
+    def _cache_row(self, r: _Row, cache: Any, mask: torch.Tensor, b: int) -> None:
+        """Insert batch row `b`'s computed tokens (prompt and output but the last) into the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        cols = mask[b].bool()
+        tokens = (r.prompt + r.out)[:int(cols.sum())]
+        keys, values = row_kv(cache, b, cols)
+        routes = torch.cat(r.routes, 0)[:len(tokens)] if r.routes else None
+        self.prefix_cache.insert(tokens, keys, values, routes, r.cache_epoch)
 
+    def _match(self, r: _Row, tokens: list[int]) -> PrefixHit:
+        """SGLang's prefix match: at most len - 1 tokens, and none past the first prompt log-prob wanted."""
+        limit = len(tokens) - 1
+        if r.lp_start >= 0 and r.in_lps is None:
+            limit = min(limit, r.lp_start)
+        return self.prefix_cache.match(tokens, limit) if self.prefix_cache is not None else PrefixHit(0)
+
+    def _prefill(self, rows: list[_Row], tokens: list[list[int]], abort_epoch: int
+                 ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, tuple[str, int, int]]:
+        """One forward over `tokens` (a row's prompt, or after a retract its prompt and output so far) but
+        their cached starts: the last position's logits, the cache, attention mask, positions, and the
+        weight version, retract and in-place pause counts the cache was computed under; every position's
+        routes are appended to its row's (the cached positions' from the cache). The computed tokens go
+        into the prefix cache (SGLang's checkpoint after a prefill), under the lock: before any flush a
+        pause lets through. A paused engine starts no prefill (SGLang's scheduler runs no forward while
+        paused): a push pauses, then loads its buckets one by one, so a prefill between two of them
+        would compute the cache, routes and first token on half-new weights under the new version's
+        label and retract count, and no retract would redo it. Rows of a generate call that an abort
+        pause ended go ahead (they finish as aborted at their next step)."""
         dev = self.device
-        B, P = len(rows), max(len(t) for t in tokens)
         pad = int(getattr(self.config, "pad_token_id", None) or 0)
-        ids = torch.full((B, P), pad, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for i, t in enumerate(tokens):
-            ids[i, P - len(t):] = torch.tensor(t)
-            mask[i, P - len(t):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
         while True:
             self._wait_while_paused(abort_epoch)
             with self._lock:  # a pause may land between the wait and the lock: look again under it
-                if self._running.is_set() or self._abort_epoch != abort_epoch:
-                    epoch = self._retract_epoch  # under the lock: the retract count this cache is computed under
-                    cache = DynamicCache(config=self.config)
-                    out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                                     logits_to_keep=1, **{self._cache_kw: cache})
-                    routes = self._recorder.take() if self._recorder else None
-                    computed = (self.weight_version, epoch)
-                    self.last_forward_time = time.monotonic()
-                    break
-        if routes is not None:
-            routes = routes.view(B, P, *routes.shape[1:])
-            for i, (r, t) in enumerate(zip(rows, tokens)):
-                r.routes.append(routes[i, P - len(t):])
-        for name in ("cache", "past_key_values"):  # the output field follows the argument's name
-            if getattr(out, name, None) is not None:
-                cache = getattr(out, name)
+                if not (self._running.is_set() or self._abort_epoch != abort_epoch):
+                    continue
+                hits = [self._match(r, t) for r, t in zip(rows, tokens)]
+                cache, ids, mask, pos = prefilled_cache(self.config, hits, tokens, pad, dev)
+                starts = [r.lp_start if r.lp_start >= 0 and r.in_lps is None else len(t) for r, t in zip(rows, tokens)]
+                keep = max([1] + [len(t) - s for t, s in zip(tokens, starts)])
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                 logits_to_keep=keep, **{self._cache_kw: cache})
+                routes = self._recorder.take() if self._recorder else None
+                computed = (self.weight_version, self._retract_epoch, self._inplace_epoch)
+                self.last_forward_time = time.monotonic()
+                for name in ("cache", "past_key_values"):  # the output field follows the argument's name
+                    if getattr(out, name, None) is not None:
+                        cache = getattr(out, name)
+                        break
+                S = ids.shape[1]
+                if routes is not None:
+                    routes = routes.view(len(rows), S, *routes.shape[1:])
+                for i, (r, t, hit) in enumerate(zip(rows, tokens, hits)):
+                    if hit.routes is not None:
+                        r.routes.append(hit.routes)
+                    if routes is not None:
+                        r.routes.append(routes[i, S - (len(t) - hit.length):])
+                    r.cached += hit.length
+                    if self.prefix_cache is not None:
+                        r.cache_epoch = self.prefix_cache.epoch
+                        self._cache_row(r, cache, mask, i)
                 break
+        for i, (r, t, s) in enumerate(zip(rows, tokens, starts)):
+            if r.lp_start >= 0 and r.in_lps is None:
+                r.in_lps, r.in_top, r.in_ids = prompt_logprobs(t, s, out.logits[i, keep - (len(t) - s):keep - 1],
+                                                               r.top_n, r.ids_lp)
         return out.logits[:, -1, :], cache, mask, pos, computed
-
-    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[float]]:
-        """Sample one token per row; return tokens and their log-probs (see module doc)."""
-        logits = logits.float().cpu()
-        B, V = logits.shape
-        # greedy rows count as temperature 1, as SGLang's normalize() turns temperature 0 into top_k=1, T=1
-        temps = torch.tensor([1.0 if r.sp.greedy else r.sp.temperature for r in rows]).view(B, 1)
-        scaled = logits / temps
-        if self.logprob_mode == "raw":
-            logp = torch.log_softmax(logits, dim=-1)
-        else:
-            logp = torch.log_softmax(scaled, dim=-1)
-        greedy = torch.tensor([r.sp.greedy for r in rows])
-        u = torch.stack([torch.rand((), generator=r.gen) for r in rows]).view(B, 1)
-        # Inverse-CDF sampling over the tokens sorted by probability, for every row alike, so a
-        # row's token depends only on its logits and its own generator (not on its batch company).
-        # top-k keeps ranks < k; top-p keeps the smallest prefix whose mass reaches top_p (a token
-        # is dropped when the mass before it already exceeds top_p).
-        srt, index = scaled.sort(dim=-1, descending=True, stable=True)
-        ks = torch.tensor([V if r.sp.top_k == -1 else min(r.sp.top_k, V) for r in rows]).view(B, 1)
-        srt = srt.masked_fill(torch.arange(V).view(1, V) >= ks, -math.inf)
-        probs = torch.softmax(srt, dim=-1)
-        tps = torch.tensor([r.sp.top_p for r in rows]).view(B, 1)
-        probs = probs.masked_fill((probs.cumsum(-1) - probs) > tps, 0.0)
-        cdf = probs.cumsum(-1)
-        choice = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp(max=V - 1).view(B)
-        tok = index.gather(1, choice.view(B, 1)).view(B)
-        tok = torch.where(greedy, logits.argmax(-1), tok)
-        lp = logp.gather(1, tok.view(B, 1)).view(B)
-        return tok.tolist(), lp.tolist()
 
     # ----------------------------------------------------------- weight updates
     def update_weights(self, path_or_tensors: WeightsSource, version: str | int | None = None) -> None:
@@ -442,23 +468,11 @@ class LocalEngine:
 
         A missing, corrupt or mismatched checkpoint raises ValueError and the old
         weights keep serving. `version` None keeps the current weight_version (as SGLang does).
+        The prefix cache is kept: SGLang's caller asks for the flush (flush_cache).
         """
         self._check_resident("update_weights_from_disk", ("weights",))
         new = load_model(path, self.dtype, self.device)
-        old_sd = self.model.state_dict()
-        new_sd = new.state_dict()
-        if type(new) is not type(self.model):
-            raise ValueError(f"{str(path)!r} holds a {type(new).__name__}, the engine serves "
-                             f"{type(self.model).__name__}")
-        if set(old_sd) != set(new_sd):
-            diff = sorted(set(old_sd) ^ set(new_sd))
-            raise ValueError(f"{str(path)!r} has different parameter names: {diff[:5]}")
-        for k, v in new_sd.items():
-            if v.shape != old_sd[k].shape:
-                raise ValueError(f"{str(path)!r}: {k} has shape {tuple(v.shape)}, "
-                                 f"the served model has {tuple(old_sd[k].shape)}")
-            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                raise ValueError(f"{str(path)!r}: {k} holds NaN or inf")
+        check_checkpoint(path, new, self.model)
         with self._lock:
             self._check_resident("update_weights_from_disk", ("weights",))  # released while loading?
             self._install(new, Path(path))
@@ -476,54 +490,12 @@ class LocalEngine:
         shape is checked before anything is copied: a bad batch changes nothing.
         """
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        state = dict(self.model.named_parameters())
-        state.update(dict(self.model.named_buffers()))
-        plan: list[tuple[torch.Tensor, tuple, torch.Tensor, str]] = []
-        errors = [f"{n} without {partner(n)}: SGLang fuses the two in one load and drops a lone one"
-                  for n in split_pairs((n for n, _ in items), state)]
-        for name, value in items:
-            value = torch.as_tensor(value)
-            target, index = self._resolve(name, state)
-            if target is None:
-                errors.append(f"unknown parameter {name!r}")
-                continue
-            want = target[index].shape if index else target.shape
-            if tuple(value.shape) != tuple(want):
-                errors.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(want)}")
-                continue
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                errors.append(f"{name}: holds NaN or inf")
-                continue
-            plan.append((target, index, value, name))
-        if errors:
-            raise ValueError("weight update refused, nothing was changed: " + "; ".join(errors[:5])
-                             + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
-        with self._lock, torch.no_grad():
+        plan = plan_tensors(self.model, items)
+        with self._lock:
             self._check_resident("update_weights_from_tensors", ("weights",))  # under the lock: exact
-            for target, index, value, _ in plan:
-                dst = target[index] if index else target
-                dst.copy_(value.to(device=dst.device, dtype=dst.dtype))
+            apply_plan(plan)
             if version is not None:
                 self.weight_version = str(version)
-
-    @staticmethod
-    def _resolve(name: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, tuple]:
-        name = _MIXTRAL_RE.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], name)  # other families' names pass
-        if name in state:
-            return state[name], ()
-        m = _EXPERT_RE.match(name)
-        if m is None:
-            return None, ()
-        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-        if kind == "down_proj" and f"{prefix}.down_proj" in state:
-            t = state[f"{prefix}.down_proj"]
-            return (t, (e,)) if e < t.shape[0] else (None, ())
-        fused = state.get(f"{prefix}.gate_up_proj")
-        if fused is None or e >= fused.shape[0]:
-            return None, ()
-        half = fused.shape[1] // 2  # rows [0, I) are gate_proj, [I, 2I) up_proj
-        rows = slice(0, half) if kind == "gate_proj" else slice(half, 2 * half)
-        return fused, (e, rows)
 
     # ------------------------------------------------------------ pause / resume
     def pause_generation(self, mode: str = "abort") -> None:
@@ -540,6 +512,8 @@ class LocalEngine:
         elif mode == "retract":
             with self._lock:  # after the forward in flight: the cache it computes is one the retract drops
                 self._retract_epoch += 1
+        else:
+            self._inplace_epoch += 1
 
     def continue_generation(self) -> None:
         self._pause_mode = None
@@ -556,7 +530,12 @@ class LocalEngine:
         return self._gen_lock.locked() and self._pause_mode != "retract"
 
     def flush_cache(self) -> bool:
-        """No prefix cache is kept between calls: nothing to flush."""
+        """Empty the prefix cache (SGLang's flush_cache); refused (False) while a generate call holds KV
+        (`busy`: running or paused in place), as SGLang flushes only an idle scheduler."""
+        if self.busy:
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
         return True
 
     def set_weight_version(self, version: str | int) -> None:
@@ -572,13 +551,16 @@ class LocalEngine:
 
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Release `tags` (None or []: all of MEMORY_TAGS), as `MemoryRegions.release` says; refused while a
-        generate call runs (SGLang asserts the server is idle for this request)."""
+        generate call runs (SGLang asserts the server is idle for this request). Releasing the KV cache
+        empties the prefix cache, whose tensors live there on a GPU."""
         if not self._gen_lock.acquire(blocking=False):
             raise ValueError("release_memory_occupation needs an idle engine, but a generation is running: "
                              "wait for it (or /pause_generation with mode 'abort') and release again")
         try:
             with self._lock:
                 self.memory.release(tags, self.model)
+                if "kv_cache" in self.memory.released and self.prefix_cache is not None:
+                    self.prefix_cache.reset()
         finally:
             self._gen_lock.release()
 
@@ -595,4 +577,3 @@ class LocalEngine:
         self._running.set()
         if self._recorder is not None:
             self._recorder.remove()
-

@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def start_serve_process(model_dir: str | Path, *extra: str, timeout: float = 120.0,
-                        port: int | None = None) -> SimpleNamespace:
-    """Start `moe-rl serve --model model_dir` on a free loopback port (or `port`) with `extra` flags.
+                        port: int | None = None, routed_experts: bool = True) -> SimpleNamespace:
+    """Start `moe-rl serve --model-path model_dir` on a free loopback port (or `port`) with `extra` flags
+    (and `--enable-return-routed-experts` unless `routed_experts` is false: what an R3 run launches).
 
     Returns once it prints its "serving ..." line: `.url`, `.proc`, `.log` (every line it
     printed so far and later: the pipe is drained for its whole life). A server that exits
@@ -26,8 +27,9 @@ def start_serve_process(model_dir: str | Path, *extra: str, timeout: float = 120
     port = free_port() if port is None else port
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "serve", "--model", str(model_dir),
-                             "--port", str(port), *extra],
+    flags = ["--enable-return-routed-experts"] if routed_experts else []
+    proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "serve", "--model-path", str(model_dir),
+                             "--port", str(port), *flags, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     log: list[str] = []

@@ -36,7 +36,6 @@ from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.weight_sync import TensorMeta, bucket_payloads, init_group_payload
 
 REPO = Path(__file__).resolve().parents[2]
-ORACLE = Path(__file__).with_name("sglang_oracle.py")
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
                                 reason="sglang is not installed (`make venv` installs sglang==0.5.23 --no-deps)")
@@ -69,42 +68,7 @@ ROUTER_CALLS = {("GET", "/readiness")}
 NOT_ENDPOINTS = {"/proc", "/stat", "/tmp", "/run", "/local"}  # path literals in those files that name files, not URLs
 
 
-# ----------------------------------------------------------------------------- the oracle
-
-class Oracle:
-    """sglang_oracle.py as a subprocess: one JSON request, one JSON reply."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(ORACLE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-        first = self.proc.stdout.readline()
-        hello = json.loads(first) if first else {"fatal": self.proc.stderr.read()[-2000:]}
-        if not hello.get("ready"):
-            self.close()
-            pytest.fail(f"sglang is installed but its request types do not import on CPU: {hello.get('fatal')}. "
-                        "setup.py's [dev] extra lists the modules they need (reinstall with `make venv`)")
-
-    def ask(self, **request: Any) -> dict[str, Any]:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    o = Oracle()
-    yield o
-    o.close()
-
+# The oracle (sglang_oracle.py in a subprocess) is conftest.py's session fixture `oracle`.
 
 def _accepted(reply: dict[str, Any], what: str) -> dict[str, Any]:
     assert reply["ok"], f"sglang 0.5.23 refuses {what}: {reply['error']}"
@@ -291,13 +255,6 @@ def test_weight_sync_bodies_are_sglang_request_types(oracle, load_format):
 
 # ----------------------------------------------------------------------------- command lines
 
-def _server_args(oracle: Oracle, argv: list[str]) -> dict[str, Any]:
-    i = argv.index("sglang.launch_server")
-    reply = oracle.ask(op="server_args", argv=argv[i + 1:])
-    assert reply["ok"], f"sglang 0.5.23 refuses {' '.join(argv[i + 1:])}: {reply['error']}"
-    return reply["fields"]
-
-
 @pytest.mark.parametrize("kw, expected", [
     ({}, {"tp_size": 1, "ep_size": 1, "mem_fraction_static": 0.8, "base_gpu_id": 0}),
     ({"tp_size": 4, "ep_size": 4, "mem_fraction": 0.7, "base_gpu_id": 4},
@@ -307,7 +264,7 @@ def _server_args(oracle: Oracle, argv: list[str]) -> dict[str, Any]:
 ])
 def test_sglang_server_flags_parse_with_server_args(oracle, kw, expected):
     argv = sglang_server_command("/models/qwen3", host="0.0.0.0", port=30001, **kw)
-    fields = _server_args(oracle, argv)
+    fields = oracle.server_args(argv)
     want = {"model_path": "/models/qwen3", "host": "0.0.0.0", "port": 30001, "enable_return_routed_experts": True,
             "skip_tokenizer_init": True, **expected}
     assert {k: fields[k] for k in want} == want
@@ -318,7 +275,7 @@ def test_planned_sglang_servers_parse_with_server_args(oracle):
                           sglang_args=["--dtype", "bfloat16"], tp_size=2, ep_size=2, router=None)
     servers, _ = plan_servers(cfg, "/ckpt")
     for i, spec in enumerate(servers):
-        fields = _server_args(oracle, list(spec.argv))
+        fields = oracle.server_args(list(spec.argv))
         assert (fields["port"], fields["tp_size"], fields["ep_size"], fields["base_gpu_id"], fields["dtype"]) == \
             (31000 + i, 2, 2, 2 * i, "bfloat16")
 
@@ -349,7 +306,7 @@ def test_slurm_script_server_and_router_lines_parse(oracle, tmp_path, nodes, rol
 
     keys = write_key_file(tmp_path / "auth.yaml", RunKeys.new())  # what `run_task write-keys` makes at run time
     for argv in servers:
-        fields = _server_args(oracle, [str(keys) if a == "${KEY_FILE}" else a for a in argv])
+        fields = oracle.server_args([str(keys) if a == "${KEY_FILE}" else a for a in argv])
         assert fields["api_key"] and fields["admin_api_key"] and fields["served_model_name"] == "${SERVED_NAME}"
         assert fields["enable_return_routed_experts"] and fields["skip_tokenizer_init"]
         assert fields["model_path"] == "${MODEL_PATH}"
@@ -380,7 +337,7 @@ def test_sglang_reads_the_run_keys_and_id_we_pass(oracle, tmp_path):
     ident = RunIdentity.for_run(tmp_path / "run", "0.0.0.0")
     argv = sglang_server_command("/models/qwen3", host="0.0.0.0", port=30001, extra_args=ident.server_args())
     assert ident.keys.api_key not in " ".join(argv)
-    fields = _server_args(oracle, argv)
+    fields = oracle.server_args(argv)
     assert fields["api_key"] == ident.keys.api_key and fields["admin_api_key"] == ident.keys.admin_api_key
     assert fields["served_model_name"] == ident.run_id
 
@@ -463,7 +420,7 @@ def test_weight_version_spans_are_sglangs(oracle, versions):
     """moe-rl serve's meta_info weight_version(s) for a sample whose tokens came from these versions
     equal SGLang's, built from the events its scheduler records when the weights change mid-sample."""
     from moe_rl.rollout.engine import GenerateResult, version_spans
-    from moe_rl.rollout.server.protocol import _sample_json
+    from moe_rl.rollout.server.protocol import sample_json
     from moe_rl.rollout.wire import parse_version_spans
 
     current = versions[-1] if versions else "9"
@@ -474,7 +431,7 @@ def test_weight_version_spans_are_sglangs(oracle, versions):
                          finish_reason="length", weight_version=current,
                          weight_versions=version_spans(versions, current))
     req = GenerateRequest(prompt_ids=[1], sampling=SamplingParams(max_new_tokens=max(len(versions), 1)))
-    ours = _sample_json(res, req, "rid", False, SimpleNamespace(tokenizer=None))["meta_info"]
+    ours = sample_json(res, req, "rid", False, SimpleNamespace(tokenizer=None))["meta_info"]
     assert {k: ours[k] for k in ("weight_version", "weight_versions")} == theirs["meta_info"]
     back = parse_version_spans("here", ours, len(versions))  # and the client reads them back per token
     assert GenerateResult(prompt_ids=[1], output_ids=res.output_ids, output_logprobs=res.output_logprobs,

@@ -29,7 +29,9 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
                                  "num_paused_requests"}, 200 or 400 (UpdateWeightFromDiskReqInput /
                                  ...ReqOutput); with flush_cache under requests paused in place the
                                  weights load but the call fails, as SGLang's refused flush does.
-  GET|POST /flush_cache          200, plain text, as SGLang.
+  GET|POST /flush_cache[?timeout=s]  empties the prefix cache: 200, plain text; 400 "Flush cache failed."
+                                 while requests run or are paused in place (with a timeout: waits
+                                 that long for an idle engine), as SGLang.
   POST /pause_generation         {"mode": "abort" | "retract" | "in_place"} (PauseGenerationReqInput)
   POST /continue_generation      -> {"message": ..., "status": "ok"}
   GET /health                    200, empty body, without generating (503 when the engine is down).
@@ -75,10 +77,19 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
                                  on a GPU. Releasing twice is a no-op; resuming what is not
                                  released is a 400 (SGLang raises there too).
 
-Differences from SGLang, on purpose: `sampling_seed` is always honoured (SGLang needs
+Prefix cache (moe_rl/rollout/prefix_cache.py, SGLang's radix cache): a prompt that starts with tokens
+already computed reuses their keys, values and routes (meta_info cached_tokens), computed by the weights of
+that moment, until /flush_cache empties it; a flush is refused (400) while requests run or are paused in
+place. --disable-radix-cache turns it off; --max-total-tokens bounds it (least recently used first). A run
+with rollout.inflight_update=in_place launches its servers without it (launcher.radix_cache_args).
+Weight-version labels follow SGLang's overlap scheduler unless --disable-overlap-schedule (local_engine.py).
+Routes come back only with --enable-return-routed-experts, as SGLang's.
+
+Differences from SGLang, on purpose: `sampling_params.sampling_seed` is always honoured (SGLang needs
 --enable-deterministic-inference), and with n > 1 sample j uses seed s + j (SGLang
 gives every copy the same seed); log-probs are log_softmax(logits / T) as SGLang's
-(see --logprob-mode and local_engine.py); there is no prefix cache, so /flush_cache is a no-op.
+(see --logprob-mode and sampler.py); sampling options that would change the distribution and are not
+implemented (min_p, penalties, grammars, ...) are refused with a 400 instead of being applied.
 
 Generation runs in one worker thread. Each /generate call is cut into chunks of at most
 --max-batch samples, and every engine call takes the next chunk of each waiting call in
@@ -90,13 +101,13 @@ in another thread and swap between two decode steps.
 Access (SGLang's scheme, moe_rl/rollout/auth.py): `--config FILE` with `api-key:` /
 `admin-api-key:` lines makes every endpoint but /health* need `Authorization: Bearer KEY`
 (the weight and control endpoints the admin key), 401 otherwise. /update_weights_from_disk
-loads only from under a `--trusted-dir` (default: the directory holding --model), 403
-otherwise. `--served-model-name` is what /server_info reports, so a trainer can tell its
+loads only from under a `--trusted-dir` (default: the directory holding --model-path); another path
+is a failed load (400, {"success": false, ...}), as SGLang answers a path it cannot load. `--served-model-name` is what /server_info reports, so a trainer can tell its
 own servers from whatever else answers on the port.
 
 Modules: `common` (the app's keys, limits, field checks), `protocol` (/generate in and out),
-`batcher`, `updates` (distributed weight updates), `app` (the routes, `make_app`), `thread`
-(`ServerThread`), `cli` (`moe-rl serve`).
+`generate` (/generate, its stream, /abort_request), `live` (the requests by rid), `batcher`, `updates`
+(distributed weight updates), `app` (the routes, `make_app`), `thread` (`ServerThread`), `cli` (`moe-rl serve`).
 """
 from __future__ import annotations
 

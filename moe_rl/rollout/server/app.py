@@ -13,20 +13,24 @@ from aiohttp import web
 
 from moe_rl.rollout.auth import decide
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
-from moe_rl.rollout.memory import MemoryReleasedError
 from moe_rl.rollout.server.batcher import _Batcher
 from moe_rl.rollout.server.common import (_MEMORY_FIELDS, BATCHER, DEFAULT_MAX_REQUEST_TOKENS, ENGINE, GROUPS,
-                                          HEALTH_CHECK_TIMEOUT, HEALTH_TIMEOUT, KEYS, MAX_BODY, MAX_REQUEST_TOKENS,
-                                          SERVER_ARGS, TRUSTED, UPDATE_EXECUTOR, UPDATE_LOCK, BadRequest, _error,
-                                          _fields, refused_flush,
-                                          _read_json)
-from moe_rl.rollout.server.protocol import _parse_generate, _sample_json
+                                          HEALTH_CHECK_TIMEOUT, HEALTH_TIMEOUT, KEYS, LIVE, MAX_BODY,
+                                          MAX_REQUEST_TOKENS, RETURN_ROUTES, SERVER_ARGS, TRUSTED, UPDATE_EXECUTOR,
+                                          UPDATE_LOCK, BadRequest, ContractError, _error, _fields, _read_json,
+                                          refused_flush)
+from moe_rl.rollout.server.generate import abort_request, generate
+from moe_rl.rollout.server.live import LiveRequests
 from moe_rl.rollout.server.update_lock import ModelUpdateLock
 from moe_rl.rollout.server.updates import (_begin_weight_update, _destroy_weights_update_group, _end_weight_update,
                                            _init_weights_update_group, _update_weight_version,
                                            _update_weights_from_distributed, _UpdateGroups)
 
 log = logging.getLogger(__name__)
+
+# /server_info's "version": the SGLang release whose HTTP API this server speaks (its "frontend" says it is
+# moe-rl serve), so a client gating features on SGLang's version reads the API it gets.
+SGLANG_API_VERSION = "0.5.23"
 
 @web.middleware
 async def _json_errors(request: web.Request, handler):
@@ -40,6 +44,8 @@ async def _json_errors(request: web.Request, handler):
             text = (f"request body too large ({e.reason}); the server accepts at most "
                     f"{request.app[MAX_BODY]} bytes (--max-body-mb)")
         return _error(e.status, text)
+    except ContractError as e:
+        return web.json_response({"error": str(e)}, status=400)
     except BadRequest as e:
         return _error(400, str(e))
     except Exception as e:  # noqa: BLE001
@@ -67,37 +73,15 @@ def _untrusted(path: str, trusted: Any) -> str | None:
             "start the server with --trusted-dir to allow it")
 
 
-async def _generate(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    body = await _read_json(request)
-    reqs, is_single, return_logprob, rids, routes_start = _parse_generate(body, engine)
-    work = sum(len(r.prompt_ids) + r.sampling.n * r.sampling.max_new_tokens for r in reqs)
-    if work > request.app[MAX_REQUEST_TOKENS]:
-        raise BadRequest(f"this request asks for {work} tokens (prompt tokens + n x max_new_tokens, summed over "
-                         f"its prompts); the server takes at most {request.app[MAX_REQUEST_TOKENS]} per request "
-                         "(--max-request-tokens): send it in smaller requests")
-    try:
-        async with request.app[UPDATE_LOCK].shared():  # a weight update waits for this request
-            results = await request.app[BATCHER].submit(reqs)
-    except (ValueError, MemoryReleasedError) as e:  # released memory: refused loudly, as a GPU would fail
-        raise BadRequest(str(e)) from None
-    out = []
-    k = 0
-    for req, rl, res_list in zip(reqs, return_logprob, results):
-        for res in res_list:
-            out.append(_sample_json(res, req, rids[k], rl, engine, routes_start))
-            k += 1
-    return web.json_response(out[0] if is_single and len(out) == 1 else out)
-
-
 async def _update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = await _read_json(request)
     if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
         raise BadRequest("send {\"model_path\": \"<HF checkpoint dir>\", \"weight_version\": ...}")
     refused = _untrusted(body["model_path"], request.app[TRUSTED])
-    if refused:
-        return web.json_response({"success": False, "message": refused, "num_paused_requests": 0}, status=403)
+    if refused:  # SGLang answers a path it cannot load with 400 and this body
+        return web.json_response({"success": False, "message": f"Failed to get weights iterator: {refused}.",
+                                  "num_paused_requests": 0}, status=400)
     version = body.get("weight_version")
     abort = bool(body.get("abort_all_requests", False))
     flush = bool(body.get("flush_cache", True))  # SGLang's default
@@ -126,9 +110,27 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 async def _flush_cache(request: web.Request) -> web.Response:
-    request.app[ENGINE].flush_cache()
-    return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
-                             "(When there are running or waiting requests, the operation will not be performed.)\n")
+    """SGLang's /flush_cache[?timeout=s]: empties the prefix cache when the engine is idle (requests paused by
+    a retract count as idle), else 400; with a timeout it waits that long for the engine to become idle."""
+    try:
+        timeout = float(request.query.get("timeout", 0.0))
+    except ValueError:
+        raise BadRequest(f"timeout must be a number of seconds >= 0, got {request.query.get('timeout')!r}") from None
+    engine, batcher = request.app[ENGINE], request.app[BATCHER]
+    deadline = time.monotonic() + max(0.0, timeout)
+
+    def flushed() -> bool:  # SGLang counts its waiting queue too, unless generation is paused
+        return not (batcher.jobs and not getattr(engine, "paused", False)) and engine.flush_cache()
+
+    ok = flushed()
+    while not ok and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        ok = flushed()
+    if ok:
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
+    return web.Response(status=400, text="Timed out waiting for idle state." if timeout > 0
+                        else "Flush cache failed.\n")
 
 
 async def _pause(request: web.Request) -> web.Response:
@@ -233,14 +235,19 @@ def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
         "max_running_requests": server_args.get("max_running_requests"),
         "load_format": "auto",
         "disaggregation_mode": "null",
-        "enable_return_routed_experts": bool(engine.moe_layer_ids),
+        "enable_return_routed_experts": bool(server_args.get("enable_return_routed_experts")),
+        "disable_radix_cache": getattr(engine, "prefix_cache", None) is None,
+        "max_total_num_tokens": getattr(getattr(engine, "prefix_cache", None), "max_tokens", None),
+        "disable_overlap_schedule": not getattr(engine, "overlap_labels", False),
         "enable_memory_saver": bool(getattr(getattr(engine, "memory", None), "memory_saver", False)),
         "enable_weights_cpu_backup": bool(getattr(getattr(engine, "memory", None), "weights_cpu_backup", False)),
         "weight_version": engine.weight_version,
-        **{k: v for k, v in server_args.items() if k not in ("max_running_requests", "served_model_name")},
+        **{k: v for k, v in server_args.items() if k not in ("max_running_requests", "served_model_name",
+                                                             "enable_return_routed_experts")},
         # SGLang's internal_states hold scheduler state per dp rank; here, this engine's
         "internal_states": [{"memory_released": engine.memory_released,
                              "generating": bool(getattr(engine, "busy", False))}],
+        "version": SGLANG_API_VERSION,
         "frontend": "moe-rl serve",
     }
 
@@ -272,7 +279,8 @@ _resume_memory = _memory_handler("/resume_memory_occupation", "resume_memory_occ
 # (methods, paths, handler): SGLang 0.5.23's native routes this server answers. A deprecated
 # alias sits next to its new name, as SGLang keeps both.
 ROUTES: list[tuple[tuple[str, ...], tuple[str, ...], Callable[[web.Request], Any]]] = [
-    (("POST", "PUT"), ("/generate",), _generate),
+    (("POST", "PUT"), ("/generate",), generate),
+    (("POST",), ("/abort_request",), abort_request),
     (("GET",), ("/health",), _health),
     (("GET",), ("/health_generate",), _health_generate),
     (("GET",), ("/model_info", "/get_model_info"), _model_info),
@@ -296,11 +304,13 @@ def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0,
              health_timeout: float = HEALTH_CHECK_TIMEOUT, group_timeout: timedelta = timedelta(minutes=10),
              server_args: dict[str, Any] | None = None,
              max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None,
-             admin_api_key: str | None = None, trusted_dirs: Sequence[str | Path] | None = None) -> web.Application:
+             admin_api_key: str | None = None, trusted_dirs: Sequence[str | Path] | None = None,
+             enable_return_routed_experts: bool = False) -> web.Application:
     """The aiohttp application serving `engine` (a LocalEngine) over SGLang's native API.
 
     api_key / admin_api_key: SGLang's Bearer keys (moe_rl/rollout/auth.py). trusted_dirs:
-    the only directories /update_weights_from_disk loads from (None = any).
+    the only directories /update_weights_from_disk loads from (None = any). enable_return_routed_experts:
+    SGLang's flag; without it no reply carries routed_experts (SGLang has no route capturer then).
 
     health_timeout: seconds /health_generate waits for a forward step; group_timeout: how
     long joining a weight-update group (and each broadcast) may take; server_args: launch
@@ -319,6 +329,9 @@ def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0,
     app[SERVER_ARGS] = {"max_running_requests": max_batch, **(server_args or {})}
     app[HEALTH_TIMEOUT] = float(health_timeout)
     app[MAX_REQUEST_TOKENS] = int(max_request_tokens)
+    app[RETURN_ROUTES] = bool(enable_return_routed_experts)
+    app[SERVER_ARGS]["enable_return_routed_experts"] = bool(enable_return_routed_experts)
+    app[LIVE] = LiveRequests()
 
     async def on_startup(app: web.Application) -> None:
         app[BATCHER].start()

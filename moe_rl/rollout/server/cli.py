@@ -18,12 +18,17 @@ from moe_rl.rollout.server.common import (BATCHER, DEFAULT_MAX_REQUEST_TOKENS, D
 from moe_rl.rollout.server.thread import _bound_port
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    # SGLang's flag names where the option is SGLang's (--model-path, --random-seed, --max-running-requests,
+    # ...), so a CPU launch line and a GPU one share their flags; the older names stay as aliases
+    parser.add_argument("--model-path", "--model", dest="model", required=True,
+                        help="HF checkpoint directory (config.json + safetensors)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help=f"port (default {DEFAULT_PORT}, as SGLang; 0 picks a free one)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
-    parser.add_argument("--max-batch", type=int, default=32, help="samples per engine batch")
+    parser.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0,
+                        help="seed for requests without sampling_seed")
+    parser.add_argument("--max-running-requests", "--max-batch", dest="max_batch", type=int, default=32,
+                        help="samples per engine batch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto",
                         help="torch device; auto (default) = cuda when a GPU is visible (the nccl weight sync "
@@ -53,13 +58,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--config). Either flag wins over the --config file's line, as in SGLang")
     parser.add_argument("--trusted-dir", action="append", default=None,
                         help="a directory /update_weights_from_disk may load from (repeatable); default: the "
-                             "directory that holds --model. Other paths are refused with 403")
+                             "directory that holds --model-path. Other paths are refused (400, a failed load)")
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="let /release_memory_occupation release memory (SGLang's flag, for colocated runs); "
                              "without it a release is refused. A released weights region loses its content, as "
                              "SGLang's: load weights after resuming, or pass --enable-weights-cpu-backup")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
                         help="keep the weights across a release (SGLang copies them to host memory)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="return each sample's routed experts when a request asks (SGLang's flag: without it "
+                             "SGLang captures none and a request's return_routed_experts gets nothing)")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="keep no prefix cache (SGLang's flag). With the cache, a prompt starting with tokens "
+                             "computed before reuses their keys, values and routes, computed by the weights of "
+                             "that moment, until /flush_cache")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="tokens the prefix cache holds at most, least recently used dropped first (SGLang's "
+                             "KV pool size; default: as many as 1 GiB of keys and values hold)")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="exact weight-version labels (SGLang's flag). By default, as SGLang's overlap "
+                             "scheduler, the token sampled last before an in-place pause is labelled with the "
+                             "version that follows")
     parser.add_argument("--served-model-name", default=None,
                         help="name /server_info reports (SGLang's flag; the launcher sets the run id, so a "
                              "trainer recognises its own servers)")
@@ -86,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     engine = LocalEngine(args.model, seed=args.seed, dtype=args.dtype, device=device,
                          max_batch=args.max_batch, logprob_mode=args.logprob_mode,
                          weight_version=args.weight_version, memory_saver=args.enable_memory_saver,
-                         weights_cpu_backup=args.enable_weights_cpu_backup)
+                         weights_cpu_backup=args.enable_weights_cpu_backup,
+                         max_cached_tokens=0 if args.disable_radix_cache else args.max_total_tokens,
+                         overlap_labels=not args.disable_overlap_schedule)
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -101,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
                        server_args={"host": args.host, "random_seed": args.seed,
                                     "served_model_name": args.served_model_name},
                        api_key=api_key, admin_api_key=admin_api_key,
-                       trusted_dirs=args.trusted_dir or [Path(args.model).resolve().parent])
+                       trusted_dirs=args.trusted_dir or [Path(args.model).resolve().parent],
+                       enable_return_routed_experts=args.enable_return_routed_experts)
         # handler_cancellation: a client that disconnects cancels its call (and its queued chunks)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()

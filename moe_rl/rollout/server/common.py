@@ -20,6 +20,8 @@ HEALTH_TIMEOUT: web.AppKey[float] = web.AppKey("health_timeout", float)
 MAX_REQUEST_TOKENS: web.AppKey[int] = web.AppKey("max_request_tokens", int)
 KEYS: web.AppKey[tuple] = web.AppKey("keys", tuple)
 TRUSTED: web.AppKey[Any] = web.AppKey("trusted_dirs", object)
+RETURN_ROUTES: web.AppKey[bool] = web.AppKey("enable_return_routed_experts", bool)
+LIVE: web.AppKey[Any] = web.AppKey("live_requests", object)  # live.LiveRequests
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 18  # 256k new tokens: a full RL step of the demo is ~4k
 
 HEALTH_CHECK_TIMEOUT = 20.0  # s; SGLang's default (SGLANG_HEALTH_CHECK_TIMEOUT, http_server.py)
@@ -27,6 +29,11 @@ HEALTH_CHECK_TIMEOUT = 20.0  # s; SGLang's default (SGLANG_HEALTH_CHECK_TIMEOUT,
 
 class BadRequest(ValueError):
     """A malformed request: answered with 400 and the message."""
+
+
+class ContractError(BadRequest):
+    """A /generate body that SGLang's api/v1 JSON contract refuses: 400 with {"error": "<message>"} (a string,
+    not SGLang's usual {"message": ...} object: http_server.generate_request answers so)."""
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -105,7 +112,7 @@ def refused_flush(engine: Any) -> str | None:
     """Why a cache flush after a weight load fails the call (None: it flushed). SGLang flushes only an
     idle scheduler, and a refused flush fails the call although the weights were loaded
     (flush_cache_after_weight_update): a push under requests paused in place must not ask for one."""
-    if getattr(engine, "busy", False) or not engine.flush_cache():
+    if not engine.flush_cache():
         return ("Weights were updated, but the cache was not flushed because requests are still running or "
                 "queued. Retract or finish them, then call /flush_cache.")
     return None

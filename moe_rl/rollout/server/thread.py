@@ -14,12 +14,16 @@ class ServerThread:
     """Serve an engine from a background thread (tests, notebooks, single-process demos).
 
     `with ServerThread(engine) as srv: SGLangClient([srv.url]) ...`; port 0 picks a free port.
+    enable_return_routed_experts: SGLang's flag, off by default as there (no routes in any reply).
+    trusted_dirs: where /update_weights_from_disk may load from (None: anywhere).
     """
 
     def __init__(self, engine: Any, host: str = "127.0.0.1", port: int = 0, *, max_batch: int = 32,
-                 max_body_mb: float = 64.0, health_timeout: float = HEALTH_CHECK_TIMEOUT):
+                 max_body_mb: float = 64.0, health_timeout: float = HEALTH_CHECK_TIMEOUT,
+                 enable_return_routed_experts: bool = False, trusted_dirs: Any = None):
         self.engine, self.host, self.port = engine, host, port
-        self._app_kw = dict(max_batch=max_batch, max_body_mb=max_body_mb, health_timeout=health_timeout)
+        self._app_kw = dict(max_batch=max_batch, max_body_mb=max_body_mb, health_timeout=health_timeout,
+                            enable_return_routed_experts=enable_return_routed_experts, trusted_dirs=trusted_dirs)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()

@@ -85,11 +85,26 @@ def test_plan_single_sglang_server_has_no_router_and_local_has_no_sglang_env():
     assert router is None and len(servers) == 1
     servers, router = plan_servers(RolloutConfig(engine="local", num_servers=2, base_port=40000), "/ckpt")
     assert router is None
-    assert list(servers[1].argv[1:]) == ["-m", "moe_rl.cli", "serve", "--model", "/ckpt", "--host", "127.0.0.1",
-                                         "--port", "40001"]
+    assert list(servers[1].argv[1:]) == ["-m", "moe_rl.cli", "serve", "--model-path", "/ckpt", "--host", "127.0.0.1",
+                                         "--port", "40001", "--enable-return-routed-experts"]
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in servers[0].env
     with pytest.raises(ValueError, match="already run"):
         plan_servers(RolloutConfig(urls=["http://gpu-node:30000"]), "/ckpt")
+
+
+@pytest.mark.parametrize("engine", ["local", "sglang"])
+@pytest.mark.parametrize("inflight, disabled", [("in_place", True), ("retract", False), ("wait", False),
+                                                ("auto", False)])
+def test_servers_of_an_in_place_run_keep_no_prefix_cache(engine, inflight, disabled):
+    # an in-place push asks for no cache flush (SGLang refuses it under paused requests), so a cached prefix
+    # would keep the KV and routes of the weights that computed it for the rest of the run
+    cfg = RolloutConfig(engine=engine, num_servers=2, base_port=42000, inflight_update=inflight)
+    servers, _ = plan_servers(cfg, "/ckpt", python="py")
+    for s in servers:
+        assert list(s.argv).count("--disable-radix-cache") == int(disabled)
+    cfg.sglang_args = ["--disable-radix-cache"]  # given by the user too: once on the command line
+    if engine == "sglang":
+        assert list(plan_servers(cfg, "/ckpt", python="py")[0][0].argv).count("--disable-radix-cache") == 1
 
 
 @pytest.mark.parametrize("engine, n, choice, expected", [

@@ -46,7 +46,7 @@ def served(tiny_hf_dir):
 @pytest.fixture(scope="module")
 def local(tiny_hf_dir):
     eng = LocalEngine(tiny_hf_dir, seed=0)
-    with ServerThread(eng) as srv:
+    with ServerThread(eng, enable_return_routed_experts=True) as srv:
         yield SimpleNamespace(url=srv.url, engine=eng)
     eng.close()
 
@@ -225,7 +225,8 @@ def test_weight_sync_from_disk(served, tiny_hf_dir, tmp_path):
             assert served.url in str(ei.value)
             (same,), = c.generate(req)
             assert same.weight_version == "v1" and same.output_ids == res.output_ids
-            np.testing.assert_array_equal(same.output_logprobs, res.output_logprobs)
+            # the repeat reuses the prompt's cached keys and values (the prefix cache): equal to rounding
+            np.testing.assert_allclose(same.output_logprobs, res.output_logprobs, atol=1e-5, rtol=0)
         finally:
             c.update_weights_from_disk(tiny_hf_dir, version="default")
         assert c.generate(req)[0][0].output_ids == old.output_ids

@@ -1,0 +1,90 @@
+"""What `LocalEngine` checks before it takes new weights: a whole checkpoint against the served model,
+or named tensors resolved to the model's parameters (HF checkpoint names, per-expert names into the
+fused expert tensors transformers keeps at runtime, Mixtral's names). Nothing is copied before every
+check passed: a refused update changes no weight."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_rl.rollout.fused_weights import partner, split_pairs
+
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Mixtral's checkpoint names (pushes send them, as SGLang's mixtral loader reads them) as transformers' modules
+_MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
+_MIXTRAL_RE = re.compile(r"\.block_sparse_moe\.|\.w[123]\.")
+
+Plan = list[tuple[torch.Tensor, tuple, torch.Tensor, str]]
+
+
+def check_checkpoint(path: str | Path, new: torch.nn.Module, served: torch.nn.Module) -> None:
+    """ValueError unless `new` (loaded from `path`) has the served model's class, names and shapes, all finite."""
+    old_sd, new_sd = served.state_dict(), new.state_dict()
+    if type(new) is not type(served):
+        raise ValueError(f"{str(path)!r} holds a {type(new).__name__}, the engine serves {type(served).__name__}")
+    if set(old_sd) != set(new_sd):
+        diff = sorted(set(old_sd) ^ set(new_sd))
+        raise ValueError(f"{str(path)!r} has different parameter names: {diff[:5]}")
+    for k, v in new_sd.items():
+        if v.shape != old_sd[k].shape:
+            raise ValueError(f"{str(path)!r}: {k} has shape {tuple(v.shape)}, "
+                             f"the served model has {tuple(old_sd[k].shape)}")
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{str(path)!r}: {k} holds NaN or inf")
+
+
+def plan_tensors(model: torch.nn.Module, items: list[tuple[str, Any]]) -> Plan:
+    """(target tensor, index, value, name) per pushed tensor; ValueError naming every bad one (at most 5)."""
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
+    plan: Plan = []
+    errors = [f"{n} without {partner(n)}: SGLang fuses the two in one load and drops a lone one"
+              for n in split_pairs((n for n, _ in items), state)]
+    for name, value in items:
+        value = torch.as_tensor(value)
+        target, index = resolve(name, state)
+        if target is None:
+            errors.append(f"unknown parameter {name!r}")
+            continue
+        want = target[index].shape if index else target.shape
+        if tuple(value.shape) != tuple(want):
+            errors.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(want)}")
+            continue
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            errors.append(f"{name}: holds NaN or inf")
+            continue
+        plan.append((target, index, value, name))
+    if errors:
+        raise ValueError("weight update refused, nothing was changed: " + "; ".join(errors[:5])
+                         + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
+    return plan
+
+
+def apply_plan(plan: Plan) -> None:
+    with torch.no_grad():
+        for target, index, value, _ in plan:
+            dst = target[index] if index else target
+            dst.copy_(value.to(device=dst.device, dtype=dst.dtype))
+
+
+def resolve(name: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, tuple]:
+    """The served tensor (and index into it) that a pushed tensor named `name` writes."""
+    name = _MIXTRAL_RE.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], name)  # other families' names pass
+    if name in state:
+        return state[name], ()
+    m = _EXPERT_RE.match(name)
+    if m is None:
+        return None, ()
+    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+    if kind == "down_proj" and f"{prefix}.down_proj" in state:
+        t = state[f"{prefix}.down_proj"]
+        return (t, (e,)) if e < t.shape[0] else (None, ())
+    fused = state.get(f"{prefix}.gate_up_proj")
+    if fused is None or e >= fused.shape[0]:
+        return None, ()
+    half = fused.shape[1] // 2  # rows [0, I) are gate_proj, [I, 2I) up_proj
+    rows = slice(0, half) if kind == "gate_proj" else slice(half, 2 * half)
+    return fused, (e, rows)
