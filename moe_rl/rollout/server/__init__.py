@@ -4,26 +4,40 @@ The JSON shapes mirror SGLang (read from the sglang 0.5.x wheel):
 
   POST /generate                 body: `GenerateReqInput` (sglang/srt/managers/io_struct.py):
                                  input_ids (list or list of lists) | text, sampling_params (dict or
-                                 list), return_logprob, return_routed_experts,
-                                 routed_experts_start_len, rid.
+                                 list; a key outside SGLang's contract is its 400), return_logprob,
+                                 logprob_start_len, top_logprobs_num, token_ids_logprob,
+                                 return_text_in_logprobs, return_routed_experts, routed_experts_start_len,
+                                 rid (a string: `rid_i` per item of a batch), stream.
                                  reply: one dict per sample, {"output_ids", "meta_info", ["text"]}
                                  (TokenizerManager._handle_batch_output, sglang/srt/managers/
                                  tokenizer_manager.py); a single dict for one prompt with n == 1,
                                  else a list in prompt-major order (prompt 0 samples 0..n-1, ...),
-                                 as TokenizerManager._handle_batch_request expands it.
-  meta_info                      id, finish_reason ({"type": "stop", "matched": token} |
+                                 as TokenizerManager._handle_batch_request expands it. stream=true:
+                                 server-sent events `data: {...}` with the text and output_ids so far
+                                 (SGLang's default, cumulative), the last one the whole reply, then
+                                 `data: [DONE]`; "index" per sample of a batch or of n > 1.
+  meta_info                      id, finish_reason ({"type": "stop", "matched": token or stop string} |
                                  {"type": "length", "length": max_new_tokens} | {"type": "abort",
                                  "message", "status_code", "err_type"}: BaseFinishReason.to_json in
                                  sglang/srt/managers/schedule_batch.py), prompt_tokens,
                                  completion_tokens, cached_tokens, weight_version, weight_versions
                                  ([{"version", "start", "end"}] over the output tokens), num_retractions,
-                                 output_token_logprobs [[logprob, token_id, None], ...]
-                                 (detokenize_logprob_tokens), routed_experts: base64 of int32
-                                 [len(prompt + output) - 1, num_hidden_layers, topk]
-                                 (DetokenizerManager._b64_encode_per_request; rows of dense layers
-                                 are 0, as SGLang's zero-initialised capture buffer leaves them).
+                                 input_token_logprobs (from logprob_start_len; the first None) and
+                                 output_token_logprobs [[logprob, token_id, text or None], ...]
+                                 (detokenize_logprob_tokens), input/output_top_logprobs and
+                                 input/output_token_ids_logprobs when asked, routed_experts: base64 of
+                                 int32 [len(prompt + output) - 1 - routed_experts_start_len,
+                                 num_hidden_layers, topk] (DetokenizerManager._b64_encode_per_request;
+                                 rows of dense layers are 0, as SGLang's zero-initialised capture
+                                 buffer leaves them), e2e_latency.
   errors                         {"error": {"message": ...}} with status 400 (http_server.py
-                                 _create_error_response); 413 for a body over --max-body-mb.
+                                 _create_error_response); {"error": "<message>"} for a body SGLang's
+                                 JSON contract refuses; 413 for a body over --max-body-mb.
+  POST /abort_request            {rid, abort_all}: the live samples with that rid (prefix) end at their
+                                 next step with finish_reason abort; 200, empty body.
+  OpenAI                         /v1/models, /v1/completions, /v1/chat/completions (the tokenizer's chat
+                                 template), /tokenize, /detokenize (and /v1/...): openai.py says which
+                                 fields are supported and which are refused.
   POST /update_weights_from_disk {"model_path", "weight_version"?, "abort_all_requests"?,
                                  "flush_cache"? (default true)} -> {"success", "message",
                                  "num_paused_requests"}, 200 or 400 (UpdateWeightFromDiskReqInput /
@@ -106,7 +120,8 @@ is a failed load (400, {"success": false, ...}), as SGLang answers a path it can
 own servers from whatever else answers on the port.
 
 Modules: `common` (the app's keys, limits, field checks), `protocol` (/generate in and out),
-`generate` (/generate, its stream, /abort_request), `live` (the requests by rid), `batcher`, `updates`
+`generate` (/generate, its stream, /abort_request), `openai` (the OpenAI endpoints, /tokenize), `live`
+(the requests by rid), `batcher`, `updates`
 (distributed weight updates), `app` (the routes, `make_app`), `thread` (`ServerThread`), `cli` (`moe-rl serve`).
 """
 from __future__ import annotations

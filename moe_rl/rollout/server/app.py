@@ -21,6 +21,7 @@ from moe_rl.rollout.server.common import (_MEMORY_FIELDS, BATCHER, DEFAULT_MAX_R
                                           refused_flush)
 from moe_rl.rollout.server.generate import abort_request, generate
 from moe_rl.rollout.server.live import LiveRequests
+from moe_rl.rollout.server.openai import ROUTES as OPENAI_ROUTES
 from moe_rl.rollout.server.update_lock import ModelUpdateLock
 from moe_rl.rollout.server.updates import (_begin_weight_update, _destroy_weights_update_group, _end_weight_update,
                                            _init_weights_update_group, _update_weight_version,
@@ -343,7 +344,7 @@ def make_app(engine: Any, *, max_batch: int = 32, max_body_mb: float = 64.0,
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    for methods, paths, handler in ROUTES:
+    for methods, paths, handler in ROUTES + OPENAI_ROUTES:
         for path in paths:
             for method in methods:
                 if method == "GET":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
@@ -23,7 +23,7 @@ from moe_rl.rollout.server.live import Hooks, with_hooks
 from moe_rl.rollout.server.protocol import GenerateCall, parse_generate, sample_json
 
 
-def _check_size(request: web.Request, reqs: list[GenerateRequest]) -> None:
+def check_size(request: web.Request, reqs: list[GenerateRequest]) -> None:
     work = sum(len(r.prompt_ids) + r.sampling.n * r.sampling.max_new_tokens for r in reqs)
     if work > request.app[MAX_REQUEST_TOKENS]:
         raise BadRequest(f"this request asks for {work} tokens (prompt tokens + n x max_new_tokens, summed over "
@@ -49,7 +49,8 @@ async def run_call(app: web.Application, call: GenerateCall, on_progress=None) -
         live.remove(call.rids)
 
 
-def _replies(call: GenerateCall, results: list[list[GenerateResult]], engine: Any) -> list[dict[str, Any]]:
+def replies(call: GenerateCall, results: list[list[GenerateResult]], engine: Any) -> list[dict[str, Any]]:
+    """Every sample's reply dict, prompt-major."""
     out, k = [], 0
     for req, rl, res_list in zip(call.reqs, call.return_logprob, results):
         for res in res_list:
@@ -62,54 +63,71 @@ def _replies(call: GenerateCall, results: list[list[GenerateResult]], engine: An
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     call = parse_generate(await _read_json(request), engine, request.app[RETURN_ROUTES])
-    _check_size(request, call.reqs)
+    check_size(request, call.reqs)
     if call.stream:
-        return await _stream(request, call)
-    out = _replies(call, await run_call(request.app, call), engine)
+        return await sse(request, _native_events(request.app, call))
+    out = replies(call, await run_call(request.app, call), engine)
     return web.json_response(out[0] if call.is_single and len(out) == 1 else out)
 
 
-async def _stream(request: web.Request, call: GenerateCall) -> web.StreamResponse:
-    engine = request.app[ENGINE]
+async def sample_events(app: web.Application, call: GenerateCall) -> AsyncIterator[tuple[int, dict[str, Any], bool]]:
+    """(sample index, reply dict so far, finished) of a running call: one event per sample and decode step,
+    then each sample's final reply. Leaving early (the client went away) aborts its samples."""
+    engine = app[ENGINE]
     n = call.reqs[0].sampling.n
-    indexed = not (call.is_single and n == 1)
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
     events: asyncio.Queue = asyncio.Queue()
-
-    def event(index: int, out: dict[str, Any]) -> bytes:
-        if indexed:
-            out["index"] = index
-        return b"data: " + json.dumps(out).encode() + b"\n\n"
 
     def progress(index: int, res: GenerateResult) -> None:
         k = index // n
-        events.put_nowait(event(index, sample_json(res, call.reqs[k], call.rids[index], call.return_logprob[k], engine,
-                                                   call.routes_start, call.text_in_logprobs, finished=False)))
+        events.put_nowait((index, sample_json(res, call.reqs[k], call.rids[index], call.return_logprob[k], engine,
+                                              call.routes_start, call.text_in_logprobs, finished=False)))
 
-    task = asyncio.ensure_future(run_call(request.app, call, progress))
+    task = asyncio.ensure_future(run_call(app, call, progress))
     try:
         while not task.done() or not events.empty():
             getter = asyncio.ensure_future(events.get())
             await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
             if getter.done():
-                await resp.write(getter.result())
+                index, out = getter.result()
+                yield index, out, False
             else:
                 getter.cancel()
-        try:
-            for index, out in enumerate(_replies(call, task.result(), engine)):
-                await resp.write(event(index, out))
-        except BadRequest as e:  # an error once streaming started: an event, as SGLang's stream_results
-            await resp.write(b"data: " + json.dumps({"error": {"message": str(e), "type": "invalid_request_error",
-                                                              "code": 400, "retryable": False}}).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-    except (ConnectionResetError, asyncio.CancelledError):  # the client went away: end its samples
-        for rid in call.rids:
-            request.app[LIVE].abort(rid, False)
-        task.cancel()
-        raise
+        for index, out in enumerate(replies(call, task.result(), engine)):
+            yield index, out, True
+    finally:
+        if not task.done():
+            for rid in call.rids:
+                app[LIVE].abort(rid, False)
+            task.cancel()
+
+
+def event(data: Any) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+async def sse(request: web.Request, chunks: AsyncIterator[bytes]) -> web.StreamResponse:
+    """A server-sent-event stream of `chunks`, then `data: [DONE]`; an error once it started is an event
+    {"error": {...}} before [DONE], as SGLang's stream_results sends it."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    try:
+        async for chunk in chunks:
+            await resp.write(chunk)
+    except BadRequest as e:
+        await resp.write(event({"error": {"message": str(e), "type": "invalid_request_error", "code": 400,
+                                          "retryable": False}}))
+    await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+async def _native_events(app: web.Application, call: GenerateCall) -> AsyncIterator[bytes]:
+    """/generate's events: the sample's cumulative reply; "index" for a batch or n > 1 samples."""
+    indexed = not (call.is_single and call.reqs[0].sampling.n == 1)
+    async for index, out, _ in sample_events(app, call):
+        if indexed:
+            out["index"] = index
+        yield event(out)
 
 
 _ABORT_FIELDS = {"rid": ((str, type(None)), ""), "abort_all": (bool, False)}
