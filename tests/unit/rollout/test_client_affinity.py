@@ -50,7 +50,7 @@ def test_every_turn_of_an_episode_goes_to_one_server(tmp_path):
     from moe_rl.rollout.server import ServerThread
 
     model = make_tiny_qwen3_moe(tmp_path / "tiny")
-    servers = [ServerThread(LocalEngine(model)).start() for _ in range(3)]
+    servers = [ServerThread(LocalEngine(model), enable_return_routed_experts=True).start() for _ in range(3)]
     try:
         with SGLangClient([s.url for s in servers]) as client:
             spy = _Spy(client)
