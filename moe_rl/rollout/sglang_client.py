@@ -446,6 +446,17 @@ class SGLangClient(ServerPool):
         self._ensure_session()
         await self._aresume()
 
+    def server_infos(self) -> dict[str, Any]:
+        """GET /server_info of every server we update directly (the workers behind a router), by URL; a
+        server that does not answer is left out."""
+        async def go() -> dict[str, Any]:
+            self._ensure_session()
+            servers = self._admin
+            res = await asyncio.gather(*(self._json(s, "GET", "/server_info", timeout=self.probe_timeout)
+                                         for s in servers), return_exceptions=True)
+            return {s.url: r for s, r in zip(servers, res) if not isinstance(r, BaseException)}
+        return self._run(go())
+
     def get_model_info(self) -> dict[str, Any]:
         """GET /model_info of one server (a worker behind a router)."""
         async def go() -> Any:

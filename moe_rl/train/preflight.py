@@ -17,7 +17,7 @@ from moe_rl.train.model_shape import model_shape, run_hf_config
 
 def preflight(cfg: RunConfig, world_size: int) -> str | None:
     """The first problem that would stop this run, or None."""
-    for check in (_model, lambda c: _layout(c, world_size), _resume, _data, _keys, _devices):
+    for check in (_model, lambda c: _layout(c, world_size), _resume, _data, _keys, _devices, _in_place_servers):
         problem = check(cfg)
         if problem:
             return problem
@@ -120,4 +120,27 @@ def _devices(cfg: RunConfig, device_count: int | None = None) -> str | None:
                     gpu_count() if device_count is None else device_count)
     except ValueError as e:
         return str(e)
+    return None
+
+
+def _in_place_servers(cfg: RunConfig) -> str | None:
+    """Servers this run did not start (rollout.urls) must keep no prefix cache when pushes land in place
+    (rollout.inflight_update=in_place): such a push flushes none, so a cached prompt would keep the KV and
+    routes of old weights for the rest of the run. The servers the run launches get --disable-radix-cache.
+    A server that does not answer yet is left to the run's own health checks."""
+    from moe_rl.rollout.config import in_place_refusal, pushes_in_place
+
+    r = cfg.rollout
+    if cfg.train.mode == "dpo" or not r.urls or not pushes_in_place(r):
+        return None
+    from moe_rl.rollout.auth import read_key_file
+    from moe_rl.rollout.sglang_client import SGLangClient
+
+    keys = read_key_file(r.api_key_file) if r.api_key_file else None
+    with SGLangClient(list(r.urls), admin_urls=list(r.admin_urls) or None, keys=keys, probe_timeout=10.0,
+                      max_attempts=1) as client:
+        for url, info in client.server_infos().items():
+            problem = in_place_refusal(r, url, info)
+            if problem:
+                return problem
     return None

@@ -38,3 +38,27 @@ def test_a_checkpoint_without_the_model_record_is_left_to_resume(tmp_path):
     """Checkpoints written before meta.json recorded the model: nothing to compare here."""
     ckpt = _checkpoint(tmp_path, None)
     assert preflight(load_config(CONFIG, [f"train.resume={ckpt}", "model.tiny.num_experts=8"]), 2) is None
+
+
+def test_in_place_pushes_refuse_a_running_server_that_keeps_a_prefix_cache(tmp_path):
+    """rollout.urls servers are not started by the run, so nothing gave them --disable-radix-cache: an
+    in-place push never flushes their cache, and a cached prompt would keep the old weights' KV and routes."""
+    from moe_rl.rollout.local_engine import LocalEngine
+    from moe_rl.rollout.server import ServerThread
+    from moe_rl.testing import make_tiny_qwen3_moe
+
+    model = make_tiny_qwen3_moe(tmp_path / "tiny")
+    run = ["rollout.engine=sglang", "algo.max_staleness=1", "train.world_size=1", "parallel.ep=1",
+           f"model.hf_path={model}"]
+    with ServerThread(LocalEngine(model, max_cached_tokens=None)) as cached, \
+            ServerThread(LocalEngine(model, max_cached_tokens=0)) as uncached:
+        for url, mode, refused in ((cached.url, "in_place", True), (uncached.url, "in_place", False),
+                                   (cached.url, "retract", False)):
+            cfg = load_config("launch/configs/tiny_cpu.yaml", [*run, f"rollout.urls=[{url}]",
+                                                               f"rollout.inflight_update={mode}"])
+            problem = preflight(cfg, 1)
+            if refused:
+                assert problem and problem.startswith("rollout.inflight_update=in_place: the server " + url), problem
+                assert "--disable-radix-cache" in problem
+            else:
+                assert problem is None, problem
