@@ -44,12 +44,12 @@ def test_sampling_params_sglang_takes_are_taken(oracle, params):
     SamplingParams.from_sglang(params)
 
 
-def _scheduler_message(needle: str, **names) -> str:
-    """Evaluate the f-string of sglang's scheduler.py that contains `needle`, with `names` bound."""
-    source = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt/managers/scheduler.py"
+def _scheduler_message(needle: str, module: str = "scheduler", **names) -> str:
+    """Evaluate the f-string of sglang's srt/managers/<module>.py that ends with `needle`, with `names` bound."""
+    source = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / f"srt/managers/{module}.py"
     for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.JoinedStr) and any(isinstance(v, ast.Constant) and needle in str(v.value)
-                                                   for v in node.values):
+        if isinstance(node, ast.JoinedStr) and isinstance(node.values[-1], ast.Constant) \
+                and str(node.values[-1].value).endswith(needle):
             return eval(compile(ast.Expression(node), str(source), "eval"), {"len": len}, names)
     raise AssertionError(f"no f-string with {needle!r} in {source}")
 
@@ -65,18 +65,34 @@ def test_a_route_start_past_the_prompt_is_refused_with_the_schedulers_text():
     from moe_rl.rollout.server.common import BadRequest
     from moe_rl.rollout.server.protocol import parse_generate
 
-    theirs = _scheduler_message("use a smaller routed_experts_start_len", recv_req=SimpleNamespace(routed_experts_start_len=5),
+    theirs = _scheduler_message("use a smaller routed_experts_start_len.", recv_req=SimpleNamespace(routed_experts_start_len=5),
                                 req=SimpleNamespace(origin_input_ids=[1, 2, 3]))
     assert "routed_experts_start_len=5" in theirs
     with pytest.raises(BadRequest) as ours:
         parse_generate({"input_ids": [1, 2, 3], "return_routed_experts": True, "routed_experts_start_len": 5},
                        _Engine(), True)
     assert str(ours.value) == theirs
-    theirs = _scheduler_message("use a smaller logprob_start_len",
+    theirs = _scheduler_message("Please use a smaller logprob_start_len.",
                                 req=SimpleNamespace(logprob_start_len=4, origin_input_ids=[1, 2, 3]))
     with pytest.raises(BadRequest) as ours:
         parse_generate({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, _Engine(), True)
     assert str(ours.value) == theirs
+
+
+def test_a_request_past_the_context_is_refused_with_the_tokenizer_managers_text():
+    from moe_rl.rollout.server.common import BadRequest
+    from moe_rl.rollout.server.protocol import parse_generate
+
+    engine = _Engine()
+    engine.max_positions = 8
+    for prompt, tokens, needle, names in (
+            ([1] * 8, 1, " tokens).", dict(input_token_num=8)),
+            ([1] * 5, 4, "fit within the limit.", dict(total_tokens=9, input_token_num=5, max_new_tokens=4))):
+        theirs = _scheduler_message(needle, "tokenizer_manager", self=SimpleNamespace(context_len=8), **names)
+        with pytest.raises(BadRequest) as ours:
+            parse_generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": tokens}}, engine, True)
+        assert str(ours.value) == theirs
+    parse_generate({"input_ids": [1] * 5, "sampling_params": {"max_new_tokens": 3}}, engine, True)  # fits: taken
 
 
 @pytest.mark.parametrize("k", [1, 5])

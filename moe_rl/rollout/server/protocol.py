@@ -103,7 +103,17 @@ def parse_generate(body: Any, engine: Any, return_routes: bool) -> GenerateCall:
     if not _is_int(start):
         raise BadRequest("routed_experts_start_len must be an integer")
     reqs = []
+    ctx = getattr(engine, "max_positions", None)
     for k, (p, s) in enumerate(zip(batch, params)):
+        if ctx:  # TokenizerManager._validate_one_request: SGLang refuses, it does not cap
+            if len(p) >= ctx:
+                raise BadRequest(f"The input ({len(p)} tokens) is longer than the model's context length ({ctx} tokens).")
+            asked = sps[k].get("max_new_tokens")
+            if asked is not None and asked + len(p) > ctx:
+                raise BadRequest(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                                 f"You requested a total of {asked + len(p)} tokens: {len(p)} tokens from the input "
+                                 f"messages and {asked} tokens for the completion. Please reduce the number of tokens "
+                                 "in the input messages or the completion to fit within the limit.")
         if rre and start < 0:  # the scheduler's checks and wording (scheduler.py handle_generate_request)
             raise BadRequest(f"recv_req.routed_experts_start_len={start} is lower than 0. "
                              "Please use a non-negative routed_experts_start_len.")

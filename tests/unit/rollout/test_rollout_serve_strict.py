@@ -75,3 +75,16 @@ def test_a_load_outside_the_trusted_dirs_is_sglangs_failed_load(tiny_hf_dir, tmp
     eng.close()
     assert status == 400 and set(reply) == {"success", "message", "num_paused_requests"}
     assert reply["success"] is False and "--trusted-dir" in reply["message"] and reply["num_paused_requests"] == 0
+
+
+def test_a_request_past_the_context_is_refused_not_capped(servers):
+    # SGLang's tokenizer manager refuses prompt + max_new_tokens beyond the context (512 positions here)
+    status, reply = _post(servers[0], "/generate", {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 503}})
+    assert status == 400 and reply["error"]["message"].startswith(
+        "Requested token count exceeds the model's maximum context length of 512 tokens. You requested a total of "
+        "513 tokens: 10 tokens from the input messages and 503 tokens for the completion.")
+    status, reply = _post(servers[0], "/generate", {"input_ids": [5] * 512})
+    assert status == 400 and reply["error"]["message"] == ("The input (512 tokens) is longer than the model's context "
+                                                           "length (512 tokens).")
+    assert _post(servers[0], "/generate", {"input_ids": [5] * 10,
+                                           "sampling_params": {"max_new_tokens": 2}})[0] == 200
