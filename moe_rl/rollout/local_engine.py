@@ -325,10 +325,13 @@ class LocalEngine:
                     paused = not self._running.is_set() and self._abort_epoch == epoch
                     if not retracted and not paused:
                         self._relabel([rows[k] for k in active], inplace_at)  # the last word: launched now
+                        # counted at launch: an in-place pause landing while this forward runs leaves its
+                        # result in flight, as SGLang's overlap schedule does (pause_generation takes no lock)
+                        inplace_at = self._inplace_epoch
                         out = self.model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True,
                                          **{self._cache_kw: cache})
                         routes = self._recorder.take() if self._recorder else None
-                        version, inplace_at = self.weight_version, self._inplace_epoch
+                        version = self.weight_version
                         self.last_forward_time = time.monotonic()
                 if not paused:
                     break
@@ -427,10 +430,10 @@ class LocalEngine:
                 cache, ids, mask, pos = prefilled_cache(self.config, hits, tokens, pad, dev)
                 starts = [r.lp_start if r.lp_start >= 0 and r.in_lps is None else len(t) for r, t in zip(rows, tokens)]
                 keep = max([1] + [len(t) - s for t, s in zip(tokens, starts)])
+                computed = (self.weight_version, self._retract_epoch, self._inplace_epoch)  # at launch (decode's)
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                                  logits_to_keep=keep, **{self._cache_kw: cache})
                 routes = self._recorder.take() if self._recorder else None
-                computed = (self.weight_version, self._retract_epoch, self._inplace_epoch)
                 self.last_forward_time = time.monotonic()
                 for name in ("cache", "past_key_values"):  # the output field follows the argument's name
                     if getattr(out, name, None) is not None:

@@ -99,3 +99,57 @@ def test_in_place_spans_count_each_token_with_the_weights_that_sampled_it(spans,
 
     assert in_place_spans(spans, sent, LABELS) == expected
 
+
+
+def _logprobs(model_dir, prompt: list[int], output: list[int]) -> np.ndarray:
+    """log softmax of a fresh HF forward of `model_dir` at each output token (T = 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    return logp.gather(1, torch.tensor(output).view(-1, 1)).view(-1).numpy()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_in_place_spans_name_the_weights_that_sampled_each_token(tmp_path, overlap):
+    """An in-place push mid-generation on moe-rl serve, which labels tokens as SGLang's scheduler does (with
+    its overlap schedule, the default, or without). Which weights sampled a token is read off its log-prob:
+    up to the push they are a fresh forward of the old checkpoint; the first token the new weights sampled
+    is not (new weights, partly over old keys and values). The client's spans end the old version exactly
+    there (SGLang's overlap labels end it one token early: the raw spans fail this)."""
+    from moe_rl.rollout.local_engine import LocalEngine
+    from moe_rl.rollout.server import ServerThread
+    from moe_rl.testing import make_tiny_qwen3_moe
+
+    old, new = make_tiny_qwen3_moe(tmp_path / "old", seed=0), make_tiny_qwen3_moe(tmp_path / "new", seed=1)
+    engine = LocalEngine(old, overlap_labels=overlap)
+    prompt = [1, 5, 6, 7]
+    with ServerThread(engine) as server, SGLangClient([server.url], version_lag=1, flush_on_update=False,
+                                                      pushes_in_place=True) as client:
+        out: dict = {}
+        req = GenerateRequest(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True, seed=3),
+                              return_routed_experts=False)
+        th = threading.Thread(target=lambda: out.update(r=client.generate([req])), daemon=True)
+        th.start()
+        deadline = time.monotonic() + 30
+        while not engine.busy:
+            assert time.monotonic() < deadline and th.is_alive(), "the request never reached the engine"
+            time.sleep(0.01)
+        time.sleep(0.05)
+        client.pause_generation("in_place")
+        try:
+            client.update_weights_from_disk(new, "1")
+        finally:
+            client.continue_generation()
+        th.join(60)
+    res = out["r"][0][0]
+    spans = res.weight_versions
+    assert [v for v, _, _ in spans] == ["default", "1"], spans
+    boundary = spans[0][2]  # the first token counted with version "1"
+    engine_lp = res.output_logprobs
+    by_old = np.abs(_logprobs(old, prompt, res.output_ids) - engine_lp) < 1e-4
+    assert by_old[:boundary].all(), np.flatnonzero(~by_old[:boundary])  # every token before: the old weights'
+    assert not by_old[boundary], "the first token of version 1 was sampled from the old weights"

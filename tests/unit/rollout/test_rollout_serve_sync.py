@@ -419,7 +419,8 @@ def test_an_in_place_push_keeps_the_paused_sample_across_two_versions(server, ti
     # (version_lag 1), and generates it again from the new weights when not (0)
     from moe_rl.rollout.sglang_client import SGLangClient
 
-    with SGLangClient([server.url], flush_on_update=False, version_lag=lag, probe_interval=0.2) as client:
+    with SGLangClient([server.url], flush_on_update=False, pushes_in_place=True, version_lag=lag,
+                      probe_interval=0.2) as client:
         client.update_weights_from_disk(tiny_hf_dir, f"4{lag}0")
         out: dict = {}
         req = GenerateRequest(PROMPT, SamplingParams(max_new_tokens=400, ignore_eos=True))
