@@ -201,7 +201,7 @@ def check_rollout(cfg: Any) -> Iterator[str]:
     if r.colocated and k:
         yield (f"rollout.colocated: true is not allowed with algo.max_staleness={k} (or algo.off_policy_overlap="
                "true): colocated servers release their GPU memory while the trainer trains, so they cannot "
-               "generate meanwhile")
+               "generate meanwhile; set algo.max_staleness=0")
     if r.router and r.urls:
         yield ("rollout.router: true starts a router in front of launched servers; rollout.urls is set (servers "
                "already run): put the router's URL in rollout.urls and its workers in rollout.admin_urls")
