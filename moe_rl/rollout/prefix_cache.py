@@ -19,6 +19,7 @@ HF transformers' `DynamicCache`. Page size 1.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 from dataclasses import dataclass
@@ -142,11 +143,18 @@ class PrefixCache:
 
     def _evict(self) -> None:
         """Drop least recently used leaves until at most max_tokens are held (whole nodes, as SGLang's
-        evict does)."""
-        while self.tokens > self.max_tokens:
-            leaf = min(_leaves(self.root), key=lambda n: n.last_use)
-            del leaf.parent.children[leaf.key[0]]
+        evict does); a parent left without children becomes a leaf in its turn."""
+        if self.tokens <= self.max_tokens:
+            return
+        heap = [(n.last_use, id(n), n) for n in _leaves(self.root)]
+        heapq.heapify(heap)
+        while self.tokens > self.max_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
             self.tokens -= len(leaf.key)
+            if parent is not self.root and not parent.children:
+                heapq.heappush(heap, (parent.last_use, id(parent), parent))
 
 
 def _common(key: tuple[int, ...], tokens: list[int], at: int) -> int:

@@ -97,13 +97,16 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
             if abort:
                 engine.continue_generation()
 
+    refused = None
     try:
         async with request.app[UPDATE_LOCK].exclusive(engine):  # after the running requests, unless paused
             await loop.run_in_executor(request.app[UPDATE_EXECUTOR], work)
+            # the flush goes with the load, before a waiting request is let in (SGLang's scheduler does both
+            # in one step): else that request could read a prefix the old weights computed
+            refused = refused_flush(engine) if flush else None
     except Exception as e:  # noqa: BLE001 - refused update: old weights keep serving
         return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
                                   "num_paused_requests": 0}, status=400)
-    refused = refused_flush(engine) if flush else None
     if refused:
         return web.json_response({"success": False, "message": refused, "num_paused_requests": 0}, status=400)
     return web.json_response({"success": True, "message": "Succeeded to update model weights.",
