@@ -358,14 +358,28 @@ def _generating(url: str) -> bool:
 
 
 def _long_generate(url: str, out: dict) -> threading.Thread:
-    """A /generate of 400 tokens in a thread, returned once it is inside the engine."""
-    th = threading.Thread(target=lambda: out.update(r=_http(url, "/generate", {
-        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})), daemon=True)
+    """A /generate of 400 tokens in a thread (streamed: its last event is the whole reply), returned once two
+    of its tokens were sent: a pause from then on finds it decoding, past its first token (which SGLang's
+    overlap schedule would still hold in flight, and label with the next version)."""
+    started = threading.Event()
+
+    def run() -> None:
+        req = urllib.request.Request(url + "/generate", data=json.dumps({
+            "input_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            events = []
+            for line in r:
+                if line.startswith(b"data: {"):
+                    events.append(json.loads(line[len(b"data: "):]))
+                    if len(events) == 2:
+                        started.set()
+            out["r"] = (r.status, events[-1])
+
+    th = threading.Thread(target=run, daemon=True)
     th.start()
-    deadline = time.monotonic() + 20
-    while not _generating(url):
-        assert time.monotonic() < deadline and th.is_alive(), "the request never reached the engine"
-        time.sleep(0.01)
+    assert started.wait(20), "the request never reached the engine"
     return th
 
 
@@ -378,7 +392,7 @@ def test_a_weight_update_waits_for_running_requests_unless_paused(server, tiny_h
     th = _long_generate(url, done)
     status, reply = _http(url, "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "31"})
     assert status == 200 and reply["success"], reply
-    assert not th.is_alive(), "the update returned while the request was still generating"
+    th.join(30)  # its reply is written once it left the engine: the update went first, or the spans say so
     meta = done["r"][1]["meta_info"]
     assert meta["weight_versions"] == [{"version": "30", "start": 0, "end": 400}] and meta["weight_version"] == "30"
 
@@ -430,6 +444,9 @@ def test_an_in_place_push_keeps_the_paused_sample_across_two_versions(server, ti
         while not _generating(server.url):
             assert time.monotonic() < deadline and th.is_alive(), "the request never reached the engine"
             time.sleep(0.01)
+        # past its first token, which SGLang's overlap schedule would still hold in flight at the pause and
+        # label with the next version (400 tokens take seconds: 0.3 s leaves no doubt)
+        time.sleep(0.3)
         client.pause_generation("in_place")
         try:
             client.update_weights_from_disk(tiny_hf_dir, f"4{lag}1")  # no flush asked: it passes
