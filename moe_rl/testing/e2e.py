@@ -76,6 +76,10 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
             run.pipeline.reset(run.sampler)
             run.pipeline.close()
             run.pipeline = None
+        if run.engine is not None:  # pushes flush again; the in-place ones left prefixes of older weights cached
+            for key, value in inflight_client_args(run.cfg).items():
+                setattr(run.engine, key, value)
+            run.engine.flush_cache()
         # Packed micro-batches with token-balanced DP shares, under both replay modes.
         packed = dataclasses.replace(cfg.parallel, max_tokens_per_microbatch=PACK_TOKENS)
         run.policy.spec = dataclasses.replace(run.policy.spec, max_tokens_per_microbatch=PACK_TOKENS)

@@ -292,7 +292,7 @@ def _script_commands(text: str, module: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("nodes, rollout_nodes, overrides", [
     (4, 2, ["parallel.ep=4"]),
-    (2, 0, ["parallel.ep=4", "parallel.pp=2", "rollout.weight_sync=disk"]),
+    (2, 0, ["parallel.ep=4", "parallel.pp=2", "rollout.weight_sync=disk", "algo.max_staleness=0"]),  # colocated
 ])
 def test_slurm_script_server_and_router_lines_parse(oracle, tmp_path, nodes, rollout_nodes, overrides):
     from moe_rl.launch.plan import NodeShape

@@ -87,7 +87,7 @@ def _sync_worker(hf_dir: str, work_dir: str, sequences: list[torch.Tensor]) -> d
     work = Path(work_dir)
     local = LocalEngine(hf_dir) if rank == 0 else None   # in-process engine
     served = LocalEngine(hf_dir) if rank == 0 else None  # behind moe-rl serve's HTTP API
-    server = ServerThread(served).start() if rank == 0 else None
+    server = ServerThread(served, enable_return_routed_experts=True).start() if rank == 0 else None
     client = SGLangClient([server.url], max_attempts=1) if rank == 0 else None
 
     def trainer_logp() -> torch.Tensor:
