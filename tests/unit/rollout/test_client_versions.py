@@ -48,6 +48,26 @@ def test_the_initial_weights_count_as_version_zero(lag, pushes, spans, stale):
         client.close()
 
 
+def _push_while_generating(client: SGLangClient, engine, req: GenerateRequest, mode: str, weights,
+                           after_s: float = 0.0) -> GenerateResult:
+    """`req`'s one sample, with weights version "1" pushed (paused `mode`) while the engine generates it."""
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.update(r=client.generate([req])), daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not engine.busy:
+        assert time.monotonic() < deadline and th.is_alive(), "the request never reached the engine"
+        time.sleep(0.01)
+    time.sleep(after_s)
+    client.pause_generation(mode)
+    try:
+        client.update_weights_from_disk(weights, "1")
+    finally:
+        client.continue_generation()
+    th.join(60)
+    return out["r"][0][0]
+
+
 def test_a_request_alive_at_the_first_push_is_kept(tmp_path):
     """moe-rl serve labels its first weights "default" as SGLang does; a retracted push lands while a request
     generates: the client returns the sample spanning both versions and generates nothing again."""
@@ -59,21 +79,8 @@ def test_a_request_alive_at_the_first_push_is_kept(tmp_path):
     make_tiny_qwen3_moe(model)
     engine = LocalEngine(model)
     with ServerThread(engine) as server, SGLangClient([server.url], version_lag=1, probe_interval=0.2) as client:
-        out: dict = {}
         req = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=300, ignore_eos=True), return_routed_experts=False)
-        th = threading.Thread(target=lambda: out.update(r=client.generate([req])), daemon=True)
-        th.start()
-        deadline = time.monotonic() + 30
-        while not engine.busy:
-            assert time.monotonic() < deadline and th.is_alive(), "the request never reached the engine"
-            time.sleep(0.01)
-        client.pause_generation("retract")
-        try:
-            client.update_weights_from_disk(model, "1")
-        finally:
-            client.continue_generation()
-        th.join(60)
-        spans = out["r"][0][0].weight_versions
+        spans = _push_while_generating(client, engine, req, "retract", model).weight_versions
         assert [v for v, _, _ in spans] == ["default", "1"] and spans[-1][2] == 300
         assert client.take_stale_resamples() == 0
         assert client.server_states()[server.url]["healthy"]
@@ -129,23 +136,9 @@ def test_in_place_spans_name_the_weights_that_sampled_each_token(tmp_path, overl
     prompt = [1, 5, 6, 7]
     with ServerThread(engine) as server, SGLangClient([server.url], version_lag=1, flush_on_update=False,
                                                       pushes_in_place=True) as client:
-        out: dict = {}
         req = GenerateRequest(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True, seed=3),
                               return_routed_experts=False)
-        th = threading.Thread(target=lambda: out.update(r=client.generate([req])), daemon=True)
-        th.start()
-        deadline = time.monotonic() + 30
-        while not engine.busy:
-            assert time.monotonic() < deadline and th.is_alive(), "the request never reached the engine"
-            time.sleep(0.01)
-        time.sleep(0.05)
-        client.pause_generation("in_place")
-        try:
-            client.update_weights_from_disk(new, "1")
-        finally:
-            client.continue_generation()
-        th.join(60)
-    res = out["r"][0][0]
+        res = _push_while_generating(client, engine, req, "in_place", new, after_s=0.05)
     spans = res.weight_versions
     assert [v for v, _, _ in spans] == ["default", "1"], spans
     boundary = spans[0][2]  # the first token counted with version "1"
