@@ -37,6 +37,8 @@ def pushes_in_place(rollout: Any) -> bool:
     """Whether a weight push pauses the generating requests in place: they keep their KV cache, so it
     asks for no cache flush, which SGLang refuses under running requests (a retract frees them first)."""
     return getattr(rollout, "inflight_update", "wait") == "in_place"
+
+
 def in_place_refusal(rollout: Any, url: str, server_info: Any) -> str | None:
     """Why a run that pushes in place must not use the running server at `url` (rollout.urls): its /server_info
     does not say `disable_radix_cache: true`. The servers this run launches get --disable-radix-cache

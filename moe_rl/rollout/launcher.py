@@ -45,8 +45,9 @@ from typing import Any, Mapping, Sequence
 
 from moe_rl.dist.ports import free_ports
 from moe_rl.rollout.auth import RunKeys, needs_keys, redact, write_key_file
+from moe_rl.rollout.config import pushes_in_place
 from moe_rl.rollout.engines import engine_kind
-from moe_rl.rollout.processes import (_WILDCARD_HOSTS, _die_with_parent, _group_members, _http_ok,  # noqa: F401
+from moe_rl.rollout.processes import (_WILDCARD_HOSTS, _die_with_parent, _group_members, _http_ok,
                                       _wait_port_free, port_is_free, tail)
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,6 @@ def radix_cache_args(cfg: Any) -> list[str]:
     may never come. With the cache on, prefixes computed by version 0 would then serve every later version,
     unseen by the staleness metrics (they read the output tokens' versions) and replayed by R3. Without
     the cache every prompt is computed by the weights that sample from it."""
-    from moe_rl.rollout.config import pushes_in_place
-
     return ["--disable-radix-cache"] if pushes_in_place(cfg) else []
 
 

@@ -8,10 +8,10 @@ What it does for robustness (SGLangClient's, through it):
 - async aiohttp core with bounded concurrency (`max_concurrency` requests in flight);
 - a per-request timeout (`request_timeout`): a hung server costs a timeout, never a hang;
 - retries with exponential backoff and jitter, each attempt on the least-loaded
-  healthy server, or the healthy server a request's affinity key hashes to (`affine`); a server that fails (connection error, timeout, HTTP 5xx / 429)
-  is marked unhealthy and re-probed via GET /health_generate every `probe_interval` s
-  (a wedged SGLang server still answers a plain /health with 200; /health_generate
-  generates a token); a recovered server first gets the latest weights
+  healthy server, or the healthy server a request's affinity key hashes to (`affine`);
+  a server that fails (connection error, timeout, HTTP 5xx / 429) is marked unhealthy
+  and re-probed via GET /health_generate every `probe_interval` s (a wedged SGLang server
+  still answers a plain /health with 200; /health_generate generates a token); a recovered server first gets the latest weights
   (`update_weights_from_disk`) when it missed an update;
 - a sample is never dropped: it is retried elsewhere, or the call fails with a
   `RolloutError` naming the server URL and the error. Protocol errors (HTTP 4xx,

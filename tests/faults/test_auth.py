@@ -215,7 +215,7 @@ def test_router_refuses_callers_without_the_run_key(tmp_path):
 def test_no_launched_process_has_a_key_on_its_command_line(tiny_hf_dir, tmp_path):
     """`ps` shows every user of the node each process's argv: the keys travel in mode-600 files only
     (the servers' --config, the router's --api-key-file)."""
-    from moe_rl.rollout.launcher import _group_members
+    from moe_rl.rollout.processes import _group_members
     from moe_rl.testing import free_ports
 
     pytest.importorskip("sglang_router")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 from typing import Any, Callable
 
 from moe_rl.rollout.engine import GenerateResult
@@ -57,6 +58,4 @@ class Hooks:
 
 
 def with_hooks(req: Any, hooks: Hooks) -> Any:
-    from dataclasses import replace
-
     return replace(req, hooks=hooks)

@@ -9,8 +9,9 @@ import pytest
 
 from moe_rl.config import RolloutConfig
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
-from moe_rl.rollout.launcher import (LauncherError, ServerGroup, ServerSpec, _group_members, plan_servers,
-                                     port_is_free, router_command, sglang_server_command, tail, wants_router)
+from moe_rl.rollout.launcher import (LauncherError, ServerGroup, ServerSpec, plan_servers, router_command,
+                                     sglang_server_command, wants_router)
+from moe_rl.rollout.processes import _group_members, port_is_free, tail
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.testing import free_port
 
