@@ -487,6 +487,21 @@ class _ShardWriter:
         self.buffer, self.size = {}, 0
 
 
+def _writes(shard: Shard, place: RankPlace) -> bool:
+    """Whether this rank writes a tensor of this shard's group (one rank of the whole job does)."""
+    if shard.group == "etp":
+        return place.edp_rank == 0 and place.etp_rank == 0
+    return place.dp_rank == 0 and place.tp_rank == 0
+
+
+def is_hf_writer() -> bool:
+    """Whether this rank writes any HF tensor (`iter_hf_tensors` yields some): tensor-parallel rank 0
+    of data-parallel replica 0 (the dense tensors of its stage), or expert-tensor rank 0 of expert-data
+    replica 0 (its experts). Known without iterating, which runs the gathers."""
+    place = RankPlace.current()
+    return (place.dp_rank == 0 and place.tp_rank == 0) or (place.edp_rank == 0 and place.etp_rank == 0)
+
+
 @torch.no_grad()
 def iter_hf_tensors(chunks: list[Any], arch: MoEArch, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the tensors this rank writes (collective: call on every rank).
@@ -501,9 +516,7 @@ def iter_hf_tensors(chunks: list[Any], arch: MoEArch, buffers: bool = True) -> I
         if shard is None:
             raise ConversionError(f"megatron parameter {name!r} has no HF counterpart for {arch.family}")
         full = _gather(param.data, shard, place, arch)
-        is_writer = (place.edp_rank == 0 and place.etp_rank == 0) if shard.group == "etp" \
-            else (place.dp_rank == 0 and place.tp_rank == 0)
-        if not is_writer or (name == "output_layer.weight" and arch.tie_word_embeddings):
+        if not _writes(shard, place) or (name == "output_layer.weight" and arch.tie_word_embeddings):
             continue
         yield from _to_hf(full, shard, arch)
 

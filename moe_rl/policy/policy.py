@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.dist.devices import compute_device
-from moe_rl.policy.convert import export_hf, iter_hf_tensors, load_hf_weights
+from moe_rl.policy.convert import export_hf, is_hf_writer, iter_hf_tensors, load_hf_weights
 from moe_rl.policy.dist_ckpt import load_sharded, load_sharded_weights, save_sharded
 from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
@@ -291,6 +291,10 @@ class Policy(MegatronModel):
     def export(self, out_dir: str | Path) -> None:
         """`export_hf`: disk sync."""
         self.export_hf(out_dir)
+
+    def is_source(self) -> bool:
+        """Whether this rank owns HF tensors (the nccl sync's senders), known before the gathers run."""
+        return is_hf_writer()
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`hf_tensors`: tensor and nccl syncs."""

@@ -142,8 +142,16 @@ class RolloutConfig:
     """Share of GPU memory SGLang may take for weights + KV cache (its --mem-fraction-static)."""
     weight_sync: str = choice("disk", WEIGHT_SYNCS)
     """How new weights reach the engine: disk (safetensors; works everywhere), tensor (same
-    process), nccl (trainer rank 0 broadcasts to every server over a process group it forms with
-    them: NCCL on GPUs, gloo to `moe-rl serve` on CPU)."""
+    process), nccl (every trainer rank that owns HF tensors sends its own share to every server,
+    bucket by bucket, over a process group it forms with each: NCCL on GPUs, gloo to `moe-rl serve`
+    on CPU)."""
+    weight_sync_delta: bool = False
+    """nccl: after a full push, send only what changed in the dtype the servers hold (unchanged
+    tensors are skipped; `moe-rl serve` also takes the changed elements alone). A failed push or a
+    restarted server makes the next push full."""
+    verify_weights: bool = True
+    """nccl: after each push compare every server's checksums (/weights_checker) with what was sent,
+    and stop naming the tensor and the server on a mismatch."""
     inflight_update: str = choice("auto", INFLIGHT_UPDATES)
     """What a weight push does to the requests still generating (with algo.max_staleness >= 1, the
     next steps'): auto = wait for a synchronous run, retract for an asynchronous one (the measured

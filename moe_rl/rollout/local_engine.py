@@ -40,7 +40,7 @@ from moe_rl.rollout.memory import MEMORY_TAGS, MemoryRegions
 from moe_rl.rollout.prefix_cache import PrefixCache, PrefixHit
 from moe_rl.rollout.route_recorder import make_recorder
 from moe_rl.rollout.sampler import ids_logprobs, prompt_logprobs, sample, top_logprobs
-from moe_rl.rollout.weight_load import apply_plan, check_checkpoint, plan_tensors
+from moe_rl.rollout.weight_load import apply_plan, apply_sparse, check_checkpoint, plan_sparse, plan_tensors
 
 PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's default size: 1 GiB of keys and values
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -497,6 +497,19 @@ class LocalEngine:
         with self._lock:
             self._check_resident("update_weights_from_tensors", ("weights",))  # under the lock: exact
             apply_plan(plan)
+            if version is not None:
+                self.weight_version = str(version)
+
+    def update_weights_sparse(self, items: Sequence[tuple[str, torch.Tensor, torch.Tensor | None]],
+                              version: str | int | None = None) -> None:
+        """Apply a delta push: per tensor (name, values, flat indices), or (name, tensor, None) for a
+        whole one. Everything is checked before anything is written, as `update_weights_from_tensors`."""
+        whole = plan_tensors(self.model, [(n, v) for n, v, idx in items if idx is None])
+        sparse = plan_sparse(self.model, [(n, v, idx) for n, v, idx in items if idx is not None])
+        with self._lock:
+            self._check_resident("update_weights_sparse", ("weights",))
+            apply_plan(whole)
+            apply_sparse(sparse)
             if version is not None:
                 self.weight_version = str(version)
 

@@ -88,3 +88,58 @@ def resolve(name: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor | N
     half = fused.shape[1] // 2  # rows [0, I) are gate_proj, [I, 2I) up_proj
     rows = slice(0, half) if kind == "gate_proj" else slice(half, 2 * half)
     return fused, (e, rows)
+
+
+SparsePlan = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def plan_sparse(model: torch.nn.Module, items: list[tuple[str, torch.Tensor, torch.Tensor]]) -> SparsePlan:
+    """(served view, flat indices, values) per element delta `(name, values, indices)`; ValueError naming
+    every bad one (at most 5), before anything is written."""
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
+    plan: SparsePlan = []
+    errors = []
+    for name, values, idx in items:
+        target, index = resolve(name, state)
+        if target is None:
+            errors.append(f"unknown parameter {name!r}")
+            continue
+        view = target[index] if index else target
+        if idx.numel() != values.numel() or (idx.numel() and int(idx.max()) >= view.numel()):
+            errors.append(f"{name}: {idx.numel()} indices for {values.numel()} values into {view.numel()} elements")
+            continue
+        if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            errors.append(f"{name}: holds NaN or inf")
+            continue
+        plan.append((view, idx, values))
+    if errors:
+        raise ValueError("weight update refused, nothing was changed: " + "; ".join(errors[:5])
+                         + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
+    return plan
+
+
+def apply_sparse(plan: SparsePlan) -> None:
+    with torch.no_grad():
+        for view, idx, values in plan:
+            coords = torch.unravel_index(idx.to(view.device), view.shape)  # writes through any view's strides
+            view.index_put_(coords, values.to(device=view.device, dtype=view.dtype))
+
+
+def checkpoint_names(path: str | Path) -> list[str]:
+    """The tensor names of a HF checkpoint directory (its safetensors files' headers)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            names += list(fh.keys())
+    return sorted(names)
+
+
+def served_view(model: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """What the served model holds under the checkpoint name `name` (a view), or None."""
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
+    target, index = resolve(name, state)
+    return None if target is None else (target[index] if index else target)

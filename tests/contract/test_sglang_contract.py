@@ -59,6 +59,8 @@ CALLS = {
     ("POST", "/begin_weight_update"): "weight_sync",
     ("POST", "/end_weight_update"): "weight_sync",
     ("POST", "/update_weights_from_distributed"): "weight_sync",
+    ("POST", "/update_weight_version"): "weight_sync (the last word of a push when rank 0 sent no tensor)",
+    ("POST", "/weights_checker"): "weight_sync (rollout.verify_weights: the servers' checksums)",
 }
 CALLERS = ["moe_rl/rollout/sglang_client.py", "moe_rl/rollout/wire.py", "moe_rl/rollout/launcher.py",
            *sorted(str(p.relative_to(REPO)) for p in (REPO / "moe_rl/rollout/weight_sync").glob("*.py")),
@@ -249,7 +251,10 @@ def test_weight_sync_bodies_are_sglang_request_types(oracle, load_format):
         assert reply["fields"]["shapes"] == body["shapes"] and reply["fields"]["dtypes"] == body["dtypes"]
     # The session and teardown bodies weight_sync.NcclSync sends ({} and {"group_name"}).
     for cls, body in [("BeginWeightUpdateReqInput", {}), ("EndWeightUpdateReqInput", {}),
-                      ("DestroyWeightsUpdateGroupReqInput", {"group_name": "moe_rl_weight_sync"})]:
+                      ("DestroyWeightsUpdateGroupReqInput", {"group_name": "moe_rl_weight_sync"}),
+                      # a push's last word when rank 0 sent no tensor, and rollout.verify_weights
+                      ("UpdateWeightVersionReqInput", {"new_version": "7", "abort_all_requests": False}),
+                      ("CheckWeightsReqInput", {"action": "checksum"})]:
         _accepted(oracle.ask(op="request", cls=cls, body=body), cls)
 
 

@@ -24,7 +24,7 @@ from moe_rl.rollout.server.live import LiveRequests
 from moe_rl.rollout.server.openai import ROUTES as OPENAI_ROUTES
 from moe_rl.rollout.server.update_lock import ModelUpdateLock
 from moe_rl.rollout.server.updates import (_begin_weight_update, _destroy_weights_update_group, _end_weight_update,
-                                           _init_weights_update_group, _update_weight_version,
+                                           _init_weights_update_group, _update_weight_version, _weights_checker,
                                            _update_weights_from_distributed, _UpdateGroups)
 
 log = logging.getLogger(__name__)
@@ -246,6 +246,7 @@ def server_info(engine: Any, server_args: dict[str, Any]) -> dict[str, Any]:
         "enable_memory_saver": bool(getattr(getattr(engine, "memory", None), "memory_saver", False)),
         "enable_weights_cpu_backup": bool(getattr(getattr(engine, "memory", None), "weights_cpu_backup", False)),
         "weight_version": engine.weight_version,
+        "moe_rl_sparse_updates": True,  # takes load_format "moe_rl_sparse" (element deltas); SGLang has none
         **{k: v for k, v in server_args.items() if k not in ("max_running_requests", "served_model_name",
                                                              "enable_return_routed_experts")},
         # SGLang's internal_states hold scheduler state per dp rank; here, this engine's
@@ -299,6 +300,7 @@ ROUTES: list[tuple[tuple[str, ...], tuple[str, ...], Callable[[web.Request], Any
     (("POST",), ("/end_weight_update",), _end_weight_update),
     (("POST",), ("/update_weights_from_distributed",), _update_weights_from_distributed),
     (("POST",), ("/update_weight_version",), _update_weight_version),
+    (("GET", "POST"), ("/weights_checker",), _weights_checker),
     (("GET", "POST"), ("/release_memory_occupation",), _release_memory),
     (("GET", "POST"), ("/resume_memory_occupation",), _resume_memory),
 ]

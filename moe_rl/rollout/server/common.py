@@ -68,7 +68,10 @@ _INIT_GROUP_FIELDS = {"master_address": (str, _REQUIRED), "master_port": (int, _
 _UPDATE_FIELDS = {"names": (list, _REQUIRED), "dtypes": (list, _REQUIRED), "shapes": (list, _REQUIRED),
                   "group_name": (str, "weight_update_group"), "flush_cache": (bool, True),
                   "abort_all_requests": (bool, False), "weight_version": ((str, type(None)), None),
-                  "load_format": ((str, type(None)), None)}
+                  "load_format": ((str, type(None)), None), "nnz": ((list, type(None)), None)}
+
+
+_CHECK_FIELDS = {"action": (str, "checksum"), "skip_tensor_list": ((list, type(None)), None)}
 
 
 _GROUP_NAME_FIELDS = {"group_name": (str, "weight_update_group")}

@@ -3,6 +3,7 @@ endpoints (`/init_weights_update_group`, `/begin_weight_update`, `/update_weight
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -11,10 +12,14 @@ import torch.distributed as dist
 from aiohttp import web
 
 from moe_rl.rollout.memory import MemoryReleasedError
-from moe_rl.rollout.server.common import (_GROUP_NAME_FIELDS, _INIT_GROUP_FIELDS, _UPDATE_FIELDS, _VERSION_FIELDS,
+from moe_rl.rollout.server.common import (_CHECK_FIELDS, _GROUP_NAME_FIELDS, _INIT_GROUP_FIELDS, _UPDATE_FIELDS,
+                                          _VERSION_FIELDS,
                                           ENGINE, GROUPS, UPDATE_EXECUTOR, UPDATE_LOCK, BadRequest, _fields, _is_int,
                                           _outcome, _read_json, refused_flush)
-from moe_rl.rollout.weight_sync import TensorMeta, new_custom_group, unflatten_bucket
+from moe_rl.rollout.weight_load import checkpoint_names, served_view
+from moe_rl.rollout.weight_sync import (SPARSE_FORMAT, TensorMeta, new_custom_group, tensor_checksum, unflatten_bucket,
+                                        unflatten_sparse)
+from moe_rl.rollout.weight_sync.delta import sparse_bucket_nbytes
 
 class _UpdateGroups:
     """Process groups joined with trainers, by name, and the open weight-update session.
@@ -84,7 +89,7 @@ class _UpdateGroups:
                            "Please call `init_weights_update_group` first.")
         metas = [TensorMeta(n, tuple(s), d) for n, d, s in zip(body["names"], body["dtypes"], body["shapes"])]
         try:
-            weights = self._receive(metas, body["load_format"], *self.groups[name])
+            weights = self._receive(metas, body["load_format"], body["nnz"], *self.groups[name])
         except Exception as e:  # noqa: BLE001 - the group is probably broken: say so
             return False, f"Failed to receive weights: {e}"
         if not self.session_open:
@@ -93,10 +98,15 @@ class _UpdateGroups:
         return self._load(weights, body)
 
     @staticmethod
-    def _receive(metas: list[TensorMeta], load_format: str | None, pg: Any,
-                 backend: str) -> list[tuple[str, torch.Tensor]]:
-        """The tensors rank 0 broadcasts: one uint8 bucket ("flattened_bucket") or one per name."""
+    def _receive(metas: list[TensorMeta], load_format: str | None, nnz: list[int] | None, pg: Any,
+                 backend: str) -> list[Any]:
+        """What rank 0 broadcasts: one uint8 bucket ("flattened_bucket"), one tensor per name, or the
+        changed elements of each (SPARSE_FORMAT: (name, values, indices or None))."""
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if load_format == SPARSE_FORMAT:
+            flat = torch.empty(sparse_bucket_nbytes(metas, nnz or []), dtype=torch.uint8, device=device)
+            dist.broadcast(flat, src=0, group=pg)
+            return unflatten_sparse(flat, metas, nnz or [])
         if load_format == "flattened_bucket":
             flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=device)
             dist.broadcast(flat, src=0, group=pg)
@@ -113,7 +123,10 @@ class _UpdateGroups:
         if body["abort_all_requests"]:
             engine.pause_generation("abort")
         try:
-            engine.update_weights_from_tensors(weights, body["weight_version"])
+            if body["load_format"] == SPARSE_FORMAT:
+                engine.update_weights_sparse(weights, body["weight_version"])
+            else:
+                engine.update_weights_from_tensors(weights, body["weight_version"])
         except (ValueError, MemoryReleasedError) as e:
             earlier = (" Earlier updates of this session were loaded: the served weights mix versions."
                        if self.session_loaded else "")
@@ -142,9 +155,14 @@ def _check_update_body(body: dict[str, Any]) -> None:
             raise BadRequest(f"{path}: dtypes[{i}] ({n}) must name a torch dtype (\"bfloat16\"), got {d!r}")
         if not isinstance(s, list) or not all(_is_int(x) and x >= 0 for x in s):
             raise BadRequest(f"{path}: shapes[{i}] ({n}) must be a list of sizes, got {s!r}")
-    if body["load_format"] not in (None, "flattened_bucket"):
-        raise BadRequest(f"{path}: load_format must be null (one broadcast per tensor) or \"flattened_bucket\", "
-                         f"got {body['load_format']!r}")
+    if body["load_format"] not in (None, "flattened_bucket", SPARSE_FORMAT):
+        raise BadRequest(f"{path}: load_format must be null (one broadcast per tensor), \"flattened_bucket\" or "
+                         f"\"{SPARSE_FORMAT}\" (this server's element deltas), got {body['load_format']!r}")
+    nnz = body["nnz"]
+    if (nnz is not None) != (body["load_format"] == SPARSE_FORMAT):
+        raise BadRequest(f"{path}: field 'nnz' goes with load_format \"{SPARSE_FORMAT}\" and only with it")
+    if nnz is not None and (len(nnz) != len(names) or not all(_is_int(k) and k >= -1 for k in nnz)):
+        raise BadRequest(f"{path}: nnz must hold one count >= -1 per tensor ({len(names)}), got {nnz!r:.200}")
 
 
 async def _on_update_thread(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
@@ -187,6 +205,36 @@ async def _update_weights_from_distributed(request: web.Request) -> web.Response
     body = _fields(await _read_json(request), "/update_weights_from_distributed", _UPDATE_FIELDS)
     _check_update_body(body)
     return _outcome(*await _exclusive_update(request, request.app[GROUPS].update, body))
+
+
+def weight_checksums(engine: Any, skip: list[str] | None = None) -> dict[str, Any]:
+    """`/weights_checker` action "checksum" as SGLang 0.5.23 answers it (srt/utils/weight_checker.py),
+    one rank: each tensor's checksum under the checkpoint's HF names, which are this server's names."""
+    sums = {}
+    for name in checkpoint_names(engine.model_path):
+        if skip and any(s in name for s in skip):
+            continue
+        view = served_view(engine.model, name)
+        if view is not None:
+            sums[name] = tensor_checksum(view)
+    per_gpu = hashlib.sha256()
+    for name in sorted(sums):
+        per_gpu.update(name.encode())
+        per_gpu.update(sums[name].encode())
+    info = {"checksums": sums, "per_gpu_checksum": per_gpu.hexdigest(),
+            "parallelism_info": {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                                 "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}}
+    return {"ranks": [info], "per_engine_checksum": hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()}
+
+
+async def _weights_checker(request: web.Request) -> web.Response:
+    """Only the "checksum" action (SGLang also snapshots, compares and resets weights, for its own tests)."""
+    body = _fields(await _read_json(request), "/weights_checker", _CHECK_FIELDS)
+    if body["action"] != "checksum":
+        return _outcome(False, f"Unsupported action={body['action']!r}: this server computes checksums only")
+    engine = request.app[ENGINE]
+    result = await _on_update_thread(request, weight_checksums, engine, body["skip_tensor_list"])
+    return _outcome(True, "Success", **result)
 
 
 async def _update_weight_version(request: web.Request) -> web.Response:

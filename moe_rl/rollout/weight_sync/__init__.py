@@ -8,16 +8,19 @@ Three ways, chosen by `rollout.weight_sync` (`make_weight_sync`):
   engine and across nodes (shared filesystem); old versions are deleted.
 - `TensorSync` (tensor): the HF-named tensors are sent to rank 0, which copies
   them into a `LocalEngine` living in its own process. No files.
-- `NcclSync` (nccl): rank 0 joins a process group with the SGLang servers
-  (`/init_weights_update_group`) and broadcasts the tensors bucket by bucket while
-  each server receives them (`/update_weights_from_distributed`). GPU only.
+- `NcclSync` (nccl): every rank that owns HF tensors joins one process group with each
+  SGLang server (`/init_weights_update_group`) and broadcasts its own share bucket by bucket
+  while each server receives it (`/update_weights_from_distributed`); optionally only what
+  changed (`rollout.weight_sync_delta`), verified against the servers' checksums
+  (`rollout.verify_weights`). NCCL on GPUs, gloo to `moe-rl serve` on CPU.
 
 Every `sync` is collective: all trainer ranks call it, in the same order, and all
 of them raise the same `WeightSyncError` when any part failed (see `common`).
 
 Modules: `common` (the error, weight sources, hand-offs), `buckets` (tensor metadata, SGLang's
-flattened layout, collecting every rank's tensors on rank 0), `disk`, `tensor`, `nccl` (one
-strategy each), and `make_weight_sync` here, which picks one.
+flattened layout, a rank's buckets, collecting every rank's buckets on rank 0), `sglang_calls`
+(the SGLang requests), `delta`, `verify`, `disk`, `tensor`, `nccl` (one strategy each),
+`funnel` (the earlier nccl path, the bench's baseline), and `make_weight_sync` here, which picks one.
 """
 from __future__ import annotations
 
@@ -27,19 +30,24 @@ from typing import Any, Sequence, Union
 from moe_rl.rollout.config import pushes_in_place
 from moe_rl.rollout.engines import engine_kind
 from moe_rl.rollout.weight_sync.buckets import (Bucket, TensorMeta, collect_to_rank0, dtype_name, flatten_bucket,
-                                                plan_buckets, unflatten_bucket)
+                                                local_buckets, plan_buckets, unflatten_bucket)
 from moe_rl.rollout.weight_sync.common import (ExportFn, MegatronWeights, NamedTensors, PolicyWeights, WeightsArg,
                                                WeightSyncError)
 from moe_rl.rollout.weight_sync.disk import DiskSync, list_versions, version_dir
-from moe_rl.rollout.weight_sync.nccl import (NcclSync, bucket_payloads, group_rank_offsets, init_group_payload,
-                                             new_custom_group, update_payload)
+from moe_rl.rollout.weight_sync.delta import DeltaBase, flatten_sparse, unflatten_sparse
+from moe_rl.rollout.weight_sync.funnel import FunnelSync
+from moe_rl.rollout.weight_sync.nccl import NcclSync, PushStats
+from moe_rl.rollout.weight_sync.sglang_calls import (SPARSE_FORMAT, bucket_payloads, group_rank_offsets,
+                                                     init_group_payload, new_custom_group, update_payload)
+from moe_rl.rollout.weight_sync.verify import mismatches, tensor_checksum
 from moe_rl.rollout.weight_sync.tensor import TensorSync
 
-__all__ = ["Bucket", "DiskSync", "ExportFn", "MegatronWeights", "NamedTensors", "NcclSync", "PolicyWeights",
-           "TensorMeta", "TensorSync", "WeightSync", "WeightSyncError", "WeightsArg", "bucket_payloads",
-           "collect_to_rank0", "dtype_name", "flatten_bucket", "group_rank_offsets", "init_group_payload",
-           "list_versions", "make_weight_sync", "new_custom_group", "plan_buckets", "unflatten_bucket",
-           "update_payload", "version_dir"]
+__all__ = ["Bucket", "DeltaBase", "DiskSync", "ExportFn", "FunnelSync", "MegatronWeights", "NamedTensors",
+           "NcclSync", "PolicyWeights", "PushStats", "SPARSE_FORMAT", "TensorMeta", "TensorSync", "WeightSync",
+           "WeightSyncError", "WeightsArg", "bucket_payloads", "collect_to_rank0", "dtype_name", "flatten_bucket",
+           "flatten_sparse", "group_rank_offsets", "init_group_payload", "list_versions", "local_buckets",
+           "make_weight_sync", "mismatches", "new_custom_group", "plan_buckets", "tensor_checksum",
+           "unflatten_bucket", "unflatten_sparse", "update_payload", "version_dir"]
 
 WeightSync = Union[DiskSync, TensorSync, NcclSync]
 
@@ -73,6 +81,7 @@ def make_weight_sync(cfg: Any, *, root: str | Path | None = None, admin_urls: Se
         return NcclSync(admin_urls, master_address=master_address, master_port=master_port,
                         server_tp_sizes=server_tp_sizes, bucket_bytes=bucket_bytes or (1 << 30), backend=backend,
                         http_timeout=max(600.0, float(getattr(rollout, "timeout_s", 0.0))), group=group, keys=keys,
-                        state_file=state_file,
-                        flush_cache=not pushes_in_place(rollout))
+                        state_file=state_file, flush_cache=not pushes_in_place(rollout),
+                        delta=bool(getattr(rollout, "weight_sync_delta", False)),
+                        verify=bool(getattr(rollout, "verify_weights", False)))
     raise ValueError(f"rollout.weight_sync must be disk, tensor or nccl, got {kind!r}")

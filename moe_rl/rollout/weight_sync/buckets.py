@@ -1,16 +1,17 @@
-"""Buckets of HF-named tensors: their metadata, SGLang's flattened layout, and the collection of every
-rank's tensors on trainer rank 0, bucket by bucket."""
+"""Buckets of HF-named tensors: their metadata, SGLang's flattened layout, a rank's own tensors cut into
+buckets as they are produced (`local_buckets`), and the colocated sync's collection of every rank's
+buckets on trainer rank 0, one message per bucket (`collect_to_rank0`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from moe_rl.dist.collectives import all_gather_objects, rank
 from moe_rl.dist.devices import compute_device
-from moe_rl.rollout.fused_weights import fused_key, pair_fused
+from moe_rl.rollout.fused_weights import fused_key, pair_fused, partner
 from moe_rl.rollout.weight_sync.common import NamedTensors, WeightSyncError, _from_rank0, _global_rank
 
 @dataclass(frozen=True)
@@ -128,45 +129,8 @@ class Bucket:
         return [(m.name, t) for m, t in zip(self.metas, self.tensors)]
 
 
-def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any = None) -> Iterator[Bucket]:
-    """Bring every rank's (name, tensor) pairs to rank 0, bucket by bucket (collective).
-
-    Each rank first drains its own iterator (the policy's export iterator runs TP
-    gathers inside, so ranks must not interleave other collectives with it), then
-    all ranks agree on one bucket plan (rank-major order) and the owners send each
-    bucket's tensors to rank 0 point-to-point. The sends and receives of bucket i + 1
-    are posted before bucket i is yielded, so its transfer overlaps whatever rank 0 does
-    with bucket i (the nccl sync broadcasts it to the servers, the tensor sync copies it).
-    Yields (metas, tensors) on rank 0; yields nothing elsewhere, but every rank must
-    exhaust the generator. Memory: each rank holds its own share until the end; rank 0
-    two buckets more.
-    """
-    me = rank(group)
-    local: list[tuple[str, torch.Tensor]] = pair_fused([(n, t.detach()) for n, t in named_tensors])
-    metas_per_rank = all_gather_objects([TensorMeta.of(n, t, me) for n, t in local], group)
-    metas = [m for per_rank in metas_per_rank for m in per_rank]
-    _check_unique(metas)
-    mine = iter(t for _, t in local)
-    device = compute_device()  # NCCL groups take no host tensors; gloo takes either
-    plan = list(_numbered(plan_buckets(metas, bucket_bytes)))
-
-    def start(k: int) -> Any:
-        # Owners post their sends only once rank 0 has posted its receives (it says so on the control
-        # group): a send never waits on the default group while rank 0 talks to the servers about
-        # the bucket before, however long that takes (NCCL's watchdog would abort the job).
-        _from_rank0(k, group)
-        return _start_exchange(plan[k][1], mine, me, device, plan[k][0], group)
-
-    pending = start(0) if plan else None
-    for index, (_, bucket) in enumerate(plan):
-        nxt = start(index + 1) if index + 1 < len(plan) else None
-        tensors = _finish_exchange(bucket, pending, me)
-        if me == 0:
-            yield Bucket(index, len(plan), bucket, tensors)
-        pending = nxt
-
-
-def _check_unique(metas: Sequence[TensorMeta]) -> None:
+def check_unique(metas: Sequence[TensorMeta]) -> None:
+    """Each tensor comes from exactly one rank."""
     seen: dict[str, int] = {}
     for m in metas:
         if m.name in seen:
@@ -175,49 +139,91 @@ def _check_unique(metas: Sequence[TensorMeta]) -> None:
         seen[m.name] = m.owner
 
 
-def _numbered(buckets: list[list[TensorMeta]]) -> Iterator[tuple[int, list[TensorMeta]]]:
-    """(index of the bucket's first tensor in the global order, bucket): p2p tags."""
-    start = 0
-    for b in buckets:
-        yield start, b
-        start += len(b)
+def paired_lazily(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`pairs` as they come, except that the first tensor of a fused pair waits for its partner and
+    leaves with it (`pair_fused` for a stream: it holds at most one layer's attention tensor)."""
+    held: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, t in pairs:
+        key = fused_key(name)
+        if key is None:
+            yield name, t
+        elif key in held:
+            yield held.pop(key)
+            yield name, t
+        else:
+            held[key] = (name, t)
+    yield from held.values()  # a lone half: the receiver names it
 
 
-def _start_exchange(bucket: list[TensorMeta], mine: Iterator[torch.Tensor], me: int, device: torch.device,
-                    tag_base: int, group: Any) -> tuple[list[Any], list[torch.Tensor]]:
-    """Post one bucket's transfers: owners send their tensors to rank 0 as raw bytes, rank 0 receives.
-    Returns the pending works and, on rank 0, the bucket's tensors (or their receive buffers)."""
-    dst = _global_rank(group, 0)
-    received: list[torch.Tensor] = []
-    works = []
-    for i, m in enumerate(bucket):
-        tag = (tag_base + i) % (1 << 30)
-        if m.owner == me:
-            t = next(mine)
+def local_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, owner: int = 0
+                  ) -> Iterator[list[tuple[TensorMeta, torch.Tensor]]]:
+    """This rank's tensors cut into buckets as they are produced (the rules of `plan_buckets`: at most
+    `bucket_bytes`, each offset a multiple of the element size, a fused pair in one bucket), so a rank
+    holds one bucket while it fills it, never its whole share."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    current: list[tuple[TensorMeta, torch.Tensor]] = []
+    used = 0
+    unit: list[tuple[TensorMeta, torch.Tensor]] = []
+    for name, t in paired_lazily(pairs):
+        unit.append((TensorMeta.of(name, t, owner), t))
+        if fused_key(name) is not None and len(unit) == 1 and partner(name) is not None:
+            continue  # wait for the partner: the pair is one unit
+        end, fits = used, True
+        for m, _ in unit:
+            fits = fits and end % m.itemsize == 0
+            end += m.nbytes
+        if current and not (fits and end <= bucket_bytes):
+            yield current
+            current, used = [], 0
+        current += unit
+        used += sum(m.nbytes for m, _ in unit)
+        unit = []
+    current += unit
+    if current:
+        yield current
+
+
+def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any = None) -> Iterator[Bucket]:
+    """Bring every rank's (name, tensor) pairs to rank 0, one message per bucket (collective).
+
+    Each rank first drains its own iterator (the policy's export iterator runs TP gathers
+    inside, and rank 0 waits on the others here, so the two must not interleave) and cuts it
+    into its own buckets; the ranks agree on the list of (owner, bucket), and each owner sends
+    each of its buckets as one flattened message. The transfer of bucket i + 1 is posted before
+    bucket i is yielded, so it overlaps what rank 0 does with bucket i. Yields on rank 0 only,
+    but every rank must exhaust the generator. Memory: each rank holds its own share; rank 0
+    two received buckets more.
+    """
+    me = rank(group)
+    local = list(local_buckets(((n, t.detach()) for n, t in named_tensors), bucket_bytes, me))
+    per_rank = all_gather_objects([[m for m, _ in b] for b in local], group)
+    check_unique([m for buckets in per_rank for b in buckets for m in b])
+    plan = [(owner, k, b) for owner, buckets in enumerate(per_rank) for k, b in enumerate(buckets)]
+    device = compute_device()  # NCCL groups take no host tensors; gloo takes either
+
+    def start(i: int) -> tuple[Any, Any]:
+        # Owners post their send only once rank 0 has posted its receive (it says so on the control
+        # group): a send never waits on the default group while rank 0 loads the bucket before.
+        _from_rank0(i, group)
+        owner, k, metas = plan[i]
+        if owner == me:
+            flat = flatten_bucket([t.to(device) for _, t in local[k]])
             if me == 0:
-                received.append(t)
-            elif m.numel:
-                works.append(dist.isend(_as_bytes(t, device), dst=dst, group=group, tag=tag))
-        elif me == 0:
-            buf = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
-            if m.numel:
-                works.append(dist.irecv(buf, src=_global_rank(group, m.owner), group=group, tag=tag))
-            received.append(buf)
-    return works, received
+                return None, flat
+            local[k] = []  # sent: the flattened copy is all this rank still holds of it
+            return dist.isend(flat, dst=_global_rank(group, 0), group=group, tag=i % (1 << 30)), flat
+        if me == 0:
+            buf = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=device)
+            return dist.irecv(buf, src=_global_rank(group, owner), group=group, tag=i % (1 << 30)), buf
+        return None, None
 
-
-def _finish_exchange(bucket: list[TensorMeta], pending: tuple[list[Any], list[torch.Tensor]] | None,
-                     me: int) -> list[torch.Tensor]:
-    """Wait for a bucket's transfers; on rank 0 its tensors with their dtypes and shapes."""
-    works, received = pending if pending is not None else ([], [])
-    for w in works:
-        w.wait()
-    if me != 0:
-        return []
-    return [t if m.owner == 0 else t.view(getattr(torch, m.dtype)).reshape(m.shape)
-            for m, t in zip(bucket, received)]
-
-
-def _as_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # Raw bytes go over any backend whatever the dtype (gloo has no p2p for some dtypes).
-    return t.to(device).contiguous().reshape(-1).view(torch.uint8)
+    pending = start(0) if plan else None
+    for i, (_, _, metas) in enumerate(plan):
+        nxt = start(i + 1) if i + 1 < len(plan) else None
+        work, flat = pending
+        if work is not None:
+            work.wait()
+        if me == 0:
+            yield Bucket(i, len(plan), list(metas), [t for _, t in unflatten_bucket(flat, metas)])
+        pending = nxt

@@ -83,6 +83,13 @@ def _export_fn(weights: WeightsArg) -> ExportFn:
     raise TypeError("DiskSync needs an export_fn(out_dir) or an object with export(out_dir)")
 
 
+def is_source(weights: WeightsArg) -> bool | None:
+    """Whether this rank owns tensors of `weights` (None: the weights do not say; a plain list does by
+    being non-empty). Known before iterating, since iterating runs the policy's gathers."""
+    said = getattr(weights, "is_source", None)
+    return bool(said()) if callable(said) else None
+
+
 def _named_tensors(weights: WeightsArg) -> NamedTensors:
     if isinstance(weights, PolicyWeights):
         return weights.named_tensors()
@@ -114,6 +121,11 @@ class MegatronWeights:
         if self.aux_dir is not None and rank() == 0:
             copy_aux_files(self.aux_dir, out_dir)
         return result
+
+    def is_source(self) -> bool:
+        from moe_rl.policy.convert import is_hf_writer
+
+        return is_hf_writer()
 
     def named_tensors(self) -> NamedTensors:
         from moe_rl.policy.convert import iter_hf_tensors

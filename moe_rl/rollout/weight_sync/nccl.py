@@ -1,21 +1,26 @@
-"""`NcclSync` (rollout.weight_sync=nccl): trainer rank 0 joins a process group with the SGLang servers
-(`/init_weights_update_group`) and broadcasts the tensors bucket by bucket while each server receives
-them (`/update_weights_from_distributed`). NCCL on GPUs; gloo reaches `moe-rl serve` on CPU.
+"""`NcclSync` (rollout.weight_sync=nccl): every trainer rank that owns HF tensors sends its own share
+straight to the servers, bucket by bucket. NCCL on GPUs; gloo reaches `moe-rl serve` on CPU.
 
-SGLang payloads (sglang 0.5.23, sglang/srt/managers/io_struct.py):
-`InitWeightsUpdateGroupReqInput{master_address, master_port, rank_offset,
-world_size, group_name, backend}`; server i's TP rank r joins as
-`rank_offset + r`, the trainer is rank 0.
-`UpdateWeightsFromDistributedReqInput{names, dtypes, shapes, group_name,
-flush_cache, abort_all_requests, weight_version, load_format}`; dtypes are torch
-attribute names (`getattr(torch, dtype)`: "bfloat16"). With
-`load_format="flattened_bucket"` one uint8 tensor holding the bucket's tensors
-back to back is broadcast from rank 0, and each tensor's byte offset must be a
-multiple of its element size (sglang/srt/weight_sync/tensor_bucket.py
-`FlattenedTensorBucket.empty`); with `load_format=None` each tensor is broadcast
-on its own, in `names` order. Since 0.5.23 the updates run inside
-`/begin_weight_update` ... `/end_weight_update`; servers without those
-endpoints (404) are updated without them.
+Sources. The ranks that write HF tensors (`MegatronWeights.is_source`: tensor-parallel rank 0 of
+each data-parallel-0 replica's pipeline stages for the dense tensors, expert-tensor rank 0 of each
+expert-parallel rank for its own experts) each form one update group per server: the source is its
+rank 0, the server's TP ranks the rest (SGLang's `/init_weights_update_group`; a server joins any
+number of groups by name). A source converts its tensors as the policy yields them (TP gathers run
+inside the policy's iterator, among the ranks of one stage), cuts them into buckets and sends each
+bucket as one flattened broadcast per server, while it converts the next: no rank holds more than
+two buckets of converted tensors, and no rank receives another's share. The disk sync has the same
+shape already: each rank writes its own safetensors files of one index.
+
+Why one group per (source, server) and not one per source with every server in it: a server runs
+the updates of its groups one at a time, in the order the requests arrive, and requests of several
+sources reach two servers in different orders; a broadcast that spans both servers would then wait
+on a server busy with another source's broadcast, which waits on the first: a deadlock. With a
+group per server, every request a server takes has its broadcast posted already, so each finishes.
+
+The last word. After every source finished, trainer rank 0 sends one small tensor again with the
+weight version (and the cache flush), so a server reports the new version only once it holds all of
+it. With `delta` a source sends only what changed since the last push every server took
+(`delta.py`); with `verify` each server's checksums are compared with what was sent (`verify.py`).
 """
 from __future__ import annotations
 
@@ -23,146 +28,75 @@ import json
 import logging
 import os
 import secrets
-import threading
+import socket
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import Future
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from moe_rl.dist.collectives import rank
+from moe_rl.dist.collectives import all_errors, all_gather_objects, rank
 from moe_rl.dist.devices import compute_device
-from moe_rl.rollout.weight_sync.buckets import Bucket, TensorMeta, collect_to_rank0, flatten_bucket
-from moe_rl.rollout.weight_sync.common import WeightsArg, WeightSyncError, _describe, _from_rank0, _named_tensors
+from moe_rl.rollout.fused_weights import fused_key
+from moe_rl.rollout.weight_sync.buckets import TensorMeta, flatten_bucket, local_buckets
+from moe_rl.rollout.weight_sync.common import (WeightsArg, WeightSyncError, _describe, _from_rank0,
+                                               _named_tensors, is_source)
+from moe_rl.rollout.weight_sync.delta import DeltaBase, flatten_sparse
+from moe_rl.rollout.weight_sync.sglang_calls import (SPARSE_FORMAT, first_error, in_daemon_thread,
+                                                     init_group_payload, new_custom_group, post_json, reply_error,
+                                                     update_payload)
+from moe_rl.rollout.weight_sync.verify import mismatches, tensor_checksum
 
 log = logging.getLogger(__name__)
 
-def group_rank_offsets(server_tp_sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Rank offset of each server in the update group (trainer = rank 0) and the group's world size."""
-    offsets, nxt = [], 1
-    for tp in server_tp_sizes:
-        if int(tp) < 1:
-            raise ValueError(f"server tp sizes must be >= 1, got {list(server_tp_sizes)}")
-        offsets.append(nxt)
-        nxt += int(tp)
-    return offsets, nxt
+
+def _loopback(address: str) -> bool:
+    """A trainer on one host (rank 0 listens on loopback): every rank's groups meet there too."""
+    return address in ("localhost", "::1") or address.startswith("127.")
 
 
-def init_group_payload(master_address: str, master_port: int, rank_offset: int, world_size: int,
-                       group_name: str, backend: str = "nccl") -> dict[str, Any]:
-    """Body of POST /init_weights_update_group (InitWeightsUpdateGroupReqInput)."""
-    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-            "world_size": int(world_size), "group_name": group_name, "backend": backend}
+@dataclass
+class PushStats:
+    """What this rank did in the last push (the bench and the run's log read it)."""
+
+    full: bool = True
+    tensors: int = 0          # tensors this rank owns
+    sent_tensors: int = 0     # of them sent (delta: the changed ones)
+    sparse_tensors: int = 0   # of them sent as changed elements
+    buckets: int = 0
+    messages: int = 0         # broadcasts (one per bucket per server) and HTTP calls this rank made
+    full_bytes: int = 0       # bytes of its tensors in the pushed dtype
+    sent_bytes: int = 0       # bytes it broadcast, over all servers
+    push_s: float = 0.0
+    verify_s: float = 0.0
+    servers: list[str] = field(default_factory=list)
 
 
-def update_payload(bucket: Sequence[TensorMeta], group_name: str, *, flush_cache: bool,
-                   weight_version: str | None, load_format: str | None = "flattened_bucket") -> dict[str, Any]:
-    """Body of POST /update_weights_from_distributed (UpdateWeightsFromDistributedReqInput) for one bucket."""
-    body: dict[str, Any] = {
-        "names": [m.name for m in bucket],
-        "dtypes": [m.dtype for m in bucket],
-        "shapes": [list(m.shape) for m in bucket],
-        "group_name": group_name,
-        "flush_cache": bool(flush_cache),
-        "abort_all_requests": False,
-        "weight_version": weight_version,
-    }
-    if load_format is not None:
-        body["load_format"] = load_format
-    return body
-
-
-def bucket_payloads(buckets: Sequence[Sequence[TensorMeta]], group_name: str, version: int | str, *,
-                    flush_cache: bool = True, load_format: str | None = "flattened_bucket") -> list[dict[str, Any]]:
-    """One update body per bucket: only the last one flushes the cache and sets the weight version,
-    so a server never reports the new version while it still holds part of the old weights."""
-    last = len(buckets) - 1
-    return [update_payload(b, group_name, flush_cache=flush_cache and i == last,
-                           weight_version=str(version) if i == last else None, load_format=load_format)
-            for i, b in enumerate(buckets)]
-
-
-def _post_json(url: str, path: str, payload: Any, timeout: float, keys: Any = None) -> tuple[int, Any]:
-    """POST JSON (with the run's Bearer key when `keys`, a RunKeys, is given); returns (HTTP status,
-    parsed body or text). Connection problems raise WeightSyncError."""
-    headers = {"Content-Type": "application/json", **(keys.header(path) if keys is not None else {})}
-    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(payload).encode(), method="POST",
-                                 headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    except (urllib.error.URLError, OSError) as e:
-        raise WeightSyncError(f"server {url}: POST {path} failed: {_describe(e)}") from None
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode("utf-8", "replace")[:500]
-
-
-def _reply_error(url: str, path: str, status: int, body: Any) -> str | None:
-    if status == 200 and (not isinstance(body, dict) or body.get("success", True)):
-        return None
-    msg = body.get("message", body) if isinstance(body, dict) else body
-    return f"server {url} {path} (HTTP {status}): {msg}"
-
-
-def new_custom_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                     timeout: timedelta = timedelta(minutes=10)) -> Any:
-    """A process group outside the default one, joined with the SGLang servers.
-
-    The same construction as SGLang's `init_custom_process_group`
-    (sglang/srt/utils/common.py): rendezvous on `init_method`, a PrefixStore named
-    after the group, then torch's group helper. Uses torch internals, as SGLang does.
-    """
-    from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
-
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, PrefixStore(group_name, store),
-                                      group_name=group_name, backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future:
-    """`fn(*args)` in a daemon thread: a call left waiting on a server (an update group that never
-    forms, an HTTP call of `http_timeout`) must not hold up the process's exit, as an executor's would."""
-    done: Future = Future()
-
-    def run() -> None:
-        try:
-            done.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            done.set_exception(e)
-
-    threading.Thread(target=run, name=f"weight-sync-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return done
+@dataclass
+class _Bucket:
+    metas: list[TensorMeta]   # full shapes and dtypes
+    payloads: list[torch.Tensor]
+    nnz: list[int] | None     # sparse format only
 
 
 class NcclSync:
-    """Broadcast the trainer's weights from rank 0 to SGLang servers (`rollout.weight_sync=nccl`).
+    """Push the trainer's weights to SGLang servers from every source rank (`rollout.weight_sync=nccl`).
 
     admin_urls: the servers themselves (not the router). server_tp_sizes: each
-    server's --tp-size (one int for all). master_address / master_port: where rank 0
-    listens for the update group; the servers must reach it. backend "nccl" (GPU);
-    "gloo" works for CPU tests. dtype: cast before sending (e.g. the servers' bf16).
+    server's --tp-size (one int for all). master_address / master_port: where trainer rank
+    0 serves its groups' rendezvous (other sources serve theirs on a port of their own, at
+    their host's address). backend "nccl" (GPU); "gloo" for CPU. dtype: cast before sending
+    (the servers' bf16). delta: send only what changed (`delta.py`); verify: compare every
+    server's checksums with what was sent after each push (`verify.py`).
 
-    Rejoining long-lived servers: each connect forms a group of a new name
-    (`group_name` + a random suffix), since torch refuses a second group of a name that
-    exists (`_new_process_group_helper`), and a trainer that died without `close()`
-    (NCCL abort, OOM kill, kill -9) leaves its group registered in every server. Before
-    joining, rank 0 closes what such a trainer may have left open on the servers, best
-    effort: an update session (`/end_weight_update`; `/begin_weight_update` is refused
-    while one is open) and the group it joined last, whose name `state_file` keeps
-    (`/destroy_weights_update_group`).
+    Rejoining long-lived servers: each connect forms groups of new names (torch refuses a
+    second group of a name that exists), and a trainer that died without `close()` leaves its
+    groups registered in every server. Before joining, rank 0 closes what such a trainer may
+    have left open, best effort: an update session (`/end_weight_update`) and the groups it
+    joined last, whose names `state_file` keeps (`/destroy_weights_update_group`).
     """
 
     def __init__(self, admin_urls: Sequence[str], *, master_address: str, master_port: int,
@@ -170,7 +104,7 @@ class NcclSync:
                  backend: str = "nccl", bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None,
                  load_format: str | None = "flattened_bucket", flush_cache: bool = True,
                  http_timeout: float = 600.0, group_timeout: timedelta = timedelta(minutes=10), group: Any = None,
-                 keys: Any = None, state_file: str | Path | None = None):
+                 keys: Any = None, state_file: str | Path | None = None, delta: bool = False, verify: bool = False):
         self.urls = [u.rstrip("/") for u in admin_urls]
         self.keys = keys  # the servers' RunKeys (moe_rl/rollout/auth.py), or None
         if not self.urls:
@@ -178,156 +112,377 @@ class NcclSync:
         tps = [server_tp_sizes] * len(self.urls) if isinstance(server_tp_sizes, int) else list(server_tp_sizes)
         if len(tps) != len(self.urls):
             raise ValueError(f"{len(self.urls)} servers but {len(tps)} tp sizes")
-        self.offsets, self.world_size = group_rank_offsets(tps)
+        if any(int(tp) < 1 for tp in tps):
+            raise ValueError(f"server tp sizes must be >= 1, got {tps}")
+        self.tp_sizes = [int(tp) for tp in tps]
         self.master_address, self.master_port = master_address, int(master_port)
         self.group_prefix, self.backend = group_name, backend
-        self.group_name = group_name  # made unique by each connect
+        self.group_names: list[str] = []  # this rank's groups, one per server (made unique by each connect)
         self.state_file = None if state_file is None else Path(state_file)
         self.bucket_bytes, self.dtype, self.load_format = int(bucket_bytes), dtype, load_format
         self.flush_cache, self.http_timeout, self.group_timeout = flush_cache, float(http_timeout), group_timeout
         self.group = group
-        self._pg: Any = None
+        self.delta = DeltaBase() if delta else None
+        self.verify = verify
+        self.stats = PushStats()
+        self._pgs: list[Any] | None = None   # this rank's groups (sources only), one per server
+        self._store: Any = None
+        self._connected = False
         self._session: bool | None = None  # None: not probed; False: the servers have no session endpoints
+        self._sparse: bool | None = None   # the servers take SPARSE_FORMAT (`moe-rl serve`)
+        self._pushed: str | None = None    # the version every server took last
+        self._sums: dict[str, str] = {}    # checksum of each tensor this rank last sent
+        self._smallest: tuple[str, torch.Tensor] | None = None
+        self._held: str | None = None      # rank 0: the dtype every server holds ("" = unknown)
+        self._wire: torch.dtype | None = dtype
 
-    # ------------------------------------------------------------------ group
-    def connect(self) -> None:
-        """Rank 0: make every server join the update group, and join it as rank 0 (collective)."""
-        error = None
-        if rank(self.group) == 0 and self._pg is None:
-            error = self._connect()
-        error = _from_rank0(error, self.group)
-        if error:
-            raise WeightSyncError(error)
+    @property
+    def group_name(self) -> str:
+        """This rank's group with the first server."""
+        return self.group_names[0] if self.group_names else self.group_prefix
 
-    def _connect(self) -> str | None:
-        self._leave_stale_group()
-        self.group_name = f"{self.group_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._remember_group(self.group_name)
-        path = "/init_weights_update_group"
-        futures = [_in_daemon_thread(_post_json, url, path,
-                                     init_group_payload(self.master_address, self.master_port, off,
-                                                        self.world_size, self.group_name, self.backend),
-                                     self.http_timeout, self.keys) for url, off in zip(self.urls, self.offsets)]
-        # The servers' HTTP calls return only once everybody joined: join while they wait. A server
-        # that refuses answers at once, and then nobody else joins: stop waiting for the group then
-        # (the join thread gives up at group_timeout) rather than for the whole timeout.
-        joined = _in_daemon_thread(new_custom_group, self.backend, f"tcp://{self.master_address}:{self.master_port}",
-                                   self.world_size, 0, self.group_name, self.group_timeout)
-        while not joined.done():
-            refused = [f for f in futures if f.done() and (f.exception() is not None
-                                                           or _reply_error("", path, *f.result()) is not None)]
-            if refused:
-                return self._first_error(path, futures, only_done=True)
-            time.sleep(0.05)
-        try:
-            self._pg = joined.result()
+    # ------------------------------------------------------------------ groups
+    def connect(self, source: bool = True) -> None:
+        """Every source joins one update group with each server (collective; once, until a failure)."""
+        if self._connected:
+            return
+        if rank(self.group) == 0:
+            self._leave_stale_groups()
+        _from_rank0(None, self.group)  # nobody joins before the leftovers are gone
+        error = self._join() if source else None
+        errors = all_errors(error, self.group)
+        names = all_gather_objects(self.group_names, self.group)
+        if rank(self.group) == 0:
+            self._remember_groups([n for per_rank in names for n in per_rank])
+        if errors:
+            self._drop_groups()
+            raise WeightSyncError("; ".join(errors))
+        self._connected = True
+
+    def _join(self) -> str | None:
+        from torch.distributed import TCPStore
+
+        me = rank(self.group)
+        address = self.master_address if me == 0 or _loopback(self.master_address) \
+            else socket.gethostbyname(socket.gethostname())  # this host, as the servers resolve it
+        try:  # one rendezvous store per rank, shared by its groups (rank 0: master_port; others: any free port)
+            self._store = TCPStore("0.0.0.0", self.master_port if me == 0 else 0, None, True,
+                                   timeout=self.group_timeout, wait_for_workers=False)
         except Exception as e:  # noqa: BLE001
-            return f"joining weight update group {self.group_name} at {self.master_address}:{self.master_port} " \
-                   f"failed: {_describe(e)}"
-        return self._first_error(path, futures)
-
-    def _first_error(self, path: str, futures: list, only_done: bool = False) -> str | None:
-        errors = []
-        for url, fut in zip(self.urls, futures):
-            if only_done and not fut.done():
-                continue
-            try:
-                err = _reply_error(url, path, *fut.result())
-            except WeightSyncError as e:
-                err = str(e)
-            if err:
-                errors.append(err)
-        return "; ".join(errors) or None
-
-    def _leave_stale_group(self) -> None:
-        """Rank 0, before joining: end an update session and leave the group that a trainer which
-        died mid-run left on the servers (best effort: a server without either says so, and is fine)."""
-        stale = None
+            return f"rank {me}: cannot serve the update groups' rendezvous: {_describe(e)}"
+        port, token = self._store.port, secrets.token_hex(4)
+        self.group_names = [f"{self.group_prefix}-{os.getpid()}-{token}-r{me}-s{i}" for i in range(len(self.urls))]
+        path = "/init_weights_update_group"
+        inits = [in_daemon_thread(post_json, url, path,
+                                  init_group_payload(address, port, 1, 1 + tp, name, self.backend),
+                                  self.http_timeout, self.keys)
+                 for url, tp, name in zip(self.urls, self.tp_sizes, self.group_names)]
+        joins = [in_daemon_thread(new_custom_group, self.backend, f"tcp://{address}:{port}", 1 + tp, 0, name,
+                                  self.group_timeout, self._store)
+                 for tp, name in zip(self.tp_sizes, self.group_names)]
+        # A server that refuses answers at once, and its group never forms: stop waiting then.
+        while not all(j.done() for j in joins):
+            if any(f.done() and (f.exception() is not None or reply_error("", path, *f.result()) is not None)
+                   for f in inits):
+                return f"rank {me}: " + str(first_error(self.urls, path, inits, only_done=True))
+            time.sleep(0.02)
         try:
-            stale = json.loads(self.state_file.read_text()).get("group_name") if self.state_file else None
-        except (OSError, ValueError, AttributeError):
+            self._pgs = [j.result() for j in joins]
+        except Exception as e:  # noqa: BLE001
+            return f"rank {me}: joining the update groups at {address}:{port} failed: {_describe(e)}"
+        error = first_error(self.urls, path, inits)
+        return f"rank {me}: {error}" if error else None
+
+    def _leave_stale_groups(self) -> None:
+        """Rank 0, before joining: end an update session and leave the groups that a trainer which died
+        mid-run left on the servers (best effort: a server without either says so, and is fine)."""
+        stale: list[str] = []
+        try:
+            state = json.loads(self.state_file.read_text()) if self.state_file else {}
+            stale = list(state.get("group_names") or ([state["group_name"]] if state.get("group_name") else []))
+        except (OSError, ValueError, AttributeError, KeyError):
             pass
         for url in self.urls:
-            calls = [("/end_weight_update", {})] + ([("/destroy_weights_update_group", {"group_name": stale})]
-                                                   if stale else [])
+            calls = [("/end_weight_update", {})] + [("/destroy_weights_update_group", {"group_name": n})
+                                                     for n in stale]
             for path, body in calls:
                 try:
-                    status, reply = _post_json(url, path, body, 30.0, self.keys)
+                    status, reply = post_json(url, path, body, 30.0, self.keys)
                 except WeightSyncError as e:
-                    log.warning("before joining the update group: %s", e)
-                    continue
+                    log.warning("before joining the update groups: %s", e)
+                    break
                 if status == 200 and (not isinstance(reply, dict) or reply.get("success", True)):
                     log.info("server %s: %s, left by an earlier trainer", url,
                              "closed an open update session" if path == "/end_weight_update"
-                             else f"destroyed update group {stale}")
+                             else f"destroyed update group {body['group_name']}")
 
-    def _remember_group(self, name: str) -> None:
+    def _remember_groups(self, names: list[str]) -> None:
         if self.state_file is None:
             return
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"group_name": name, "servers": self.urls}))
+        tmp.write_text(json.dumps({"group_names": names, "servers": self.urls}))
         os.replace(tmp, self.state_file)
 
-    def close(self) -> None:
-        """Rank 0: leave the update group on both sides."""
-        if self._pg is None:
-            return
-        for url in self.urls:
+    def _drop_groups(self) -> None:
+        """Leave this rank's groups on both sides (best effort); the next push joins new ones, in full."""
+        for url, name in zip(self.urls, self.group_names if self._pgs else []):
             try:
-                _post_json(url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30.0, self.keys)
+                post_json(url, "/destroy_weights_update_group", {"group_name": name}, 30.0, self.keys)
             except WeightSyncError as e:
                 log.warning("%s", e)
-        dist.destroy_process_group(self._pg)
-        self._pg = None
+        for pg in self._pgs or []:
+            try:
+                dist.destroy_process_group(pg)
+            except Exception as e:  # noqa: BLE001 - a broken group may refuse; it is dropped either way
+                log.warning("leaving an update group: %s", _describe(e))
+        self._pgs, self._store, self.group_names, self._connected = None, None, [], False
 
-    # ------------------------------------------------------------------- sync
-    def sync(self, version: int, named_tensors: WeightsArg, engine: Any = None) -> int:
-        """Broadcast all weights as version `version` (collective over the trainer's ranks).
+    def close(self) -> None:
+        """Leave the update groups on both sides (every rank that joined some; not collective)."""
+        self._drop_groups()
 
-        `engine` is unused (the servers are addressed by URL); it is accepted so every
-        sync has the same call. Returns the number of tensors sent.
-        """
-        self.connect()
-        source = _named_tensors(named_tensors)
-        if self.dtype is not None:
-            source = ((n, t.to(self.dtype)) for n, t in source)
+    # -------------------------------------------------------------------- push
+    def sync(self, version: int, weights: WeightsArg, engine: Any = None) -> int:
+        """Push all weights as version `version` (collective over the trainer's ranks). `engine` is unused
+        (the servers are addressed by URL). Returns the number of tensors the sources own."""
+        started = time.perf_counter()
+        pairs, source = self._source(weights)
+        self.connect(source)
         rank0 = rank(self.group) == 0
-        error = self._call_all("/begin_weight_update", {}) if rank0 else None
-        count = 0
-        for bucket in collect_to_rank0(source, self.bucket_bytes, self.group):
-            count += len(bucket.metas)
-            if error is None:  # after a failure keep draining: the other ranks are sending
-                error = self._send_bucket(bucket, version)
-        if rank0:
+        plan = _from_rank0(self._open() if rank0 else None, self.group)
+        self.stats, self._smallest = PushStats(full=plan["full"], servers=list(self.urls)), None
+        self._wire = self.dtype or (getattr(torch, plan["dtype"]) if plan["dtype"] else None)
+        if plan["error"] is None:
+            errors = all_errors(self._send_share(pairs, version, plan["full"], plan["sparse"], source), self.group)
+            if rank0 and not errors:  # every source is done: the servers hold all but the last word
+                errors = [e for e in [self._last_word(self._smallest, version)] if e]
+        else:  # the session did not open: send nothing, but keep pace with the policy's gathers
+            errors = [plan["error"]]
+            for _ in pairs:
+                pass
+        if rank0 and plan["error"] is None:
             end_error = self._call_all("/end_weight_update", {})
-            error = error or end_error
-        error = _from_rank0(error, self.group)
-        if error:
-            raise WeightSyncError(f"weight version {version} over {self.group_name}: {error}")
-        return int(_from_rank0(count, self.group))
+            errors += [end_error] if end_error else []
+        errors = _from_rank0(errors, self.group)
+        if not errors and self.verify:
+            errors = self._verify(version)
+        total = sum(all_gather_objects(self.stats.tensors, self.group))
+        self.stats.push_s = time.perf_counter() - started
+        if errors:
+            if self.delta is not None:
+                self.delta.valid = False
+            self._pushed = None
+            self._drop_groups()  # a broken group (a dead server) is not used again: the next push rejoins
+            raise WeightSyncError(f"weight version {version}: " + "; ".join(errors))
+        if self.delta is not None:
+            self.delta.valid = True
+        self._pushed = str(version)
+        return int(total)
 
-    def _send_bucket(self, bucket: Bucket, version: int) -> str | None:
-        """POST the bucket's metadata to every server and broadcast its bytes while they wait."""
-        # flush_cache and weight_version go with the last bucket only (see bucket_payloads)
-        payload = update_payload(bucket.metas, self.group_name, flush_cache=self.flush_cache and bucket.last,
-                                 weight_version=str(version) if bucket.last else None, load_format=self.load_format)
-        path = "/update_weights_from_distributed"
-        futures = [_in_daemon_thread(_post_json, url, path, payload, self.http_timeout, self.keys)
-                   for url in self.urls]
+    def _source(self, weights: WeightsArg) -> tuple[Iterable[tuple[str, torch.Tensor]], bool]:
+        """This rank's (name, tensor) pairs and whether it sends any (a plain list says by being non-empty)."""
+        pairs = _named_tensors(weights)
+        said = is_source(weights)
+        if said is not None:
+            return pairs, said
+        pairs = list(pairs)
+        return pairs, bool(pairs)
+
+    def _open(self) -> dict[str, Any]:
+        """Rank 0: open the servers' update session; decide full or delta and the update format."""
+        if self._sparse is None and self.delta is not None:
+            self._sparse = all(self._server_info(url).get("moe_rl_sparse_updates") is True for url in self.urls)
+        if self._held is None:  # the dtype the servers hold, when they say (SGLang's "auto" does not)
+            held = {str(self._server_info(url).get("dtype")) for url in self.urls}
+            self._held = held.pop() if len(held) == 1 and held <= {"bfloat16", "float16", "float32"} else ""
+        full = self.delta is None or not self.delta.valid or self._pushed is None or not all(
+            str(self._model_info(url).get("weight_version")) == self._pushed for url in self.urls)
+        error = self._call_all("/begin_weight_update", {})
+        return {"error": error, "full": full, "sparse": bool(self._sparse) and not full, "dtype": self._held}
+
+    def _send_share(self, pairs: Iterable[tuple[str, torch.Tensor]], version: int, full: bool, sparse: bool,
+                    source: bool) -> str | None:
+        """Send this rank's tensors, one bucket in flight while the next fills. After a failure it keeps
+        consuming `pairs` (its TP peers gather with it) and sends nothing more."""
+        error, inflight = None, None
+        for bucket in self._buckets(pairs, full, sparse):
+            if inflight is not None:
+                error = error or self._finish(inflight)
+                inflight = None
+            if error is None and source:
+                inflight = self._post(bucket)
+        if inflight is not None:
+            error = error or self._finish(inflight)
+        return error
+
+    def _buckets(self, pairs: Iterable[tuple[str, torch.Tensor]], full: bool, sparse: bool) -> Iterator[_Bucket]:
+        """This rank's tensors in the pushed dtype, what changed of them (delta), cut into buckets."""
+        st = self.stats
+        kept: dict[str, tuple[TensorMeta, int]] = {}
+
+        def converted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in pairs:
+                t = t.detach() if self._wire is None else t.detach().to(self._wire)
+                if self._smallest is None or t.numel() < self._smallest[1].numel():
+                    self._smallest = (name, t)  # rank 0's last word sends it again
+                st.tensors += 1
+                st.full_bytes += t.numel() * t.element_size()
+                if self.verify and (full or self.delta is None):
+                    self._sums[name] = tensor_checksum(t)
+                yield name, t
+
+        def changed(unit: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            # A fused pair (fused_weights.py) goes whole and together when either half changed.
+            outs = [self.delta.encode(n, t, sparse and len(unit) == 1) for n, t in unit]
+            if all(o is None for o in outs):
+                return
+            for (name, t), out in zip(unit, outs):
+                payload, nnz = out if len(unit) == 1 else (t, -1)
+                if self.verify and not full:
+                    self._sums[name] = tensor_checksum(t)
+                kept[name] = (TensorMeta.of(name, t), nnz)
+                yield name, (payload.contiguous().reshape(-1).view(torch.uint8) if sparse else payload)
+
+        def wire() -> Iterator[tuple[str, torch.Tensor]]:
+            if self.delta is None:
+                yield from converted()
+                return
+            held: dict[str, tuple[str, torch.Tensor]] = {}
+            for name, t in converted():
+                key = fused_key(name)
+                if key is None:
+                    yield from changed([(name, t)])
+                elif key in held:
+                    yield from changed([held.pop(key), (name, t)])
+                else:
+                    held[key] = (name, t)
+            for item in held.values():
+                yield from changed([item])
+
+        for bucket in local_buckets(wire(), self.bucket_bytes, rank(self.group)):
+            if sparse:  # the metas describe the full tensors; the payloads are raw bytes
+                metas = [kept[m.name][0] for m, _ in bucket]
+                yield _Bucket(metas, [p for _, p in bucket], [kept[m.name][1] for m, _ in bucket])
+            else:
+                yield _Bucket([m for m, _ in bucket], [p for _, p in bucket], None)
+
+    def _post(self, bucket: _Bucket) -> tuple[list[Any], list[Any], torch.Tensor]:
+        """Post one bucket to every server: its metadata by HTTP, its bytes by broadcast in that server's
+        group (async: the next bucket converts meanwhile)."""
         device = compute_device()
-        if self.load_format == "flattened_bucket":
-            dist.broadcast(flatten_bucket([t.to(device) for t in bucket.tensors]), src=0, group=self._pg)
-        else:  # one broadcast per tensor, in `names` order
-            for t in bucket.tensors:
-                dist.broadcast(t.to(device).contiguous(), src=0, group=self._pg)
-        return self._first_error(path, futures)
+        st = self.stats
+        st.buckets += 1
+        st.sent_tensors += len(bucket.metas)
+        if bucket.nnz is not None:
+            st.sparse_tensors += sum(1 for k in bucket.nnz if k >= 0)
+            flat, fmt = flatten_sparse([p.to(device) for p in bucket.payloads]), SPARSE_FORMAT
+        else:
+            fmt = self.load_format
+            flat = flatten_bucket([p.to(device) for p in bucket.payloads]) if fmt == "flattened_bucket" else None
+        path = "/update_weights_from_distributed"
+        futures = [in_daemon_thread(post_json, url, path,
+                                    update_payload(bucket.metas, name, flush_cache=False, weight_version=None,
+                                                   load_format=fmt, nnz=bucket.nnz),
+                                    self.http_timeout, self.keys)
+                   for url, name in zip(self.urls, self.group_names)]
+        works = []
+        for pg in self._pgs or []:
+            if flat is not None:
+                works.append(dist.broadcast(flat, src=0, group=pg, async_op=True))
+            else:  # one broadcast per tensor, in `names` order
+                works += [dist.broadcast(p.to(device).contiguous(), src=0, group=pg, async_op=True)
+                          for p in bucket.payloads]
+        nbytes = flat.numel() if flat is not None else sum(p.numel() * p.element_size() for p in bucket.payloads)
+        st.sent_bytes += nbytes * len(self.urls)
+        st.messages += len(works) + len(futures)
+        return works, futures, bucket.metas
 
-    def _call_all(self, path: str, payload: Any) -> str | None:
+    def _finish(self, inflight: tuple[list[Any], list[Any], Any]) -> str | None:
+        """Wait for a posted bucket: its broadcasts, then every server's answer."""
+        works, futures, metas = inflight
+        per_server = max(1, len(works) // max(1, len(self.urls)))
+        for i, w in enumerate(works):
+            try:
+                w.wait()
+            except Exception as e:  # noqa: BLE001 - a server that died mid-broadcast
+                url = self.urls[min(i // per_server, len(self.urls) - 1)]
+                return (f"server {url}: the broadcast of a bucket of {len(metas)} tensors ({metas[0].name}, ...) "
+                        f"failed: {_describe(e)}")
+        return first_error(self.urls, "/update_weights_from_distributed", futures)
+
+    def _last_word(self, last: tuple[str, torch.Tensor] | None, version: int) -> str | None:
+        """Rank 0, after every source finished: the weight version (and the cache flush) in a call that
+        comes after every bucket at every server."""
+        if last is None or not self._pgs:
+            error = self._call_all("/update_weight_version", {"new_version": str(version),
+                                                              "abort_all_requests": False}, session=False)
+            if error is None and self.flush_cache:
+                error = self._call_all("/flush_cache", {}, session=False)
+            return error
+        name, t = last
+        device = compute_device()
+        meta = TensorMeta.of(name, t)
+        path = "/update_weights_from_distributed"
+        futures = [in_daemon_thread(post_json, url, path,
+                                    update_payload([meta], group, flush_cache=self.flush_cache,
+                                                   weight_version=str(version), load_format=self.load_format),
+                                    self.http_timeout, self.keys)
+                   for url, group in zip(self.urls, self.group_names)]
+        flat = flatten_bucket([t.to(device)]) if self.load_format == "flattened_bucket" else t.to(device).contiguous()
+        works = [dist.broadcast(flat, src=0, group=pg, async_op=True) for pg in self._pgs]
+        self.stats.messages += len(works) + len(futures)
+        self.stats.sent_bytes += flat.numel() * flat.element_size() * len(self.urls)
+        return self._finish((works, futures, [meta]))
+
+    def _verify(self, version: int) -> list[str]:
+        """Every server's checksums against what the sources sent (collective)."""
+        t0 = time.perf_counter()
+        sent = all_gather_objects(dict(self._sums) if self._pgs else {}, self.group)
+        problems: list[str] = []
+        if rank(self.group) == 0:
+            merged = {k: v for per_rank in sent for k, v in per_rank.items()}
+            futures = [in_daemon_thread(post_json, url, "/weights_checker", {"action": "checksum"},
+                                        self.http_timeout, self.keys) for url in self.urls]
+            replies = []
+            for url, fut in zip(self.urls, futures):
+                try:
+                    status, body = fut.result()
+                except WeightSyncError as e:
+                    problems.append(str(e))
+                    continue
+                err = reply_error(url, "/weights_checker", status, body)
+                if err:
+                    problems.append(err)
+                else:
+                    replies.append((url, body))
+            problems += mismatches(merged, replies, version, self.tp_sizes)
+        problems = _from_rank0(problems, self.group)
+        self.stats.verify_s = time.perf_counter() - t0
+        return problems
+
+    def _server_info(self, url: str) -> dict[str, Any]:
+        return self._get(url, "/server_info")
+
+    def _model_info(self, url: str) -> dict[str, Any]:
+        return self._get(url, "/model_info")
+
+    def _get(self, url: str, path: str) -> dict[str, Any]:
+        import urllib.request
+
+        headers = self.keys.header(path) if self.keys is not None else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers), timeout=30) as r:
+                body = json.loads(r.read())
+        except (OSError, ValueError):
+            return {}
+        return body if isinstance(body, dict) else {}
+
+    def _call_all(self, path: str, payload: Any, session: bool = True) -> str | None:
         """POST to every server; a 404 on the session endpoints means an SGLang without them."""
-        if self._session is False:
+        if session and self._session is False:
             return None
-        futures = [_in_daemon_thread(_post_json, url, path, payload, self.http_timeout, self.keys)
+        futures = [in_daemon_thread(post_json, url, path, payload, self.http_timeout, self.keys)
                    for url in self.urls]
         errors, missing = [], 0
         for url, fut in zip(self.urls, futures):
@@ -336,14 +491,15 @@ class NcclSync:
             except WeightSyncError as e:
                 errors.append(str(e))
                 continue
-            if status == 404:
+            if session and status == 404:
                 missing += 1
                 continue
-            err = _reply_error(url, path, status, body)
+            err = reply_error(url, path, status, body)
             if err:
                 errors.append(err)
-        if missing == len(self.urls):
-            self._session = False
-            return None
-        self._session = True
+        if session:
+            if missing == len(self.urls):
+                self._session = False
+                return None
+            self._session = True
         return "; ".join(errors) or None

@@ -141,7 +141,8 @@ def test_factory_picks_by_config(tmp_path):
     nccl = make_weight_sync(RolloutConfig(engine="sglang", weight_sync="nccl"),
                             admin_urls=["http://a:1", "http://b:2"], master_address="127.0.0.1",
                             master_port=1234, server_tp_sizes=[2, 2])
-    assert isinstance(nccl, NcclSync) and nccl.offsets == [1, 3] and nccl.world_size == 5
+    assert isinstance(nccl, NcclSync) and nccl.tp_sizes == [2, 2]  # one group per (source, server): 1 + 2 ranks each
+    assert nccl.verify and not nccl.delta  # the defaults: verified, full pushes
     with pytest.raises(ValueError, match="root"):
         make_weight_sync(RolloutConfig(weight_sync="disk"))
     with pytest.raises(ValueError, match="admin_urls"):
@@ -155,7 +156,7 @@ def test_factory_picks_by_config(tmp_path):
     # moe-rl serve (engine local) joins the same update group over gloo
     gloo = make_weight_sync(RolloutConfig(engine="local", weight_sync="nccl"), admin_urls=["http://a:1"],
                             master_address="h", master_port=1, backend="gloo")
-    assert isinstance(gloo, NcclSync) and gloo.backend == "gloo" and gloo.world_size == 2
+    assert isinstance(gloo, NcclSync) and gloo.backend == "gloo" and gloo.tp_sizes == [1]
 
 
 # ----------------------------------------------------------------------------- DiskSync
@@ -388,7 +389,7 @@ def test_nccl_sync_protocol_against_a_fake_sglang_over_gloo():
             assert torch.equal(torch.tensor(values).to(t.dtype).reshape(t.shape), t)
         sync.urls = sync.urls + ["http://127.0.0.1:9"]  # a dead server: a clear error, no hang
         t0 = time.monotonic()
-        with pytest.raises(WeightSyncError, match=r"weight version 3 over test_group-\d+-[0-9a-f]+: server "
+        with pytest.raises(WeightSyncError, match=r"weight version 3: server "
                                                   r"http://127.0.0.1:9"):
             sync.sync(3, weights.items())
         assert time.monotonic() - t0 < 10

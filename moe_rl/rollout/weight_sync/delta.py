@@ -1,0 +1,115 @@
+"""Delta pushes (`rollout.weight_sync_delta`): after a full push, a source sends only what changed.
+
+Each source keeps the values it last pushed, in the dtype the servers hold (`DeltaBase`), and
+compares the new ones bit for bit: an unchanged tensor (an expert that got no tokens, a frozen
+layer, and at RL learning rates most bf16 tensors of a step) is not sent at all, which every
+SGLang loader takes (a push may carry any subset of a model's tensors). A changed one goes whole,
+or, where the servers apply it, as its changed elements (`moe-rl serve`'s SPARSE_FORMAT: int32 flat
+indices then the values, when that is smaller); SGLang has no loader for element deltas.
+
+The base is valid only after a push every server took: a failed push, or a server that restarted
+(it no longer reports the version pushed last), makes the next push full.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from moe_rl.rollout.weight_sync.buckets import TensorMeta
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ALIGN = 8  # each payload of a sparse bucket starts at a multiple of 8 bytes
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements as integers of the same width: equal bits compare equal (NaN, -0.0 included)."""
+    return t.contiguous().reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+
+
+def sparse_nbytes(nnz: int, itemsize: int) -> int:
+    """Bytes of one sparse payload: int32 indices then values."""
+    return nnz * (4 + itemsize)
+
+
+def encode(prev: torch.Tensor | None, new: torch.Tensor, sparse: bool) -> tuple[torch.Tensor, int] | None:
+    """What to send of `new` against the values last pushed (`prev`): None when nothing changed, else
+    (payload, nnz): nnz -1 and the tensor itself when it goes whole, or nnz changed elements and their
+    int32 indices + values as one uint8 tensor (only when `sparse` and smaller than the whole)."""
+    if prev is None or prev.shape != new.shape or prev.dtype != new.dtype:
+        return new, -1
+    changed = (_bits(prev) != _bits(new)).nonzero().reshape(-1)
+    nnz = int(changed.numel())
+    if nnz == 0:
+        return None
+    if not sparse or sparse_nbytes(nnz, new.element_size()) >= new.numel() * new.element_size():
+        return new, -1
+    values = new.contiguous().reshape(-1)[changed]
+    payload = torch.cat([changed.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
+    return payload, nnz
+
+
+def flatten_sparse(payloads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The payloads back to back as one uint8 tensor, each starting at a multiple of 8 bytes."""
+    parts = []
+    for p in payloads:
+        raw = p.detach().contiguous().reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        if raw.numel() % _ALIGN:
+            parts.append(torch.zeros(_ALIGN - raw.numel() % _ALIGN, dtype=torch.uint8, device=raw.device))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def sparse_bucket_nbytes(metas: Sequence[TensorMeta], nnz: Sequence[int]) -> int:
+    """The size of `flatten_sparse` of a bucket the metas (full shapes) and nnz describe."""
+    total = 0
+    for m, k in zip(metas, nnz):
+        raw = m.nbytes if k < 0 else sparse_nbytes(k, m.itemsize)
+        total += -(-raw // _ALIGN) * _ALIGN
+    return total
+
+
+def unflatten_sparse(flat: torch.Tensor, metas: Sequence[TensorMeta], nnz: Sequence[int]
+                     ) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """Inverse of `flatten_sparse`: (name, values, flat int64 indices or None for a whole tensor)."""
+    if len(metas) != len(nnz):
+        raise ValueError(f"{len(metas)} tensors but {len(nnz)} nnz entries")
+    out, offset = [], 0
+    for m, k in zip(metas, nnz):
+        dtype = getattr(torch, m.dtype)
+        raw = m.nbytes if k < 0 else sparse_nbytes(k, m.itemsize)
+        piece = flat[offset:offset + raw].clone()  # aligned storage of its own
+        if k < 0:
+            out.append((m.name, piece.view(dtype).reshape(m.shape), None))
+        else:
+            idx = piece[:4 * k].view(torch.int32).to(torch.int64)
+            if k and (int(idx.min()) < 0 or int(idx.max()) >= m.numel):
+                raise ValueError(f"{m.name}: delta indices outside its {m.numel} elements")
+            out.append((m.name, piece[4 * k:].view(dtype), idx))
+        offset += -(-raw // _ALIGN) * _ALIGN
+    if offset != flat.numel():
+        raise ValueError(f"bucket holds {flat.numel()} bytes, the tensors and nnz describe {offset}")
+    return out
+
+
+class DeltaBase:
+    """The values one source last pushed, per tensor; valid only after a push every server took."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, torch.Tensor] = {}
+        self.valid = False
+
+    def encode(self, name: str, new: torch.Tensor, sparse: bool) -> tuple[torch.Tensor, int] | None:
+        """`encode` against this base (whole when the base is not valid), recording `new` as pushed:
+        a push that fails invalidates the whole base, so recording before the servers took it is safe."""
+        prev = self.values.get(name) if self.valid else None
+        out = encode(prev, new, sparse)
+        if out is not None:
+            if prev is not None and prev.shape == new.shape and prev.dtype == new.dtype:
+                prev.copy_(new)
+            else:
+                self.values[name] = new.detach().clone()
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.values.values())

@@ -1,0 +1,164 @@
+"""The SGLang weight-update calls the update-group syncs make: request bodies, the HTTP POST, and the
+process group a trainer rank forms with servers.
+
+SGLang payloads (sglang 0.5.23, sglang/srt/managers/io_struct.py):
+`InitWeightsUpdateGroupReqInput{master_address, master_port, rank_offset,
+world_size, group_name, backend}`; server i's TP rank r joins as
+`rank_offset + r`, the trainer is rank 0.
+`UpdateWeightsFromDistributedReqInput{names, dtypes, shapes, group_name,
+flush_cache, abort_all_requests, weight_version, load_format}`; dtypes are torch
+attribute names (`getattr(torch, dtype)`: "bfloat16"). With
+`load_format="flattened_bucket"` one uint8 tensor holding the bucket's tensors
+back to back is broadcast from rank 0, and each tensor's byte offset must be a
+multiple of its element size (sglang/srt/weight_sync/tensor_bucket.py
+`FlattenedTensorBucket.empty`); with `load_format=None` each tensor is broadcast
+on its own, in `names` order. Since 0.5.23 the updates run inside
+`/begin_weight_update` ... `/end_weight_update`; servers without those
+endpoints (404) are updated without them. A server joins any number of groups, by
+name (`ModelRunner._model_update_group` is a dict), and its scheduler runs their
+updates one at a time, in the order they arrive.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+from moe_rl.rollout.weight_sync.buckets import TensorMeta
+from moe_rl.rollout.weight_sync.common import WeightSyncError, _describe
+
+# `moe-rl serve`'s sparse update (not SGLang's): per tensor `nnz[i]` changed elements as int32 flat
+# indices then values, or the whole tensor where nnz[i] is -1 (moe_rl/rollout/weight_sync/delta.py).
+SPARSE_FORMAT = "moe_rl_sparse"
+
+
+def group_rank_offsets(server_tp_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Rank offset of each server in one update group (trainer = rank 0) and the group's world size."""
+    offsets, nxt = [], 1
+    for tp in server_tp_sizes:
+        if int(tp) < 1:
+            raise ValueError(f"server tp sizes must be >= 1, got {list(server_tp_sizes)}")
+        offsets.append(nxt)
+        nxt += int(tp)
+    return offsets, nxt
+
+
+def init_group_payload(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                       group_name: str, backend: str = "nccl") -> dict[str, Any]:
+    """Body of POST /init_weights_update_group (InitWeightsUpdateGroupReqInput)."""
+    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}
+
+
+def update_payload(bucket: Sequence[TensorMeta], group_name: str, *, flush_cache: bool,
+                   weight_version: str | None, load_format: str | None = "flattened_bucket",
+                   nnz: Sequence[int] | None = None) -> dict[str, Any]:
+    """Body of POST /update_weights_from_distributed (UpdateWeightsFromDistributedReqInput) for one bucket;
+    `nnz` only with `moe-rl serve`'s SPARSE_FORMAT."""
+    body: dict[str, Any] = {
+        "names": [m.name for m in bucket],
+        "dtypes": [m.dtype for m in bucket],
+        "shapes": [list(m.shape) for m in bucket],
+        "group_name": group_name,
+        "flush_cache": bool(flush_cache),
+        "abort_all_requests": False,
+        "weight_version": weight_version,
+    }
+    if load_format is not None:
+        body["load_format"] = load_format
+    if nnz is not None:
+        body["nnz"] = [int(n) for n in nnz]
+    return body
+
+
+def bucket_payloads(buckets: Sequence[Sequence[TensorMeta]], group_name: str, version: int | str, *,
+                    flush_cache: bool = True, load_format: str | None = "flattened_bucket") -> list[dict[str, Any]]:
+    """One update body per bucket: only the last one flushes the cache and sets the weight version,
+    so a server never reports the new version while it still holds part of the old weights."""
+    last = len(buckets) - 1
+    return [update_payload(b, group_name, flush_cache=flush_cache and i == last,
+                           weight_version=str(version) if i == last else None, load_format=load_format)
+            for i, b in enumerate(buckets)]
+
+
+def post_json(url: str, path: str, payload: Any, timeout: float, keys: Any = None) -> tuple[int, Any]:
+    """POST JSON (with the run's Bearer key when `keys`, a RunKeys, is given); returns (HTTP status,
+    parsed body or text). Connection problems raise WeightSyncError."""
+    headers = {"Content-Type": "application/json", **(keys.header(path) if keys is not None else {})}
+    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(payload).encode(), method="POST",
+                                 headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise WeightSyncError(f"server {url}: POST {path} failed: {_describe(e)}") from None
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode("utf-8", "replace")[:500]
+
+
+def reply_error(url: str, path: str, status: int, body: Any) -> str | None:
+    """None when SGLang's reply says success, else a line naming the server and the call."""
+    if status == 200 and (not isinstance(body, dict) or body.get("success", True)):
+        return None
+    msg = body.get("message", body) if isinstance(body, dict) else body
+    return f"server {url} {path} (HTTP {status}): {msg}"
+
+
+def new_custom_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                     timeout: timedelta = timedelta(minutes=10), store: Any = None) -> Any:
+    """A process group outside the default one, joined with the SGLang servers.
+
+    The same construction as SGLang's `init_custom_process_group`
+    (sglang/srt/utils/common.py): rendezvous on `init_method`, a PrefixStore named
+    after the group, then torch's group helper. Uses torch internals, as SGLang does.
+    `store`: a TCPStore this process already serves (one per trainer rank, shared by all
+    of its groups, each under its own prefix); the servers reach it at `init_method`.
+    """
+    from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper, _world,
+                                                    rendezvous)
+
+    if store is None:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    """`fn(*args)` in a daemon thread: a call left waiting on a server (an update group that never
+    forms, an HTTP call of `http_timeout`) must not hold up the process's exit, as an executor's would."""
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            done.set_exception(e)
+
+    threading.Thread(target=run, name=f"weight-sync-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return done
+
+
+def first_error(urls: Sequence[str], path: str, futures: Sequence[Future], only_done: bool = False) -> str | None:
+    """The servers' refusals of one call made to each (futures of `post_json`), joined; None if all agreed."""
+    errors = []
+    for url, fut in zip(urls, futures):
+        if only_done and not fut.done():
+            continue
+        try:
+            err = reply_error(url, path, *fut.result())
+        except WeightSyncError as e:
+            err = str(e)
+        if err:
+            errors.append(err)
+    return "; ".join(errors) or None
