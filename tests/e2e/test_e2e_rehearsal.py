@@ -1,8 +1,9 @@
 """The CPU rehearsal of the flagship wiring: `moe-rl train` on launch/configs/rehearsal_cpu*.yaml.
 
-rehearsal_cpu.yaml: GSPO + R3 on tp2 + sp + ep2 with packing and the distributed optimizer,
-two `moe-rl serve` workers behind the real sglang-router, the nccl weight sync's code over
-gloo, eval, dynamic sampling and off-policy overlap, every collective under the device guard.
+rehearsal_cpu.yaml: GSPO + R3 on tp2 + sp + pp2 + ep2 (4 ranks) with packing and the distributed
+optimizer, two `moe-rl serve` workers behind the real sglang-router, the nccl weight sync's code over
+gloo (every rank pushes its own share, verified), eval, dynamic sampling and off-policy overlap,
+every collective under the device guard.
 rehearsal_cpu_colocated.yaml: servers released after every rollout, with eval every step and
 steps skipped by dynamic sampling, so a rollout follows each place a server stays released.
 """
@@ -42,6 +43,9 @@ def test_rehearsal_of_the_flagship_wiring(tmp_path):
         assert "drift/rollout_mismatch" in r and math.isfinite(r["drift/rollout_mismatch"]), r["step"]
         assert math.isfinite(r["loss/pg_loss"]) and math.isfinite(r["perf/grad_norm"]), r["step"]
         assert r["perf/weight_version"] == r["step"]
+        # 4 sources (each stage's dense tensors, each rank's experts), each push checked against the servers
+        assert r["weight_sync/senders"] == 4.0 and r["weight_sync/verify_s"] > 0, r["step"]
+        assert r["weight_sync/busiest_rank_bytes"] < 2 * r["weight_sync/model_bytes"] * 0.75, r["step"]
     # asynchronous (algo.max_staleness=2, in-place pushes): each batch was asked for up to 2 versions back,
     # and per token (the versions the servers report, behind the router, nccl sync) no older than that
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 2.0, 2.0]

@@ -141,8 +141,9 @@ def _real_slurm_up() -> bool:
                                               "same checks on it")
 def test_e2e_slurm_rehearsal_cpu_mode_router_and_weight_sync(tmp_path, monkeypatch):
     """launch/configs/rehearsal_cpu.yaml as `--nodes 2 --rollout-nodes 1 --gpus-per-node 0` renders it:
-    2 gloo ranks (tp2+ep2) on node 1, two `moe-rl serve` workers behind the real sglang-router on node 2,
-    weights synced every step; 3 steps, exit 0, nothing left running, no srun count warning."""
+    4 gloo ranks (tp2+pp2+ep2) on node 1, two `moe-rl serve` workers behind the real sglang-router on
+    node 2, weights pushed by all 4 ranks every step; 3 steps, exit 0, nothing left running, no srun
+    count warning."""
     nodes = NODES[:2]
     for key, value in install(tmp_path / "bin", tmp_path / "state", nodes).items():
         monkeypatch.setenv(key, value)
@@ -150,7 +151,7 @@ def test_e2e_slurm_rehearsal_cpu_mode_router_and_weight_sync(tmp_path, monkeypat
     opts = SlurmOptions(nccl_ifname="lo", gloo_ifname="lo", health_timeout=180, stop_timeout=20)
     rendered = render_script("launch/configs/rehearsal_cpu.yaml", ["train.steps=3", "log.progress=false"],
                              NodeShape(2, 1, 0), opts, run_dir=run_dir)
-    assert rendered.shape.world_size == 2 and rendered.servers.use_router
+    assert rendered.shape.world_size == 4 and rendered.servers.use_router
     job = submit(write_job(rendered, tmp_path / "job.sbatch"))
     rc = wait_job(state, job, 360)
     text = (run_dir / "logs" / f"slurm-{job}.out").read_text()
@@ -159,6 +160,7 @@ def test_e2e_slurm_rehearsal_cpu_mode_router_and_weight_sync(tmp_path, monkeypat
     assert _steps(run_dir) == [1, 2, 3]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert all("perf/weight_sync_s" in m for m in metrics)
+    assert all(m["weight_sync/senders"] == 4 for m in metrics)  # every rank pushed its own share, across nodes
     assert (run_dir / "logs" / f"job-{job}-0" / f"router-{nodes[1]}.log").is_file()
     assert live_job_processes(job) == []
     assert not (job_dir(state, job) / "leftovers.txt").exists()

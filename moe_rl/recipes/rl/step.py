@@ -71,7 +71,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics |= minibatch_updates(run, share, old)                 # loss -> backward -> optimizer step
     clock.lap("updates")
     run.weight_version += 1
-    sync_weights(run)                                             # rollout/weight_sync/
+    metrics |= sync_weights(run)                                  # rollout/weight_sync/
     clock.lap("weight_sync")
     metrics |= measure_drift(run, share.samples, old, step)       # drift/
     clock.lap("drift")
@@ -233,8 +233,9 @@ def loss_params(a: Any) -> dict[str, Any]:
     return params
 
 
-def sync_weights(run: Run) -> None:
-    """Push the updated weights to the rollout engine (collective)."""
+def sync_weights(run: Run) -> dict[str, float]:
+    """Push the updated weights to the rollout engine (collective); the push's `weight_sync/*` metrics
+    (senders, the busiest rank's bytes, the share sent by a delta push, the verification's time)."""
     pause = pause_mode(run.cfg.rollout, staleness_bound(run.cfg.algo)) if run.rank == 0 else None
     if pause is None:
         wait_for_prefetch(run)  # it finishes on the weights it started with
@@ -247,6 +248,7 @@ def sync_weights(run: Run) -> None:
     finally:
         if pause:
             run.engine.continue_generation()
+    return dict(getattr(run.weight_sync, "push_metrics", {}))
 
 
 # ---------------------------------------------------------------- drift

@@ -32,13 +32,19 @@ def sparse_nbytes(nnz: int, itemsize: int) -> int:
     return nnz * (4 + itemsize)
 
 
-def encode(prev: torch.Tensor | None, new: torch.Tensor, sparse: bool) -> tuple[torch.Tensor, int] | None:
+def changed_indices(prev: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the elements whose bits differ."""
+    return (_bits(prev) != _bits(new)).nonzero().reshape(-1)
+
+
+def encode(prev: torch.Tensor | None, new: torch.Tensor, sparse: bool,
+           changed: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
     """What to send of `new` against the values last pushed (`prev`): None when nothing changed, else
     (payload, nnz): nnz -1 and the tensor itself when it goes whole, or nnz changed elements and their
     int32 indices + values as one uint8 tensor (only when `sparse` and smaller than the whole)."""
     if prev is None or prev.shape != new.shape or prev.dtype != new.dtype:
         return new, -1
-    changed = (_bits(prev) != _bits(new)).nonzero().reshape(-1)
+    changed = changed_indices(prev, new) if changed is None else changed
     nnz = int(changed.numel())
     if nnz == 0:
         return None
@@ -98,14 +104,18 @@ class DeltaBase:
     def __init__(self) -> None:
         self.values: dict[str, torch.Tensor] = {}
         self.valid = False
+        self.last_changed = 0  # elements changed in the tensor `encode` saw last
 
     def encode(self, name: str, new: torch.Tensor, sparse: bool) -> tuple[torch.Tensor, int] | None:
         """`encode` against this base (whole when the base is not valid), recording `new` as pushed:
         a push that fails invalidates the whole base, so recording before the servers took it is safe."""
         prev = self.values.get(name) if self.valid else None
-        out = encode(prev, new, sparse)
+        comparable = prev is not None and prev.shape == new.shape and prev.dtype == new.dtype
+        changed = changed_indices(prev, new) if comparable else None
+        self.last_changed = new.numel() if changed is None else int(changed.numel())
+        out = encode(prev, new, sparse, changed)
         if out is not None:
-            if prev is not None and prev.shape == new.shape and prev.dtype == new.dtype:
+            if comparable:
                 prev.copy_(new)
             else:
                 self.values[name] = new.detach().clone()

@@ -73,6 +73,27 @@ class PushStats:
     push_s: float = 0.0
     verify_s: float = 0.0
     servers: list[str] = field(default_factory=list)
+    changed_elements: int = 0  # delta: elements whose bits changed since the last push
+    elements: int = 0
+
+
+def push_metrics(every: list[dict[str, Any]]) -> dict[str, float]:
+    """The step's `weight_sync/*` metrics from every rank's PushStats (the busiest rank's bytes and
+    messages: the push's critical path)."""
+    senders = [s for s in every if s["buckets"]]
+    full_bytes = sum(s["full_bytes"] for s in every) or 1
+    out = {"weight_sync/senders": float(len(senders)),
+           "weight_sync/model_bytes": float(sum(s["full_bytes"] for s in every)),
+           "weight_sync/busiest_rank_bytes": float(max((s["sent_bytes"] for s in every), default=0)),
+           "weight_sync/messages_busiest_rank": float(max((s["messages"] for s in every), default=0)),
+           "weight_sync/sent_frac": sum(s["sent_bytes"] for s in every)
+           / (full_bytes * max(1, len(every[0]["servers"]))),
+           "weight_sync/full": float(every[0]["full"]),
+           "weight_sync/push_s": max(s["push_s"] for s in every),
+           "weight_sync/verify_s": max(s["verify_s"] for s in every)}
+    if not every[0]["full"] and sum(s["elements"] for s in every):
+        out["weight_sync/changed_frac"] = sum(s["changed_elements"] for s in every) / sum(s["elements"] for s in every)
+    return out
 
 
 @dataclass
@@ -125,6 +146,7 @@ class NcclSync:
         self.delta = DeltaBase() if delta else None
         self.verify = verify
         self.stats = PushStats()
+        self.push_metrics: dict[str, float] = {}  # of the last push, the same on every rank
         self._pgs: list[Any] | None = None   # this rank's groups (sources only), one per server
         self._store: Any = None
         self._connected = False
@@ -267,8 +289,10 @@ class NcclSync:
         errors = _from_rank0(errors, self.group)
         if not errors and self.verify:
             errors = self._verify(version)
-        total = sum(all_gather_objects(self.stats.tensors, self.group))
         self.stats.push_s = time.perf_counter() - started
+        every = all_gather_objects(vars(self.stats), self.group)
+        total = sum(s["tensors"] for s in every)
+        self.push_metrics = push_metrics(every)
         if errors:
             if self.delta is not None:
                 self.delta.valid = False
@@ -335,6 +359,8 @@ class NcclSync:
         def changed(unit: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             # A fused pair (fused_weights.py) goes whole and together when either half changed.
             outs = [self.delta.encode(n, t, sparse and len(unit) == 1) for n, t in unit]
+            st.changed_elements += self.delta.last_changed
+            st.elements += sum(t.numel() for _, t in unit)
             if all(o is None for o in outs):
                 return
             for (name, t), out in zip(unit, outs):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.config import load_config
 from moe_rl.launch import slurm as slurm_mod
 from moe_rl.launch.cli import main as launch_main
 from moe_rl.launch.plan import LaunchError, NodeShape, server_tp
@@ -337,7 +338,7 @@ REHEARSAL = "launch/configs/rehearsal_cpu.yaml"
 COLOCATED = "launch/configs/rehearsal_cpu_colocated.yaml"
 # (config, nodes, rollout nodes, tasks per node, cpus per task, overrides): every one must render in CPU mode.
 CPU_CASES = [
-    (REHEARSAL, 2, 1, None, None, ["train.steps=3"]),  # 2 ranks (train.world_size) + 2 servers behind the router
+    (REHEARSAL, 2, 1, None, None, ["train.steps=3"]),  # 4 ranks (train.world_size) + 2 servers behind the router
     (COLOCATED, 2, 0, None, None, []),                 # 1 rank per node, servers on the same nodes
     (TINY, 2, 1, None, 2, []),
     (TINY, 3, 1, 1, None, []),                          # 2 trainer nodes x 1 rank
@@ -382,7 +383,7 @@ def test_launch_cpu_mode_requests_no_gpu_and_states_every_count(tmp_path, config
     assert not re.search(r"--(gpus|gres|gpu)\b|--gpus-per|--gpus-per-task", text), "a GPU request was rendered"
     cpus_per_task = cpus or 1
     train_nodes = nodes if rollout == 0 else nodes - rollout
-    ranks = tasks if tasks is not None else 2 // train_nodes  # these configs' train.world_size is 2
+    ranks = tasks if tasks is not None else load_config(config, overrides).train.world_size // train_nodes
     assert r.shape.ranks_per_node == ranks and r.shape.world_size == train_nodes * ranks
     assert _directive(text, "cpus-per-task") == str(cpus_per_task)
     assert _directive(text, "ntasks-per-node") == str(max(ranks, r.servers.per_node))
