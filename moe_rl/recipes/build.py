@@ -49,7 +49,9 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     eos = eos[0] if isinstance(eos, list) else eos
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
     engine, servers = (start_engine(cfg, hf_dir, policy, launched) if rank == 0 else (None, None))
-    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=getattr(engine, "keys", None),
+    # every rank that owns tensors talks to the servers (nccl): each needs the run's admin key
+    keys = broadcast_object(getattr(engine, "keys", None))
+    sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=keys,
                             **(update_group(cfg, servers, out) if weight_sync_kind(cfg.rollout).update_group else {}))
     depth = staleness_bound(cfg.algo)
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,

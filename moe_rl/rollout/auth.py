@@ -32,7 +32,7 @@ ADMIN_PATHS = frozenset({
     "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed", "/update_weight_version",
     "/update_weights_from_tensor", "/get_weights_by_name", "/release_memory_occupation",
     "/resume_memory_occupation", "/flush_cache", "/pause_generation", "/continue_generation",
-    "/abort_request", "/start_profile", "/stop_profile", "/set_internal_state",
+    "/abort_request", "/start_profile", "/stop_profile", "/set_internal_state", "/weights_checker",
 })
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 

@@ -85,14 +85,16 @@ def test_trainer_killed_mid_run_rejoins_servers_it_did_not_start(server, toy_mod
     while 2 not in _steps(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.2)
-    os.kill(_rank_pids(proc)[0], signal.SIGKILL)  # rank 0 is the trainer's member of the update group
+    os.kill(_rank_pids(proc)[0], signal.SIGKILL)  # each rank (EP2: both own tensors) has its update group
     proc.communicate(timeout=120)
     assert proc.returncode != 0
-    left = json.loads((tmp_path / "servers" / "update_group.json").read_text())["group_name"]
-    # what the dead trainer left: its group (still registered in the server) ...
+    groups = json.loads((tmp_path / "servers" / "update_group.json").read_text())["group_names"]
+    assert len(groups) == 2
+    left = [g for g in groups if g.endswith("-r0-s0")]  # rank 1, stopped by SIGTERM, left its own group
+    # what the dead trainer left: rank 0's group (still registered in the server) ...
     status, reply = _post(server.url, "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
-        "group_name": left, "backend": "gloo"})
+        "group_name": left[0], "backend": "gloo"})
     assert status == 400 and "already exists" in reply["message"]
     # ... and, as after a crash in the middle of a sync, an open update session
     assert _post(server.url, "/begin_weight_update", {})[0] == 200
@@ -101,7 +103,7 @@ def test_trainer_killed_mid_run_rejoins_servers_it_did_not_start(server, toy_mod
     assert "Traceback" not in out, out[-3000:]
     assert _steps(tmp_path)[-1] == STEPS
     log = (tmp_path / "train.log").read_text()
-    assert "closed an open update session" in log and f"destroyed update group {left}" in log
+    assert "closed an open update session" in log and f"destroyed update group {left[0]}" in log
     info = json.loads(urllib.request.urlopen(server.url + "/model_info", timeout=30).read())
     assert info["weight_version"] == str(STEPS)  # the resumed trainer's weights reached the server
 
