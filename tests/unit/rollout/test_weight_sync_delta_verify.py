@@ -1,0 +1,100 @@
+"""The pieces of delta pushes and verification, on one process: what a delta carries, its wire format
+and its decoding, the fused-pair rule in a rank's buckets, and the checksum comparison."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from moe_rl.rollout.weight_sync import (DeltaBase, TensorMeta, flatten_sparse, local_buckets, mismatches,
+                                        tensor_checksum, unflatten_sparse)
+from moe_rl.rollout.weight_sync.delta import encode, sparse_bucket_nbytes
+
+
+def test_encode_skips_unchanged_sends_changed_elements_or_the_whole_tensor():
+    g = torch.Generator().manual_seed(0)
+    prev = torch.randn(64, 8, generator=g).to(torch.bfloat16)
+    assert encode(prev, prev.clone(), sparse=True) is None                      # nothing changed: nothing sent
+    new = prev.clone()
+    new[3, 5] += 1.0
+    new[60, 0] -= 1.0
+    payload, nnz = encode(prev, new, sparse=True)
+    assert nnz == 2 and payload.dtype == torch.uint8 and payload.numel() == 2 * (4 + 2)
+    whole, k = encode(prev, new, sparse=False)                                   # SGLang: the tensor, whole
+    assert k == -1 and torch.equal(whole, new)
+    many = prev + 1.0                                                            # most changed: whole is smaller
+    assert encode(prev, many, sparse=True)[1] == -1
+    # bits, not values: -0.0 differs from 0.0, and a NaN that stays NaN is unchanged
+    z = torch.zeros(4)
+    assert encode(z, -z, sparse=True) is not None
+    nan = torch.full((4,), float("nan"))
+    assert encode(nan, nan.clone(), sparse=True) is None
+
+
+def test_sparse_wire_format_round_trips_and_applies_like_the_dense_update():
+    g = torch.Generator().manual_seed(1)
+    olds = [torch.randn(5, 7, generator=g), torch.randn(3, generator=g).to(torch.bfloat16), torch.randn(2, 2, generator=g)]
+    news = [o.clone() for o in olds]
+    news[0][1, 2] = 9.0
+    news[0][4, 6] = -9.0
+    news[1][0] = 5.0
+    news[2] += 3.0                                                                # all changed: goes whole
+    metas, payloads, nnz = [], [], []
+    for i, (o, n) in enumerate(zip(olds, news)):
+        payload, k = encode(o, n, sparse=True)
+        metas.append(TensorMeta.of(f"t{i}", n))
+        payloads.append(payload.reshape(-1).view(torch.uint8) if k >= 0 else n)
+        nnz.append(k)
+    flat = flatten_sparse(payloads)
+    assert flat.numel() == sparse_bucket_nbytes(metas, nnz) and flat.numel() % 8 == 0
+    for (name, values, idx), o, n in zip(unflatten_sparse(flat, metas, nnz), olds, news):
+        rebuilt = values if idx is None else o.clone().reshape(-1).index_put_((idx,), values).reshape(o.shape)
+        assert torch.equal(rebuilt, n), name
+    with pytest.raises(ValueError, match="outside"):
+        bad = flat.clone()
+        bad[:4] = torch.tensor([1000], dtype=torch.int32).view(torch.uint8)    # t0's first index: out of range
+        unflatten_sparse(bad, metas, nnz)
+
+
+def test_the_base_is_recorded_as_pushed_and_only_a_valid_base_makes_deltas():
+    base = DeltaBase()
+    t = torch.arange(6.0)
+    assert base.encode("w", t, sparse=True)[1] == -1                             # no base yet: whole
+    base.valid = True
+    t2 = t.clone()
+    t2[2] = 100.0
+    payload, nnz = base.encode("w", t2, sparse=True)
+    assert nnz == 1 and base.last_changed == 1 and torch.equal(base.values["w"], t2)
+    assert base.encode("w", t2.clone(), sparse=True) is None and base.last_changed == 0
+    base.valid = False                                                            # a failed push: full again
+    assert base.encode("w", t2, sparse=True)[1] == -1
+
+
+def test_a_fused_pair_shares_a_bucket_whatever_comes_between():
+    a = "model.layers.0.self_attn.q_a_proj.weight"
+    b = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    pairs = [(a, torch.zeros(64)), ("model.layers.0.mlp.gate.weight", torch.zeros(64)), (b, torch.zeros(64)),
+             ("model.norm.weight", torch.zeros(64))]
+    buckets = list(local_buckets(pairs, bucket_bytes=256))                        # one fp32 tensor = 256 bytes
+    where = {m.name: i for i, bucket in enumerate(buckets) for m, _ in bucket}
+    assert where[a] == where[b] and sorted(where) == sorted(n for n, _ in pairs)
+    assert all(sum(m.nbytes for m, _ in bucket) <= 512 for bucket in buckets)
+
+
+def test_checksums_are_sglangs_host_hash_and_mismatches_name_tensor_and_server():
+    t = torch.arange(10, dtype=torch.bfloat16)
+    want = int.from_bytes(hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).digest()[:8], "big")
+    assert tensor_checksum(t) == f"{want:016x}"
+    sent = {"a": tensor_checksum(t), "b": tensor_checksum(t + 1)}
+    good = {"ranks": [{"checksums": dict(sent)}], "per_engine_checksum": "x"}
+    assert mismatches(sent, [("http://s0", good)], 3, [1]) == []
+    bad = {"ranks": [{"checksums": {"a": sent["a"], "b": "0" * 16}}]}
+    (problem,) = mismatches(sent, [("http://s1", bad)], 3, [1])
+    assert "server http://s1 holds b" in problem and "weight version 3" in problem
+    # SGLang's runtime names match none of ours: the servers of one tp size must agree
+    runtime = [("http://s0", {"ranks": [{"checksums": {"qkv_proj": "1"}}], "per_engine_checksum": "p"}),
+               ("http://s1", {"ranks": [{"checksums": {"qkv_proj": "2"}}], "per_engine_checksum": "q"})]
+    (problem,) = mismatches(sent, runtime, 4, [2, 2])
+    assert "tp-2 servers disagree" in problem
+    assert mismatches(sent, [runtime[0], ("http://s1", runtime[0][1])], 4, [2, 2]) == []
