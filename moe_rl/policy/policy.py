@@ -299,3 +299,4 @@ class Policy(MegatronModel):
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`hf_tensors`: tensor and nccl syncs."""
         return self.hf_tensors()
+

@@ -43,8 +43,9 @@ def plan_tensors(model: torch.nn.Module, items: list[tuple[str, Any]]) -> Plan:
     plan: Plan = []
     errors = [f"{n} without {partner(n)}: SGLang fuses the two in one load and drops a lone one"
               for n in split_pairs((n for n, _ in items), state)]
+    items = [(name, torch.as_tensor(value)) for name, value in items]
+    not_finite = _not_finite(items)
     for name, value in items:
-        value = torch.as_tensor(value)
         target, index = resolve(name, state)
         if target is None:
             errors.append(f"unknown parameter {name!r}")
@@ -53,7 +54,7 @@ def plan_tensors(model: torch.nn.Module, items: list[tuple[str, Any]]) -> Plan:
         if tuple(value.shape) != tuple(want):
             errors.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(want)}")
             continue
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if name in not_finite:
             errors.append(f"{name}: holds NaN or inf")
             continue
         plan.append((target, index, value, name))
@@ -61,6 +62,34 @@ def plan_tensors(model: torch.nn.Module, items: list[tuple[str, Any]]) -> Plan:
         raise ValueError("weight update refused, nothing was changed: " + "; ".join(errors[:5])
                          + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
     return plan
+
+
+def _not_finite(items: list[tuple[str, torch.Tensor]]) -> set[str]:
+    """The names of the floating tensors holding NaN or inf: one check per dtype over all of them (a push
+    brings thousands of small tensors), then per tensor only when that one found something."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, value in items:
+        if value.is_floating_point() and value.numel():
+            by_dtype.setdefault(value.dtype, []).append((name, value))
+    bad: set[str] = set()
+    for group in by_dtype.values():
+        if not _all_finite(torch.cat([v.reshape(-1) for _, v in group])):
+            bad |= {n for n, v in group if not _all_finite(v)}
+    return bad
+
+
+# An IEEE float is NaN or inf exactly when its exponent bits are all ones: tested on the integer view,
+# ~2x faster than torch.isfinite on CPU (which widens bf16 first).
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+             torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    spec = _EXPONENT.get(t.dtype)
+    if spec is None or not t.is_contiguous():
+        return bool(torch.isfinite(t).all())
+    bits = t.view(spec[0])
+    return not bool(((bits & spec[1]) == spec[1]).any())
 
 
 def apply_plan(plan: Plan) -> None:
@@ -137,9 +166,8 @@ def checkpoint_names(path: str | Path) -> list[str]:
     return sorted(names)
 
 
-def served_view(model: torch.nn.Module, name: str) -> torch.Tensor | None:
-    """What the served model holds under the checkpoint name `name` (a view), or None."""
-    state = dict(model.named_parameters())
-    state.update(dict(model.named_buffers()))
+def served_view(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """What the served model holds under the checkpoint name `name` (a view into `state`, the model's
+    parameters and buffers by name), or None."""
     target, index = resolve(name, state)
     return None if target is None else (target[index] if index else target)

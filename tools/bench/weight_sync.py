@@ -11,22 +11,37 @@ process (one rank), and four variants alternate round by round:
 - gather: iterating `Policy.hf_tensors()` alone (the trainer's share of the tensor path).
 
 MB/s is the checkpoint's fp32 bytes over the median time; "× smallest" is the time
-against the smallest model's, to read against the parameter ratio. The NCCL path
-(SGLang servers) needs GPUs and is not measured here.
+against the smallest model's, to read against the parameter ratio.
+
+`--scale`: the update-group push (rollout.weight_sync=nccl, gloo on CPU) from 1, 2 and 4
+trainer processes (layouts single, ep2, pp2-ep2, tp2-ep2) of the megatron policy to one
+`moe-rl serve --dtype bfloat16`, for models of 8, 32 and 64 experts (the other shapes fixed),
+three variants alternating round by round in one run: `funnel` (the earlier path, every
+tensor to rank 0 by its own message, rank 0 broadcasts; `FunnelSync`), `sources` full and
+`sources` delta (`NcclSync`: every rank sends its own share; delta after a step of ±1e-6 on
+every weight, what Adam's normalised step does at lr 1e-6). Bytes and messages are counted by
+wrapping torch.distributed's calls in each rank (weights messages: point-to-point sends and
+the broadcasts of the update groups; the TP gathers' bytes count, their calls are `gathers`).
+Every row is verified against the server's checksums. Slopes are log-log fits.
 
     python tools/bench/weight_sync.py                     # three sizes, 3 rounds
     python tools/bench/weight_sync.py --sizes 0 1 2 3     # up to 110M parameters
+    python tools/bench/weight_sync.py --scale --json ws.json
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import itertools
+import json
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -109,12 +124,255 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return f"{head}\n\n{table}\n\nModels: {shapes}."
 
 
+# ------------------------------------------------------------------------------------------- --scale
+
+SCALE_LAYOUTS = (("single", 1), ("ep2", 2), ("pp2-ep2", 4), ("tp2-ep2", 4))
+SCALE_EXPERTS = (8, 32, 64)
+SCALE_BUCKET = 4 << 20  # ~6 buckets for the 64-expert model, as 1 GiB buckets cut a 30B model into ~60
+
+
+class _Counter:
+    """Bytes and messages this rank moves through torch.distributed while counting is on."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.update_groups: set[Any] = set()
+        self.on = False
+        self.reset()
+        self._orig = {k: getattr(dist, k) for k in ("isend", "irecv", "broadcast", "all_gather")}
+        counter = self
+
+        def nbytes(t: Any) -> int:
+            return t.numel() * t.element_size()
+
+        def isend(t: Any, *a: Any, **k: Any) -> Any:
+            if counter.on:
+                counter.sent += nbytes(t)
+                counter.messages += 1
+            return counter._orig["isend"](t, *a, **k)
+
+        def irecv(t: Any, *a: Any, **k: Any) -> Any:
+            if counter.on:
+                counter.recv += nbytes(t)
+            return counter._orig["irecv"](t, *a, **k)
+
+        def broadcast(t: Any, src: int = 0, group: Any = None, **k: Any) -> Any:
+            if counter.on and group in counter.update_groups:
+                counter.sent += nbytes(t) * (dist.get_world_size(group) - 1)
+                counter.messages += 1
+                counter.broadcasts += 1
+            return counter._orig["broadcast"](t, src, group, **k)
+
+        def all_gather(out: Any, t: Any, group: Any = None, **k: Any) -> Any:
+            if counter.on:
+                n = dist.get_world_size(group)
+                counter.sent += nbytes(t) * (n - 1)
+                counter.recv += nbytes(t) * (n - 1)
+                counter.gathers += 1
+            return counter._orig["all_gather"](out, t, group, **k)
+
+        for name, fn in (("isend", isend), ("irecv", irecv), ("broadcast", broadcast), ("all_gather", all_gather)):
+            setattr(dist, name, fn)
+
+    def reset(self) -> None:
+        self.sent = self.recv = self.messages = self.gathers = self.broadcasts = 0
+
+    def track_groups(self, *modules: Any) -> None:
+        """Record the update groups the syncs of `modules` form (their `new_custom_group`)."""
+        for mod in modules:
+            make = mod.new_custom_group
+
+            def wrapped(*a: Any, _make: Any = make, **k: Any) -> Any:
+                pg = _make(*a, **k)
+                self.update_groups.add(pg)
+                return pg
+            mod.new_custom_group = wrapped
+
+
+def _nudge(policy: Any, round_: int, step: float = 1e-6) -> None:
+    """±step on every weight (Adam's normalised update at lr = step), the same on every replica."""
+    import zlib
+
+    from megatron.core import parallel_state as ps
+
+    tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    with torch.no_grad():
+        for i, chunk in enumerate(policy.chunks):
+            for name, p in chunk.named_parameters():
+                key = f"{round_}|{i}|{name}|tp{tp}|ep{ep if '.experts.' in name else 0}"
+                g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+                p.add_(torch.randint(0, 2, p.shape, generator=g).to(p.dtype) * (2 * step) - step)
+
+
+def _scale_worker(hf_dir: str, layout: str, url: str, rounds: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from moe_rl.dist.collectives import all_gather_objects
+    from moe_rl.policy.compat import native
+    from moe_rl.rollout.weight_sync import FunnelSync, NcclSync, WeightSyncError
+    from moe_rl.rollout.weight_sync import funnel as funnel_mod
+    from moe_rl.rollout.weight_sync import nccl as nccl_mod
+
+    common.setup(common.layout_for(layout))
+    counter = _Counter()
+    counter.track_groups(funnel_mod, nccl_mod)
+    policy = common.make_policy(hf_dir, common.layout_for(layout))
+    me = dist.get_rank()
+    port = common_free_port() if me == 0 else 1
+    kw = dict(master_address="127.0.0.1", backend="gloo", bucket_bytes=SCALE_BUCKET, http_timeout=300.0)
+    # The delta push goes first in each round: its base is what the server holds after the round before.
+    syncs = {"sources/delta": NcclSync([url], master_port=common_free_port() if me == 0 else 1,
+                                       group_name="bench_delta", verify=True, delta=True, **kw),
+             "sources/full": NcclSync([url], master_port=port, group_name="bench_full", verify=True, **kw),
+             "funnel/full": FunnelSync([url], master_port=common_free_port() if me == 0 else 1, dtype=torch.bfloat16,
+                                       group_name="bench_funnel", **kw)}
+    out: dict[str, Any] = {k: {"push_s": [], "sent": [], "recv": [], "messages": [], "gathers": [], "buckets": [],
+                               "peak_mb": [], "verified": True, "delta_bytes": [], "verify_s": []} for k in syncs}
+    for r in range(rounds + 1):  # round 0 joins the groups and makes the delta base: not timed
+        _nudge(policy, r)
+        for name, sync in syncs.items():  # one version label per round: the delta's base stays the servers'
+            dist.barrier()
+            counter.reset()
+            counter.on = True
+            with common.PeakAbove() as peak, native():  # as a run pushes (recipes/rl/step.py)
+                t0 = time.perf_counter()
+                try:
+                    sync.sync(r + 1, policy)
+                    ok = True
+                except WeightSyncError as e:
+                    ok = False
+                    print(f"{name}: {e}", flush=True)
+                took = time.perf_counter() - t0
+            counter.on = False
+            stats = getattr(sync, "stats", None)
+            verify_s = stats.verify_s if stats is not None else 0.0
+            if name == "funnel/full":  # checked against what the sources sent this round: the same weights
+                t0 = time.perf_counter()
+                problems = syncs["sources/full"]._verify(r + 1)
+                verify_s = time.perf_counter() - t0
+                if problems:
+                    print(f"{name}: {problems[:2]}", flush=True)
+                ok = ok and not problems
+            if r == 0:
+                continue
+            row = out[name]
+            row["push_s"].append(took - (verify_s if name != "funnel/full" else 0.0))
+            row["verify_s"].append(verify_s)
+            row["sent"].append(counter.sent)
+            row["recv"].append(counter.recv)
+            row["messages"].append(counter.messages)
+            row["gathers"].append(counter.gathers)
+            row["peak_mb"].append(peak.mb)
+            row["verified"] = row["verified"] and ok
+            row["buckets"].append(stats.buckets if stats is not None else counter.broadcasts)
+            row["delta_bytes"].append(stats.sent_bytes if stats is not None and not stats.full else 0)
+    model_bytes = sum(t.numel() * 2 for _, t in policy.hf_tensors())  # bf16, as the server holds them
+    for sync in syncs.values():
+        sync.close()
+    out["model_bytes"] = model_bytes
+    return out
+
+
+def common_free_port() -> int:
+    from moe_rl.testing import free_port
+
+    return free_port()
+
+
+def scale_rows(rounds: int = 3, experts: tuple[int, ...] = SCALE_EXPERTS,
+               layouts: tuple[tuple[str, int], ...] = SCALE_LAYOUTS) -> list[dict[str, Any]]:
+    """One row per (layout, experts, variant): the fields `--json` writes (see the module docstring)."""
+    from moe_rl.testing import run_ranks
+    from moe_rl.testing.serve import start_serve_process, stop_process
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for e in experts:
+            hf_dir = common.write_model(tmp, BASE.with_(num_experts=e))
+            server = start_serve_process(hf_dir, "--dtype", "bfloat16", routed_experts=False)
+            try:
+                for layout, ranks in layouts:
+                    per_rank = run_ranks(_scale_worker, ranks, hf_dir, layout, server.url, rounds, timeout=1800)
+                    model_bytes = sum(r["model_bytes"] for r in per_rank)
+                    for variant in ("funnel/full", "sources/full", "sources/delta"):
+                        path, mode = variant.split("/")
+                        v = [r[variant] for r in per_rank]
+                        busiest = max(common.median([s + rc for s, rc in zip(x["sent"], x["recv"])]) for x in v)
+                        rows.append({
+                            "path": path, "mode": mode, "ranks": ranks, "layout": layout, "experts": e,
+                            "model_bytes": model_bytes, "busiest_rank_bytes": int(busiest),
+                            "messages_per_push": int(sum(common.median(x["messages"]) for x in v)),
+                            "gathers_per_push": int(sum(common.median(x["gathers"]) for x in v)),
+                            "buckets": int(sum(common.median(x["buckets"]) for x in v)),
+                            "push_s": common.median([max(t) for t in zip(*(x["push_s"] for x in v))]),
+                            "peak_rss_mb": max(max(x["peak_mb"]) for x in v),
+                            "delta_bytes": int(sum(common.median(x["delta_bytes"]) for x in v)),
+                            "verify_s": common.median([max(t) for t in zip(*(x["verify_s"] for x in v))]),
+                            "verified": all(x["verified"] for x in v), "rounds": rounds})
+            finally:
+                stop_process(server.proc)
+    return rows
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    import math
+
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    if len(pts) < 2:
+        return float("nan")
+    mx, my = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else float("nan")
+
+
+def format_scale(rows: list[dict[str, Any]]) -> str:
+    cells = [[r["path"], r["mode"], r["layout"], r["experts"], f"{r['model_bytes'] / 2**20:.1f}",
+              f"{r['busiest_rank_bytes'] / r['model_bytes']:.2f}", r["messages_per_push"], r["gathers_per_push"],
+              r["buckets"], f"{r['push_s']:.3f}", f"{r['verify_s']:.3f}", f"{r['peak_rss_mb']:.0f}",
+              f"{r['delta_bytes'] / r['model_bytes']:.3f}" if r["mode"] == "delta" else "", r["verified"]]
+             for r in rows]
+    table = common.md_table(["path", "mode", "layout", "experts", "model MB (bf16)", "busiest rank bytes / model",
+                             "messages", "gathers", "buckets", "push s", "verify s", "peak MB added",
+                             "delta bytes / model",
+                             "verified"], cells)
+    lines = []
+    for path, mode in (("funnel", "full"), ("sources", "full"), ("sources", "delta")):
+        sel = [r for r in rows if (r["path"], r["mode"]) == (path, mode)]
+        for layout, _ in SCALE_LAYOUTS:
+            by_size = [r for r in sel if r["layout"] == layout]
+            if len(by_size) > 1:
+                lines.append(f"- {path} {mode}, {layout}: against model size, busiest-rank bytes slope "
+                             f"{_slope([r['model_bytes'] for r in by_size], [r['busiest_rank_bytes'] for r in by_size]):.2f}, "
+                             f"push s slope {_slope([r['model_bytes'] for r in by_size], [r['push_s'] for r in by_size]):.2f}")
+        top = max((r["experts"] for r in sel), default=0)
+        by_ranks = [r for r in sel if r["experts"] == top and r["layout"] in ("single", "ep2", "pp2-ep2")]
+        if len(by_ranks) > 1:
+            lines.append(f"- {path} {mode}, {top} experts, single -> ep2 -> pp2-ep2: against ranks, busiest-rank "
+                         f"bytes slope {_slope([r['ranks'] for r in by_ranks], [r['busiest_rank_bytes'] for r in by_ranks]):.2f}, "
+                         f"push s slope {_slope([r['ranks'] for r in by_ranks], [r['push_s'] for r in by_ranks]):.2f}")
+    head = (f"gloo on CPU, one `moe-rl serve --dtype bfloat16` receiving, {SCALE_BUCKET >> 20} MiB buckets; medians "
+            f"of {rows[0]['rounds']} rounds, the three variants alternating. messages: weight-carrying sends and "
+            "update-group broadcasts per push, all ranks; gathers: the TP all-gathers of the export; delta after "
+            "±1e-6 on every weight.")
+    return f"{head}\n\n{table}\n\nLog-log slopes:\n" + "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sizes", type=int, nargs="+", default=list(range(len(DEFAULT_SIZES))),
                    help=f"indices into the size list (0-{len(SIZES) - 1}, smallest first)")
+    p.add_argument("--scale", action="store_true", help="the update-group push over layouts and expert counts")
+    p.add_argument("--experts", type=int, nargs="+", default=list(SCALE_EXPERTS), help="--scale: expert counts")
+    p.add_argument("--json", help="--scale: also write the rows to this file")
     a = p.parse_args(argv)
+    if a.scale:
+        rows = scale_rows(a.rounds, tuple(a.experts))
+        print(format_scale(rows))
+        if a.json:
+            Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
+        return 0 if all(r["verified"] for r in rows) else 1
     print(format_table(bench_rows(a.rounds, tuple(SIZES[i] for i in a.sizes))))
     return 0
 

@@ -199,7 +199,7 @@ def weight_sync(args: argparse.Namespace) -> dict[str, Any]:
         train_seqs = [torch.tensor(s) for s in ec.prompts(8, 32, args.vocab, seed=7)]
         asks = ec.prompts(args.samples, args.prompt_len, args.vocab, seed=3)
         problems: list[str] = []
-        methods = ["disk", "nccl_gloo"] + (["tensor"] if args.engine == "local" else [])
+        methods = ["disk", "nccl_gloo", "nccl_gloo_delta"] + (["tensor"] if args.engine == "local" else [])
         version = 0
         for method in methods:
             engine = sync = None
@@ -248,8 +248,10 @@ def _sync_target(method: str, group: Any, hf: Path, device: str) -> tuple[Any, A
     if method == "disk":
         return ec.client(group), make_weight_sync(RolloutConfig(weight_sync="disk"), root=hf.parent / "versions",
                                                   keep_last=1)
-    return ec.client(group), make_weight_sync(RolloutConfig(weight_sync="nccl"), admin_urls=group.admin_urls,
-                                              master_address="127.0.0.1", master_port=free_port(), backend="gloo")
+    # nccl_gloo_delta: after its first push only what changed (rollout.weight_sync_delta); both verified
+    cfg = RolloutConfig(weight_sync="nccl", weight_sync_delta=method.endswith("_delta"))
+    return ec.client(group), make_weight_sync(cfg, admin_urls=group.admin_urls, master_address="127.0.0.1",
+                                              master_port=free_port(), backend="gloo")
 
 
 def _sync_device() -> None:

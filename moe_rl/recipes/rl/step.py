@@ -24,6 +24,7 @@ from moe_rl.data.dataset import PromptDataset
 from moe_rl.data.sampler import PromptSampler
 from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, load_violation, logprob_mismatch,
                                   route_stats)
+from moe_rl.policy.compat import native
 from moe_rl.policy.policy import Policy
 from moe_rl.recipes.common import Stopwatch, combine_loss_metrics, mean_metrics, probe_routes, probe_volatility
 from moe_rl.recipes.rl.batch import Samples, Share, response_mask, rollout_batch, wait_for_prefetch
@@ -244,7 +245,8 @@ def sync_weights(run: Run) -> dict[str, float]:
     if pause:  # the prefetched requests finish under the new weights (partial rollouts)
         run.engine.pause_generation(pause)
     try:
-        run.weight_sync.sync(run.weight_version, run.policy, run.engine if run.rank == 0 else None)
+        with native():  # the push names no CUDA device: no detour through megatron's CPU redirect per torch call
+            run.weight_sync.sync(run.weight_version, run.policy, run.engine if run.rank == 0 else None)
     finally:
         if pause:
             run.engine.continue_generation()

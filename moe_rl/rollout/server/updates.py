@@ -211,10 +211,11 @@ def weight_checksums(engine: Any, skip: list[str] | None = None) -> dict[str, An
     """`/weights_checker` action "checksum" as SGLang 0.5.23 answers it (srt/utils/weight_checker.py),
     one rank: each tensor's checksum under the checkpoint's HF names, which are this server's names."""
     sums = {}
+    state = dict(engine.model.named_parameters()) | dict(engine.model.named_buffers())
     for name in checkpoint_names(engine.model_path):
         if skip and any(s in name for s in skip):
             continue
-        view = served_view(engine.model, name)
+        view = served_view(state, name)
         if view is not None:
             sums[name] = tensor_checksum(view)
     per_gpu = hashlib.sha256()

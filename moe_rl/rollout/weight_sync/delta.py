@@ -32,27 +32,29 @@ def sparse_nbytes(nnz: int, itemsize: int) -> int:
     return nnz * (4 + itemsize)
 
 
-def changed_indices(prev: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the elements whose bits differ."""
-    return (_bits(prev) != _bits(new)).nonzero().reshape(-1)
-
-
-def encode(prev: torch.Tensor | None, new: torch.Tensor, sparse: bool,
-           changed: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
+def encode(prev: torch.Tensor | None, new: torch.Tensor, sparse: bool) -> tuple[torch.Tensor, int] | None:
     """What to send of `new` against the values last pushed (`prev`): None when nothing changed, else
     (payload, nnz): nnz -1 and the tensor itself when it goes whole, or nnz changed elements and their
     int32 indices + values as one uint8 tensor (only when `sparse` and smaller than the whole)."""
+    out, _ = _encode(prev, new, sparse)
+    return out
+
+
+def _encode(prev: torch.Tensor | None, new: torch.Tensor, sparse: bool
+            ) -> tuple[tuple[torch.Tensor, int] | None, int]:
+    """`encode` and the number of elements whose bits changed (all of them without a comparable base)."""
     if prev is None or prev.shape != new.shape or prev.dtype != new.dtype:
-        return new, -1
-    changed = changed_indices(prev, new) if changed is None else changed
-    nnz = int(changed.numel())
+        return (new, -1), new.numel()
+    new_bits = _bits(new)
+    diff = _bits(prev) != new_bits
+    nnz = int(diff.sum())
     if nnz == 0:
-        return None
+        return None, 0
     if not sparse or sparse_nbytes(nnz, new.element_size()) >= new.numel() * new.element_size():
-        return new, -1
-    values = new.contiguous().reshape(-1)[changed]
-    payload = torch.cat([changed.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
-    return payload, nnz
+        return (new, -1), nnz
+    changed = diff.nonzero().reshape(-1)
+    payload = torch.cat([changed.to(torch.int32).view(torch.uint8), new_bits[changed].view(torch.uint8)])
+    return (payload, nnz), nnz
 
 
 def flatten_sparse(payloads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -110,12 +112,9 @@ class DeltaBase:
         """`encode` against this base (whole when the base is not valid), recording `new` as pushed:
         a push that fails invalidates the whole base, so recording before the servers took it is safe."""
         prev = self.values.get(name) if self.valid else None
-        comparable = prev is not None and prev.shape == new.shape and prev.dtype == new.dtype
-        changed = changed_indices(prev, new) if comparable else None
-        self.last_changed = new.numel() if changed is None else int(changed.numel())
-        out = encode(prev, new, sparse, changed)
+        out, self.last_changed = _encode(prev, new, sparse)
         if out is not None:
-            if comparable:
+            if prev is not None and prev.shape == new.shape and prev.dtype == new.dtype:
                 prev.copy_(new)
             else:
                 self.values[name] = new.detach().clone()

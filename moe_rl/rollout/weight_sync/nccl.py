@@ -30,6 +30,7 @@ import os
 import secrets
 import socket
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -153,7 +154,8 @@ class NcclSync:
         self._session: bool | None = None  # None: not probed; False: the servers have no session endpoints
         self._sparse: bool | None = None   # the servers take SPARSE_FORMAT (`moe-rl serve`)
         self._pushed: str | None = None    # the version every server took last
-        self._sums: dict[str, str] = {}    # checksum of each tensor this rank last sent
+        self._sums: dict[str, Any] = {}    # checksum (or its future) of each tensor this rank last sent
+        self._hasher: ThreadPoolExecutor | None = None  # hashes off the push's path (hashlib frees the GIL)
         self._smallest: tuple[str, torch.Tensor] | None = None
         self._held: str | None = None      # rank 0: the dtype every server holds ("" = unknown)
         self._wire: torch.dtype | None = dtype
@@ -353,7 +355,7 @@ class NcclSync:
                 st.tensors += 1
                 st.full_bytes += t.numel() * t.element_size()
                 if self.verify and (full or self.delta is None):
-                    self._sums[name] = tensor_checksum(t)
+                    self._sums[name] = self._checksum(t)
                 yield name, t
 
         def changed(unit: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -366,7 +368,7 @@ class NcclSync:
             for (name, t), out in zip(unit, outs):
                 payload, nnz = out if len(unit) == 1 else (t, -1)
                 if self.verify and not full:
-                    self._sums[name] = tensor_checksum(t)
+                    self._sums[name] = self._checksum(t)
                 kept[name] = (TensorMeta.of(name, t), nnz)
                 yield name, (payload.contiguous().reshape(-1).view(torch.uint8) if sparse else payload)
 
@@ -461,9 +463,15 @@ class NcclSync:
         self.stats.sent_bytes += flat.numel() * flat.element_size() * len(self.urls)
         return self._finish((works, futures, [meta]))
 
+    def _checksum(self, t: torch.Tensor) -> Future:
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-checksum")
+        return self._hasher.submit(tensor_checksum, t)
+
     def _verify(self, version: int) -> list[str]:
         """Every server's checksums against what the sources sent (collective)."""
         t0 = time.perf_counter()
+        self._sums = {n: (s.result() if isinstance(s, Future) else s) for n, s in self._sums.items()}
         sent = all_gather_objects(dict(self._sums) if self._pgs else {}, self.group)
         problems: list[str] = []
         if rank(self.group) == 0:

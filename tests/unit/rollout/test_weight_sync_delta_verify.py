@@ -98,3 +98,17 @@ def test_checksums_are_sglangs_host_hash_and_mismatches_name_tensor_and_server()
     (problem,) = mismatches(sent, runtime, 4, [2, 2])
     assert "tp-2 servers disagree" in problem
     assert mismatches(sent, [runtime[0], ("http://s1", runtime[0][1])], 4, [2, 2]) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_a_pushed_nan_or_inf_is_found_in_any_float_dtype_and_named(dtype):
+    from moe_rl.rollout.weight_load import _not_finite
+
+    fine = torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).min, torch.finfo(dtype).tiny, 0.0, -0.0, 1.5],
+                        dtype=dtype)
+    items = [(f"w{i}", fine.clone()) for i in range(4)] + [("ids", torch.arange(3))]
+    assert _not_finite(items) == set()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = [(n, t.clone()) for n, t in items]
+        broken[2][1][4] = bad
+        assert _not_finite(broken) == {"w2"}, bad
