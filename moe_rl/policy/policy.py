@@ -299,4 +299,3 @@ class Policy(MegatronModel):
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`hf_tensors`: tensor and nccl syncs."""
         return self.hf_tensors()
-
