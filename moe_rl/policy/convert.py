@@ -263,6 +263,8 @@ class RankPlace:
     ep_size: int
     dp_rank: int
     edp_rank: int
+    dp_size: int = 1
+    edp_size: int = 1
 
     @classmethod
     def current(cls) -> "RankPlace":
@@ -272,7 +274,8 @@ class RankPlace:
                    etp_rank=ps.get_expert_tensor_parallel_rank(),
                    etp_size=ps.get_expert_tensor_parallel_world_size(),
                    ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
-                   dp_rank=ps.get_data_parallel_rank(), edp_rank=ps.get_expert_data_parallel_rank())
+                   dp_rank=ps.get_data_parallel_rank(), edp_rank=ps.get_expert_data_parallel_rank(),
+                   dp_size=ps.get_data_parallel_world_size(), edp_size=ps.get_expert_data_parallel_world_size())
 
 
 def _shard_for(name: str, offset: int, place: RankPlace, arch: MoEArch) -> Shard | None:
@@ -487,36 +490,47 @@ class _ShardWriter:
         self.buffer, self.size = {}, 0
 
 
-def _writes(shard: Shard, place: RankPlace) -> bool:
-    """Whether this rank writes a tensor of this shard's group (one rank of the whole job does)."""
+def _writes(shard: Shard, place: RankPlace, index: int) -> bool:
+    """Whether this rank writes the tensor(s) of its `index`-th parameter (one rank of the whole job does):
+    tensor-parallel rank 0 of one data-parallel replica, the replicas taking the parameters in turn, so
+    the weight push and the export spread over every replica rather than one (experts alike, over the
+    expert-data-parallel replicas, at expert-tensor rank 0)."""
     if shard.group == "etp":
-        return place.edp_rank == 0 and place.etp_rank == 0
-    return place.dp_rank == 0 and place.tp_rank == 0
+        return place.etp_rank == 0 and index % place.edp_size == place.edp_rank
+    return place.tp_rank == 0 and index % place.dp_size == place.dp_rank
 
 
-def is_hf_writer() -> bool:
-    """Whether this rank writes any HF tensor (`iter_hf_tensors` yields some): tensor-parallel rank 0
-    of data-parallel replica 0 (the dense tensors of its stage), or expert-tensor rank 0 of expert-data
-    replica 0 (its experts). Known without iterating, which runs the gathers."""
+def is_hf_writer(spread: bool = False) -> bool:
+    """Whether `iter_hf_tensors(..., spread=spread)` yields tensors on this rank: tensor-parallel rank 0 of
+    data-parallel replica 0 (the dense tensors of its stage) or expert-tensor rank 0 of expert-data
+    replica 0 (its experts); with `spread`, of any replica (they take the parameters in turn). Known
+    without iterating, which runs the gathers."""
     place = RankPlace.current()
+    if spread:
+        return place.tp_rank == 0 or place.etp_rank == 0
     return (place.dp_rank == 0 and place.tp_rank == 0) or (place.edp_rank == 0 and place.etp_rank == 0)
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks: list[Any], arch: MoEArch, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(chunks: list[Any], arch: MoEArch, buffers: bool = True, spread: bool = False,
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the tensors this rank writes (collective: call on every rank).
 
     Each HF tensor is yielded by exactly one rank of the whole job; the others take
     part in the TP / ETP gathers and yield nothing for it. `buffers`: with the checkpoint's
     buffers (a router's selection bias); off for gradients, which buffers have none.
+    `spread`: the data-parallel replicas (expert-data-parallel for experts) take the parameters
+    in turn, so a weight push leaves every replica with a share; else replica 0 writes them all
+    (gradients, whose replicas may hold only their own reduced shard, need that). `dtype`: cast
+    before the gathers (a push in the servers' bf16 gathers half the bytes of fp32 parameters).
     """
     place = RankPlace.current()
-    for _, name, param, offset in _param_items(chunks, buffers):
+    for index, (_, name, param, offset) in enumerate(_param_items(chunks, buffers)):
         shard = _shard_for(name, offset, place, arch)
         if shard is None:
             raise ConversionError(f"megatron parameter {name!r} has no HF counterpart for {arch.family}")
-        full = _gather(param.data, shard, place, arch)
-        if not _writes(shard, place) or (name == "output_layer.weight" and arch.tie_word_embeddings):
+        full = _gather(param.data if dtype is None else param.data.to(dtype), shard, place, arch)
+        if not _writes(shard, place, index if spread else 0) or (name == "output_layer.weight" and arch.tie_word_embeddings):
             continue
         yield from _to_hf(full, shard, arch)
 

@@ -282,10 +282,11 @@ class Policy(MegatronModel):
         sync_params(self.opt.chunks)  # overlap_param_gather left the gather to the next forward
         export_hf(self.chunks, out_dir, self.arch, self.hf_config, dtype=dtype)
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) for the tensors this rank owns (collective)."""
+    def hf_tensors(self, spread: bool = False, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for the tensors this rank owns (collective); `spread`: over every data-parallel
+        replica (`iter_hf_tensors`), not replica 0 alone; `dtype`: cast before the gathers."""
         sync_params(self.opt.chunks)
-        return iter_hf_tensors(self.chunks, self.arch)
+        return iter_hf_tensors(self.chunks, self.arch, spread=spread, dtype=dtype)
 
     # The two methods a weight sync takes (moe_rl.rollout.weight_sync.PolicyWeights).
     def export(self, out_dir: str | Path) -> None:
@@ -293,9 +294,10 @@ class Policy(MegatronModel):
         self.export_hf(out_dir)
 
     def is_source(self) -> bool:
-        """Whether this rank owns HF tensors (the nccl sync's senders), known before the gathers run."""
-        return is_hf_writer()
+        """Whether this rank owns HF tensors of a push (`named_tensors`), known before the gathers run."""
+        return is_hf_writer(spread=True)
 
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """`hf_tensors`: tensor and nccl syncs."""
-        return self.hf_tensors()
+    def named_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """`hf_tensors` spread over the data-parallel replicas, in `dtype`: tensor and nccl syncs (each
+        sender its share, in the dtype the servers hold)."""
+        return self.hf_tensors(spread=True, dtype=dtype)

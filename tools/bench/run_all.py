@@ -41,7 +41,9 @@ import rollout
 import scaling
 import step_options
 import trl_parity
+import weight_delta
 import weight_sync
+import weight_sync_cost
 
 Section = tuple[str, str, Callable[[bool], str]]  # (key, title, run(quick) -> markdown)
 
@@ -83,6 +85,11 @@ def sections() -> list[Section]:
         ("weight_sync", "Weight sync time vs parameter count",
          lambda q: weight_sync.format_table(weight_sync.bench_rows(rounds=1, sizes=weight_sync.SIZES[:2]) if q
                                             else weight_sync.bench_rows())),
+        ("weight_sync_scale", "Weight push at scale: every source vs the funnel through rank 0, full and delta, "
+         "over layouts and expert counts", _weight_sync_scale),
+        ("weight_delta", "What a step changes of the weights the servers hold (bf16), by learning rate, tensor kind "
+         "and expert", lambda q: weight_delta.format_table(weight_delta.bench_rows(steps=2, lrs=(1e-6,)) if q
+                                                           else weight_delta.bench_rows())),
         ("routes", "Stored routes per token vs log-probs",
          lambda q: memory.format_table(memory.bench_rows(shapes=memory.SHAPES[:2]) if q else memory.bench_rows())),
         ("step_options", "RL step cost of per-update volatility and rollout-correction masks",
@@ -107,6 +114,17 @@ def sections() -> list[Section]:
     out.append(("trl_extended", "Generations to reward against TRL on many prompts, 2-token answers, 4 updates "
                 "per generation, lr 1e-3 and 3e-3 (TRL optional)", lambda q: _trl("extended", q)))
     return out
+
+
+def _weight_sync_scale(quick: bool) -> str:
+    """The measured push (`weight_sync.py --scale`), then the cost model fitted to it and evaluated at the
+    flagship layouts (`weight_sync_cost.py`)."""
+    rows = (weight_sync.scale_rows(rounds=1, experts=(8,), layouts=weight_sync.SCALE_LAYOUTS[:2]) if quick
+            else weight_sync.scale_rows())
+    cost, f = weight_sync_cost.Assumptions(), 0.03
+    flagships = [weight_sync_cost.flagship(weight_sync_cost.CONFIGS / n, cost, f) for n in weight_sync_cost.FLAGSHIPS]
+    return "\n\n".join([weight_sync.format_scale(rows), "### The cost model at the flagship layouts (an estimate)",
+                         weight_sync_cost.markdown(flagships, cost, f), weight_sync_cost.fit_report(rows, flagships, cost)])
 
 
 def _trl(preset: str, quick: bool) -> str:

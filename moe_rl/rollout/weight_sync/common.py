@@ -40,8 +40,8 @@ class PolicyWeights(Protocol):
         """Write a HF checkpoint (config.json + safetensors) into `out_dir`."""
         ...
 
-    def named_tensors(self) -> NamedTensors:
-        """(HF name, full tensor) pairs; each tensor is yielded by exactly one rank."""
+    def named_tensors(self, dtype: torch.dtype | None = None) -> NamedTensors:
+        """(HF name, full tensor) pairs, in `dtype` if given; each tensor is yielded by exactly one rank."""
         ...
 
 
@@ -90,9 +90,10 @@ def is_source(weights: WeightsArg) -> bool | None:
     return bool(said()) if callable(said) else None
 
 
-def _named_tensors(weights: WeightsArg) -> NamedTensors:
+def _named_tensors(weights: WeightsArg, dtype: torch.dtype | None = None) -> NamedTensors:
+    """The (name, tensor) pairs of `weights`; a policy given `dtype` casts before its gathers."""
     if isinstance(weights, PolicyWeights):
-        return weights.named_tensors()
+        return weights.named_tensors(dtype=dtype) if dtype is not None else weights.named_tensors()
     if isinstance(weights, Mapping):
         return weights.items()
     if callable(weights):
@@ -125,11 +126,10 @@ class MegatronWeights:
     def is_source(self) -> bool:
         from moe_rl.policy.convert import is_hf_writer
 
-        return is_hf_writer()
+        return is_hf_writer(spread=True)
 
-    def named_tensors(self) -> NamedTensors:
+    def named_tensors(self, dtype: torch.dtype | None = None) -> NamedTensors:
         from moe_rl.policy.convert import iter_hf_tensors
 
         # Unsharded tensors may share storage with the parameters: receivers copy, never keep them.
-        for name, t in iter_hf_tensors(self.chunks, self.arch):
-            yield name, (t if self.dtype is None else t.to(self.dtype))
+        yield from iter_hf_tensors(self.chunks, self.arch, spread=True, dtype=dtype or self.dtype)

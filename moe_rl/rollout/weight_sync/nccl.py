@@ -271,12 +271,13 @@ class NcclSync:
         """Push all weights as version `version` (collective over the trainer's ranks). `engine` is unused
         (the servers are addressed by URL). Returns the number of tensors the sources own."""
         started = time.perf_counter()
-        pairs, source = self._source(weights)
+        weights, source = self._source(weights)
         self.connect(source)
         rank0 = rank(self.group) == 0
         plan = _from_rank0(self._open() if rank0 else None, self.group)
         self.stats, self._smallest = PushStats(full=plan["full"], servers=list(self.urls)), None
         self._wire = self.dtype or (getattr(torch, plan["dtype"]) if plan["dtype"] else None)
+        pairs = _named_tensors(weights, self._wire)  # a policy casts before its gathers
         if plan["error"] is None:
             errors = all_errors(self._send_share(pairs, version, plan["full"], plan["sparse"], source), self.group)
             if rank0 and not errors:  # every source is done: the servers hold all but the last word
@@ -306,13 +307,12 @@ class NcclSync:
         self._pushed = str(version)
         return int(total)
 
-    def _source(self, weights: WeightsArg) -> tuple[Iterable[tuple[str, torch.Tensor]], bool]:
-        """This rank's (name, tensor) pairs and whether it sends any (a plain list says by being non-empty)."""
-        pairs = _named_tensors(weights)
+    def _source(self, weights: WeightsArg) -> tuple[WeightsArg, bool]:
+        """The weights, and whether this rank sends any (a policy says; plain pairs by being there)."""
         said = is_source(weights)
         if said is not None:
-            return pairs, said
-        pairs = list(pairs)
+            return weights, said
+        pairs = list(_named_tensors(weights))
         return pairs, bool(pairs)
 
     def _open(self) -> dict[str, Any]:
