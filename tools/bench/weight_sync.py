@@ -208,7 +208,6 @@ def _nudge(policy: Any, round_: int, step: float = 1e-6) -> None:
 def _scale_worker(hf_dir: str, layout: str, url: str, rounds: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from moe_rl.dist.collectives import all_gather_objects
     from moe_rl.policy.compat import native
     from moe_rl.rollout.weight_sync import FunnelSync, NcclSync, WeightSyncError
     from moe_rl.rollout.weight_sync import funnel as funnel_mod

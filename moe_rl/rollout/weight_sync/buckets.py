@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from moe_rl.dist.collectives import all_gather_objects, rank
 from moe_rl.dist.devices import compute_device
-from moe_rl.rollout.fused_weights import fused_key, pair_fused, partner
+from moe_rl.rollout.fused_weights import fused_key, partner
 from moe_rl.rollout.weight_sync.common import NamedTensors, WeightSyncError, _from_rank0, _global_rank
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ from moe_rl.rollout.fused_weights import pair_fused
 from moe_rl.rollout.weight_sync.buckets import Bucket, TensorMeta, check_unique, flatten_bucket, plan_buckets
 from moe_rl.rollout.weight_sync.common import (NamedTensors, WeightsArg, WeightSyncError, _describe, _from_rank0,
                                                _global_rank, _named_tensors)
-from moe_rl.rollout.weight_sync.sglang_calls import (group_rank_offsets, in_daemon_thread, init_group_payload,
-                                                     new_custom_group, post_json, reply_error, update_payload)
+from moe_rl.rollout.weight_sync.sglang_calls import (first_error, group_rank_offsets, in_daemon_thread,
+                                                     init_group_payload, leave_stale, new_custom_group, post_json,
+                                                     reply_error, session_call, update_payload)
 
 log = logging.getLogger(__name__)
 
@@ -112,39 +113,16 @@ class FunnelSync:
         return self._first_error(path, futures)
 
     def _first_error(self, path: str, futures: list, only_done: bool = False) -> str | None:
-        errors = []
-        for url, fut in zip(self.urls, futures):
-            if only_done and not fut.done():
-                continue
-            try:
-                err = reply_error(url, path, *fut.result())
-            except WeightSyncError as e:
-                err = str(e)
-            if err:
-                errors.append(err)
-        return "; ".join(errors) or None
+        return first_error(self.urls, path, futures, only_done)
 
     def _leave_stale_group(self) -> None:
-        """Rank 0, before joining: end an update session and leave the group that a trainer which
-        died mid-run left on the servers (best effort: a server without either says so, and is fine)."""
+        """Rank 0, before joining: what a trainer that died mid-run left open (its group: `state_file`)."""
         stale = None
         try:
             stale = json.loads(self.state_file.read_text()).get("group_name") if self.state_file else None
         except (OSError, ValueError, AttributeError):
             pass
-        for url in self.urls:
-            calls = [("/end_weight_update", {})] + ([("/destroy_weights_update_group", {"group_name": stale})]
-                                                   if stale else [])
-            for path, body in calls:
-                try:
-                    status, reply = post_json(url, path, body, 30.0, self.keys)
-                except WeightSyncError as e:
-                    log.warning("before joining the update group: %s", e)
-                    continue
-                if status == 200 and (not isinstance(reply, dict) or reply.get("success", True)):
-                    log.info("server %s: %s, left by an earlier trainer", url,
-                             "closed an open update session" if path == "/end_weight_update"
-                             else f"destroyed update group {stale}")
+        leave_stale(self.urls, [stale] if stale else [], self.keys)
 
     def _remember_group(self, name: str) -> None:
         if self.state_file is None:
@@ -209,29 +187,9 @@ class FunnelSync:
         return self._first_error(path, futures)
 
     def _call_all(self, path: str, payload: Any) -> str | None:
-        """POST to every server; a 404 on the session endpoints means an SGLang without them."""
-        if self._session is False:
-            return None
-        futures = [in_daemon_thread(post_json, url, path, payload, self.http_timeout, self.keys)
-                   for url in self.urls]
-        errors, missing = [], 0
-        for url, fut in zip(self.urls, futures):
-            try:
-                status, body = fut.result()
-            except WeightSyncError as e:
-                errors.append(str(e))
-                continue
-            if status == 404:
-                missing += 1
-                continue
-            err = reply_error(url, path, status, body)
-            if err:
-                errors.append(err)
-        if missing == len(self.urls):
-            self._session = False
-            return None
-        self._session = True
-        return "; ".join(errors) or None
+        """A session endpoint on every server (`session_call`)."""
+        error, self._session = session_call(self.urls, path, self.http_timeout, self.keys, self._session)
+        return error
 
 
 def collect_to_rank0(named_tensors: NamedTensors, bucket_bytes: int, group: Any = None) -> Iterator[Bucket]:

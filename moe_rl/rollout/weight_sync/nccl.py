@@ -47,8 +47,8 @@ from moe_rl.rollout.weight_sync.common import (WeightsArg, WeightSyncError, _des
                                                _named_tensors, is_source)
 from moe_rl.rollout.weight_sync.delta import DeltaBase, flatten_sparse
 from moe_rl.rollout.weight_sync.sglang_calls import (SPARSE_FORMAT, first_error, in_daemon_thread,
-                                                     init_group_payload, new_custom_group, post_json, reply_error,
-                                                     update_payload)
+                                                     init_group_payload, leave_stale, new_custom_group, post_all,
+                                                     post_json, reply_error, session_call, update_payload)
 from moe_rl.rollout.weight_sync.verify import mismatches, tensor_checksum
 
 log = logging.getLogger(__name__)
@@ -218,27 +218,14 @@ class NcclSync:
         return f"rank {me}: {error}" if error else None
 
     def _leave_stale_groups(self) -> None:
-        """Rank 0, before joining: end an update session and leave the groups that a trainer which died
-        mid-run left on the servers (best effort: a server without either says so, and is fine)."""
+        """Rank 0, before joining: what a trainer that died mid-run left open (its groups: `state_file`)."""
         stale: list[str] = []
         try:
             state = json.loads(self.state_file.read_text()) if self.state_file else {}
             stale = list(state.get("group_names") or ([state["group_name"]] if state.get("group_name") else []))
         except (OSError, ValueError, AttributeError, KeyError):
             pass
-        for url in self.urls:
-            calls = [("/end_weight_update", {})] + [("/destroy_weights_update_group", {"group_name": n})
-                                                     for n in stale]
-            for path, body in calls:
-                try:
-                    status, reply = post_json(url, path, body, 30.0, self.keys)
-                except WeightSyncError as e:
-                    log.warning("before joining the update groups: %s", e)
-                    break
-                if status == 200 and (not isinstance(reply, dict) or reply.get("success", True)):
-                    log.info("server %s: %s, left by an earlier trainer", url,
-                             "closed an open update session" if path == "/end_weight_update"
-                             else f"destroyed update group {body['group_name']}")
+        leave_stale(self.urls, stale, self.keys)
 
     def _remember_groups(self, names: list[str]) -> None:
         if self.state_file is None:
@@ -476,16 +463,10 @@ class NcclSync:
         problems: list[str] = []
         if rank(self.group) == 0:
             merged = {k: v for per_rank in sent for k, v in per_rank.items()}
-            futures = [in_daemon_thread(post_json, url, "/weights_checker", {"action": "checksum"},
-                                        self.http_timeout, self.keys) for url in self.urls]
             replies = []
-            for url, fut in zip(self.urls, futures):
-                try:
-                    status, body = fut.result()
-                except WeightSyncError as e:
-                    problems.append(str(e))
-                    continue
-                err = reply_error(url, "/weights_checker", status, body)
+            for url, status, body in post_all(self.urls, "/weights_checker", {"action": "checksum"},
+                                              self.http_timeout, self.keys):
+                err = body if status is None else reply_error(url, "/weights_checker", status, body)
                 if err:
                     problems.append(err)
                 else:
@@ -513,27 +494,10 @@ class NcclSync:
         return body if isinstance(body, dict) else {}
 
     def _call_all(self, path: str, payload: Any, session: bool = True) -> str | None:
-        """POST to every server; a 404 on the session endpoints means an SGLang without them."""
-        if session and self._session is False:
-            return None
-        futures = [in_daemon_thread(post_json, url, path, payload, self.http_timeout, self.keys)
-                   for url in self.urls]
-        errors, missing = [], 0
-        for url, fut in zip(self.urls, futures):
-            try:
-                status, body = fut.result()
-            except WeightSyncError as e:
-                errors.append(str(e))
-                continue
-            if session and status == 404:
-                missing += 1
-                continue
-            err = reply_error(url, path, status, body)
-            if err:
-                errors.append(err)
+        """POST to every server: a session endpoint (`session_call`), or another call that must succeed."""
         if session:
-            if missing == len(self.urls):
-                self._session = False
-                return None
-            self._session = True
-        return "; ".join(errors) or None
+            error, self._session = session_call(self.urls, path, self.http_timeout, self.keys, self._session)
+            return error
+        errors = [body if status is None else reply_error(url, path, status, body)
+                  for url, status, body in post_all(self.urls, path, payload, self.http_timeout, self.keys)]
+        return "; ".join(e for e in errors if e) or None

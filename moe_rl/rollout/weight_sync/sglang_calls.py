@@ -21,6 +21,7 @@ updates one at a time, in the order they arrive.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -30,6 +31,8 @@ from typing import Any, Callable, Sequence
 
 from moe_rl.rollout.weight_sync.buckets import TensorMeta
 from moe_rl.rollout.weight_sync.common import WeightSyncError, _describe
+
+log = logging.getLogger(__name__)
 
 # `moe-rl serve`'s sparse update (not SGLang's): per tensor `nnz[i]` changed elements as int32 flat
 # indices then values, or the whole tensor where nnz[i] is -1 (moe_rl/rollout/weight_sync/delta.py).
@@ -162,3 +165,54 @@ def first_error(urls: Sequence[str], path: str, futures: Sequence[Future], only_
         if err:
             errors.append(err)
     return "; ".join(errors) or None
+
+
+def post_all(urls: Sequence[str], path: str, payload: Any, timeout: float, keys: Any = None
+             ) -> list[tuple[str, int | None, Any]]:
+    """POST to every server at once: (url, HTTP status, body) each, status None and the error line as
+    the body when a server could not be reached."""
+    futures = [in_daemon_thread(post_json, url, path, payload, timeout, keys) for url in urls]
+    out: list[tuple[str, int | None, Any]] = []
+    for url, fut in zip(urls, futures):
+        try:
+            out.append((url, *fut.result()))
+        except WeightSyncError as e:
+            out.append((url, None, str(e)))
+    return out
+
+
+def session_call(urls: Sequence[str], path: str, timeout: float, keys: Any, session: bool | None
+                 ) -> tuple[str | None, bool | None]:
+    """`/begin_weight_update` or `/end_weight_update` on every server: (the refusals or None, whether the
+    servers have the session endpoints: all answering 404 means an SGLang before 0.5.23, updated
+    without them). `session` False: known to have none, nothing is called."""
+    if session is False:
+        return None, False
+    errors, missing = [], 0
+    for url, status, body in post_all(urls, path, {}, timeout, keys):
+        if status == 404:
+            missing += 1
+            continue
+        err = body if status is None else reply_error(url, path, status, body)
+        if err:
+            errors.append(err)
+    if missing == len(urls):
+        return None, False
+    return "; ".join(errors) or None, True
+
+
+def leave_stale(urls: Sequence[str], groups: Sequence[str], keys: Any = None) -> None:
+    """Before joining: end an update session and destroy the update `groups` a trainer that died mid-run
+    left on the servers (best effort: a server without either says so, and is fine)."""
+    for url in urls:
+        for path, body in [("/end_weight_update", {})] + [("/destroy_weights_update_group", {"group_name": g})
+                                                           for g in groups]:
+            try:
+                status, reply = post_json(url, path, body, 30.0, keys)
+            except WeightSyncError as e:
+                log.warning("before joining the update groups: %s", e)
+                break
+            if status == 200 and (not isinstance(reply, dict) or reply.get("success", True)):
+                log.info("server %s: %s, left by an earlier trainer", url,
+                         "closed an open update session" if path == "/end_weight_update"
+                         else f"destroyed update group {body['group_name']}")
