@@ -35,7 +35,9 @@ NODES=(node1 node2)
 NODE_ADDRS=(127.0.0.1 127.0.0.2)
 NODE_PORTS=(17001 17002)
 CTLD_PORT=16817                 # not the default 6817, so a site slurmctld on this host is no clash
-CPUS_PER_NODE=2
+# Each node declares 4 CPUs (more than this host has; config_overrides below keeps slurmd from draining
+# it): the rehearsal's trainer is 4 gloo ranks on one node, one task and one CPU each.
+CPUS_PER_NODE=4
 HEALTH_TIMEOUT=${MOE_RL_SLURM_HEALTH_TIMEOUT:-60}
 CONF="$ROOT/etc/slurm.conf"
 MUNGE_DIR="$ROOT/munge"
@@ -148,6 +150,8 @@ JobRequeue=1
 ReturnToService=2
 MpiDefault=none
 SwitchType=switch/none
+# the nodes' CPUs are the ones declared here, not the host's (both nodes share its cores)
+SlurmdParameters=config_overrides
 SlurmctldTimeout=10
 SlurmdTimeout=30
 MessageTimeout=5

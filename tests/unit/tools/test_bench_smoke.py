@@ -65,8 +65,8 @@ def test_tables_from_rows(bench):
 
 def test_run_all_finds_packing_when_present(bench):
     keys = [key for key, _, _ in bench["run_all"].sections()]
-    assert keys[:9] == ["losses", "rollout", "replay", "overhead", "experts", "scaling", "weight_sync", "routes",
-                        "step_options"]
+    assert keys[:11] == ["losses", "rollout", "replay", "overhead", "experts", "scaling", "weight_sync",
+                         "weight_sync_scale", "weight_delta", "routes", "step_options"]
     assert ("packing" in keys) == (BENCH / "packing.py").is_file()
 
 
