@@ -189,9 +189,14 @@ class NcclSync:
         me = rank(self.group)
         address = self.master_address if me == 0 or _loopback(self.master_address) \
             else socket.gethostbyname(socket.gethostname())  # this host, as the servers resolve it
-        try:  # one rendezvous store per rank, shared by its groups (rank 0: master_port; others: any free port)
+        try:  # one rendezvous store per rank, served for its groups (rank 0: master_port; others: any free port)
             self._store = TCPStore("0.0.0.0", self.master_port if me == 0 else 0, None, True,
                                    timeout=self.group_timeout, wait_for_workers=False)
+            # A client of the store per group: a TCPStore client runs one request at a time and a group's
+            # rendezvous waits inside one, so groups forming over one client form one after the other, and two
+            # servers that take two sources' groups in crossed orders would wait on each other for good.
+            clients = [TCPStore("127.0.0.1", self._store.port, None, False, timeout=self.group_timeout)
+                       for _ in self.urls]
         except Exception as e:  # noqa: BLE001
             return f"rank {me}: cannot serve the update groups' rendezvous: {_describe(e)}"
         port, token = self._store.port, secrets.token_hex(4)
@@ -202,8 +207,8 @@ class NcclSync:
                                   self.http_timeout, self.keys)
                  for url, tp, name in zip(self.urls, self.tp_sizes, self.group_names)]
         joins = [in_daemon_thread(new_custom_group, self.backend, f"tcp://{address}:{port}", 1 + tp, 0, name,
-                                  self.group_timeout, self._store)
-                 for tp, name in zip(self.tp_sizes, self.group_names)]
+                                  self.group_timeout, client)
+                 for tp, name, client in zip(self.tp_sizes, self.group_names, clients)]
         # A server that refuses answers at once, and its group never forms: stop waiting then.
         while not all(j.done() for j in joins):
             if any(f.done() and (f.exception() is not None or reply_error("", path, *f.result()) is not None)

@@ -122,8 +122,9 @@ def new_custom_group(backend: str, init_method: str, world_size: int, rank: int,
     The same construction as SGLang's `init_custom_process_group`
     (sglang/srt/utils/common.py): rendezvous on `init_method`, a PrefixStore named
     after the group, then torch's group helper. Uses torch internals, as SGLang does.
-    `store`: a TCPStore this process already serves (one per trainer rank, shared by all
-    of its groups, each under its own prefix); the servers reach it at `init_method`.
+    `store`: a client of a TCPStore this process already serves (one per trainer rank for all
+    of its groups, each under its own prefix; a client of its own per group, since a client
+    runs one request at a time); the servers reach it at `init_method`.
     """
     from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper, _world,
                                                     rendezvous)
