@@ -13,7 +13,7 @@ bad day on a cluster:
 1. the job starts, prepares the model, starts both servers, waits for them and trains;
 2. after step 1 one rollout node dies (SIGKILL to its processes): training goes on
    with the other server;
-3. after step 2 the time limit approaches (USR1 to the batch shell, as
+3. once the trainer has marked the dead server unhealthy (step 2 or 3) the time limit approaches (USR1 to the batch shell, as
    `--signal=B:USR1@N`): the trainer checkpoints and exits 0, the job requeues itself;
 4. the requeued run starts both servers again, resumes from the checkpoint
    (train.resume=auto) and finishes every step;
@@ -38,7 +38,7 @@ from moe_rl.launch.slurm import SlurmOptions, render_script, submit, write_job
 from moe_rl.launch.standin import install, job_dir, kill_node, live_job_processes, signal_batch, wait_job
 
 NODES = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-STEPS = 5
+STEPS = 8  # steps of ~0.3 s: room for the kill, its notice and the USR1 before the last one
 OVERRIDES = [f"train.steps={STEPS}", "train.save_every=1", "rollout.n_samples=4", "data.prompts_per_step=4",
              "algo.num_minibatches=2", "rollout.max_new_tokens=1", "model.tiny.vocab_size=16",
              "train.eval_every=0", "drift.enabled=false", "log.progress=false", "log.tensorboard=false"]
@@ -76,7 +76,7 @@ def _wait_for(what: str, check, job: str, state: Path, timeout: float) -> None:
             pytest.fail(f"the job ended while waiting for {what}")
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -94,7 +94,11 @@ def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
 
     _wait_for("step 1", lambda: 1 in _steps(run_dir), job, state, 240)
     assert kill_node(state, NODES[2]) >= 1  # a rollout node dies
-    _wait_for("step 2", lambda: 2 in _steps(run_dir), job, state, 120)
+    # The dead server is noticed on the first request after the kill: step 2's rollout may have
+    # finished before it, so wait for the trainer to say so (at step 2 or 3), not for a step.
+    first_log_path = run_dir / "logs" / f"job-{job}-0" / f"train-{NODES[0]}.log"
+    _wait_for("the dead server marked unhealthy", lambda: 2 in _steps(run_dir) and first_log_path.is_file()
+              and f"{NODES[2]}:30000 marked unhealthy" in first_log_path.read_text(), job, state, 120)
     signal_batch(state, job, signal.SIGUSR1)  # the time limit approaches
 
     rc = wait_job(state, job, 300)
@@ -102,7 +106,7 @@ def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
     assert rc == 0, text
     assert "USR1: asking the trainer to checkpoint and stop" in text
     assert "requeueing job" in text and f"job-{job}-1" in text
-    assert re.search(rf"last complete checkpoint: step [1-4] of {STEPS}", text)  # `finished` ran, in the image
+    assert re.search(rf"last complete checkpoint: step [1-7] of {STEPS}", text)  # `finished` ran, in the image
     assert "not found outside the container image" not in text
     assert (job_dir(state, job) / "run0.rc").read_text() == "0"
     assert f"srun: error: {NODES[2]}" in text  # the dead node is reported, not hidden
@@ -112,8 +116,7 @@ def test_e2e_slurm_rehearsal_node_loss_preemption_resume(tmp_path, monkeypatch):
     assert sorted(set(steps)) == list(range(1, STEPS + 1)), steps
     resumed_log = (run_dir / "logs" / f"job-{job}-1" / f"train-{NODES[0]}.log").read_text()
     assert "resumed from" in resumed_log
-    first_log = (run_dir / "logs" / f"job-{job}-0" / f"train-{NODES[0]}.log").read_text()
-    assert f"{NODES[2]}:30000 marked unhealthy" in first_log
+    assert f"{NODES[2]}:30000 marked unhealthy" in first_log_path.read_text()
     assert (run_dir / "checkpoints" / f"step_{STEPS:06d}" / "meta.json").is_file()
     assert (run_dir / "report" / "index.md").is_file()
     for restart in (0, 1):
