@@ -16,9 +16,10 @@ against the smallest model's, to read against the parameter ratio.
 `--scale`: the update-group push (rollout.weight_sync=nccl, gloo on CPU) from 1, 2 and 4
 trainer processes (layouts single, ep2, pp2-ep2, tp2-ep2) of the megatron policy to one
 `moe-rl serve --dtype bfloat16`, for models of 8, 32 and 64 experts (the other shapes fixed),
-three variants alternating round by round in one run: `funnel` (the earlier path, every
-tensor to rank 0 by its own message, rank 0 broadcasts; `FunnelSync`), `sources` full and
-`sources` delta (`NcclSync`: every rank sends its own share; delta after a step of ±1e-6 on
+four variants alternating round by round in one run: `funnel` (the earlier path, every
+tensor to rank 0 by its own message, rank 0 broadcasts; `FunnelSync`), `sources` full (with and
+without hashing the verify checksums as it sends: the funnel hashes nothing, so the unhashed row
+is the like-for-like one) and `sources` delta (`NcclSync`: every rank sends its own share; delta after a step of ±1e-6 on
 every weight, what Adam's normalised step does at lr 1e-6). Bytes and messages are counted by
 wrapping torch.distributed's calls in each rank (weights messages: point-to-point sends and
 the broadcasts of the update groups; the TP gathers' bytes count, their calls are `gathers`).
@@ -128,6 +129,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 SCALE_LAYOUTS = (("single", 1), ("ep2", 2), ("pp2-ep2", 4), ("tp2-ep2", 4))
 SCALE_EXPERTS = (8, 32, 64)
+# The variants of one round, in order (the delta first: its base is what the server holds after the round
+# before); the unhashed ones compute no checksums while they push, so their push_s compare like with like.
+VARIANTS_SCALE = ("sources/delta", "sources/full", "sources/full-unhashed", "funnel/full")
+UNHASHED = ("sources/full-unhashed", "funnel/full")
 SCALE_BUCKET = 4 << 20  # ~6 buckets for the 64-expert model, as 1 GiB buckets cut a 30B model into ~60
 
 
@@ -224,6 +229,10 @@ def _scale_worker(hf_dir: str, layout: str, url: str, rounds: int) -> dict[str, 
     syncs = {"sources/delta": NcclSync([url], master_port=common_free_port() if me == 0 else 1,
                                        group_name="bench_delta", verify=True, delta=True, **kw),
              "sources/full": NcclSync([url], master_port=port, group_name="bench_full", verify=True, **kw),
+             # without the checksums hashed as it sends (`rollout.verify_weights=false`), like the funnel;
+             # checked afterwards, untimed, against the sums the verified push of the round took
+             "sources/full-unhashed": NcclSync([url], master_port=common_free_port() if me == 0 else 1,
+                                               group_name="bench_unhashed", verify=False, **kw),
              "funnel/full": FunnelSync([url], master_port=common_free_port() if me == 0 else 1, dtype=torch.bfloat16,
                                        group_name="bench_funnel", **kw)}
     out: dict[str, Any] = {k: {"push_s": [], "sent": [], "recv": [], "messages": [], "gathers": [], "buckets": [],
@@ -246,7 +255,7 @@ def _scale_worker(hf_dir: str, layout: str, url: str, rounds: int) -> dict[str, 
             counter.on = False
             stats = getattr(sync, "stats", None)
             verify_s = stats.verify_s if stats is not None else 0.0
-            if name == "funnel/full":  # checked against what the sources sent this round: the same weights
+            if name in UNHASHED:  # checked against what the sources sent this round: the same weights
                 t0 = time.perf_counter()
                 problems = syncs["sources/full"]._verify(r + 1)
                 verify_s = time.perf_counter() - t0
@@ -256,7 +265,7 @@ def _scale_worker(hf_dir: str, layout: str, url: str, rounds: int) -> dict[str, 
             if r == 0:
                 continue
             row = out[name]
-            row["push_s"].append(took - (verify_s if name != "funnel/full" else 0.0))
+            row["push_s"].append(took - (verify_s if name not in UNHASHED else 0.0))
             row["verify_s"].append(verify_s)
             row["sent"].append(counter.sent)
             row["recv"].append(counter.recv)
@@ -294,12 +303,13 @@ def scale_rows(rounds: int = 3, experts: tuple[int, ...] = SCALE_EXPERTS,
                 for layout, ranks in layouts:
                     per_rank = run_ranks(_scale_worker, ranks, hf_dir, layout, server.url, rounds, timeout=1800)
                     model_bytes = sum(r["model_bytes"] for r in per_rank)
-                    for variant in ("funnel/full", "sources/full", "sources/delta"):
+                    for variant in VARIANTS_SCALE:
                         path, mode = variant.split("/")
+                        mode, hashed = mode.removesuffix("-unhashed"), variant not in UNHASHED
                         v = [r[variant] for r in per_rank]
                         busiest = max(common.median([s + rc for s, rc in zip(x["sent"], x["recv"])]) for x in v)
                         rows.append({
-                            "path": path, "mode": mode, "ranks": ranks, "layout": layout, "experts": e,
+                            "path": path, "mode": mode, "hashed": hashed, "ranks": ranks, "layout": layout, "experts": e,
                             "model_bytes": model_bytes, "busiest_rank_bytes": int(busiest),
                             "messages_per_push": int(sum(common.median(x["messages"]) for x in v)),
                             "gathers_per_push": int(sum(common.median(x["gathers"]) for x in v)),
@@ -326,18 +336,20 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 def format_scale(rows: list[dict[str, Any]]) -> str:
-    cells = [[r["path"], r["mode"], r["layout"], r["experts"], f"{r['model_bytes'] / 2**20:.1f}",
+    cells = [[r["path"], r["mode"], "yes" if r["hashed"] else "no", r["layout"], r["experts"], f"{r['model_bytes'] / 2**20:.1f}",
               f"{r['busiest_rank_bytes'] / r['model_bytes']:.2f}", r["messages_per_push"], r["gathers_per_push"],
               r["buckets"], f"{r['push_s']:.3f}", f"{r['verify_s']:.3f}", f"{r['peak_rss_mb']:.0f}",
               f"{r['delta_bytes'] / r['model_bytes']:.3f}" if r["mode"] == "delta" else "", r["verified"]]
              for r in rows]
-    table = common.md_table(["path", "mode", "layout", "experts", "model MB (bf16)", "busiest rank bytes / model",
+    table = common.md_table(["path", "mode", "hashes as it sends", "layout", "experts", "model MB (bf16)", "busiest rank bytes / model",
                              "messages", "gathers", "buckets", "push s", "verify s", "peak MB added",
                              "delta bytes / model",
                              "verified"], cells)
     lines = []
-    for path, mode in (("funnel", "full"), ("sources", "full"), ("sources", "delta")):
-        sel = [r for r in rows if (r["path"], r["mode"]) == (path, mode)]
+    for variant in VARIANTS_SCALE:
+        path, mode = variant.split("/")
+        sel = [r for r in rows if (r["path"], r["mode"], r["hashed"]) == (path, mode.removesuffix("-unhashed"),
+                                                                            variant not in UNHASHED)]
         for layout, _ in SCALE_LAYOUTS:
             by_size = [r for r in sel if r["layout"] == layout]
             if len(by_size) > 1:
@@ -350,8 +362,15 @@ def format_scale(rows: list[dict[str, Any]]) -> str:
             lines.append(f"- {path} {mode}, {top} experts, single -> ep2 -> pp2-ep2: against ranks, busiest-rank "
                          f"bytes slope {_slope([r['ranks'] for r in by_ranks], [r['busiest_rank_bytes'] for r in by_ranks]):.2f}, "
                          f"push s slope {_slope([r['ranks'] for r in by_ranks], [r['push_s'] for r in by_ranks]):.2f}")
+    top = max(r["experts"] for r in rows)
+    for layout, _ in SCALE_LAYOUTS:
+        pick = {(r["path"], r["hashed"]): r["push_s"] for r in rows if r["layout"] == layout and r["experts"] == top
+                and r["mode"] == "full"}
+        if ("funnel", False) in pick and ("sources", False) in pick:
+            lines.append(f"- {layout}, {top} experts: the funnel's push s over the sources' (neither hashing) "
+                         f"{pick['funnel', False] / pick['sources', False]:.2f}x")
     head = (f"gloo on CPU, one `moe-rl serve --dtype bfloat16` receiving, {SCALE_BUCKET >> 20} MiB buckets; medians "
-            f"of {rows[0]['rounds']} rounds, the three variants alternating. messages: weight-carrying sends and "
+            f"of {rows[0]['rounds']} rounds, the four variants alternating. messages: weight-carrying sends and "
             "update-group broadcasts per push, all ranks; gathers: the TP all-gathers of the export; delta after "
             "±1e-6 on every weight.")
     return f"{head}\n\n{table}\n\nLog-log slopes:\n" + "\n".join(lines)
