@@ -17,13 +17,15 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from moe_rl.drift.config import ALARM_METRICS, AlarmConfig
+from moe_rl.drift.config import ALARM_METRICS, COLLAPSE_GRAD, COLLAPSE_SUCCESS, AlarmConfig
 
 EXIT_DRIFT_ALARM = 4  # `moe-rl train` exit status when a drift alarm with action=stop fired
 HEALTH_ALARMS = "health/alarms"
+HEALTH_STALLED = "health/stalled_steps"
 
 log = logging.getLogger("moe_rl")
 
@@ -39,8 +41,11 @@ class Fired:
     step: int
     layer: int | None    # the worst MoE layer (HF index) by the per-layer keys; None without them
     layer_value: float | None
+    detail: str | None = None  # an alarm over several steps (collapse) says what it saw
 
     def describe(self) -> str:
+        if self.detail is not None:
+            return f"{self.detail} at step {self.step}"
         where = f", worst layer {self.layer:02d} ({self.layer_value:.4g})" if self.layer is not None else ""
         return (f"{self.key} = {self.value:.4g} is {self.side} drift.alarm.{self.name} = {self.threshold:g} "
                 f"at step {self.step}{where}")
@@ -77,16 +82,37 @@ def worst_layer(metrics: Mapping[str, Any], key: str, side: str) -> tuple[int | 
 class Alarms:
     """The run's drift alarms (one per set threshold of `drift.alarm`); inactive when none is set."""
 
-    def __init__(self, cfg: AlarmConfig, rank: int = 0) -> None:
+    def __init__(self, cfg: AlarmConfig, rank: int = 0, asynchronous: bool = False) -> None:
         self.cfg = cfg
         self.speaks = rank == 0  # every rank sees the same metrics: one warning is enough
         self.thresholds = cfg.thresholds()
         self.warned: set[str] = set()  # metrics whose crossing was logged already: once each
         self.fired: list[Fired] = []   # the last checked step's
+        self.window = cfg.collapse_window(asynchronous)  # the collapse alarm's N (0: off)
+        self.stalled: deque[bool] = deque(maxlen=max(1, self.window))
 
     @property
     def active(self) -> bool:
-        return bool(self.thresholds)
+        return bool(self.thresholds) or self.window > 0
+
+    def collapse(self, step: int, metrics: Mapping[str, Any]) -> Fired | None:
+        """The collapse alarm: at least half of the last `window` steps (a full window) stalled below
+        COLLAPSE_SUCCESS with no gradient or an entropy under the floor. Steps without a success rate
+        and a gradient norm (an evaluation-only or DPO step) are not counted."""
+        success, grad = metrics.get("reward/success_rate"), metrics.get("perf/grad_norm")
+        if not isinstance(success, (int, float)) or not isinstance(grad, (int, float)):
+            return None
+        entropy = metrics.get("rollout/entropy")
+        low_entropy = isinstance(entropy, (int, float)) and crossed(float(entropy), self.cfg.collapse_entropy, "below")
+        self.stalled.append(success < COLLAPSE_SUCCESS and (grad <= COLLAPSE_GRAD or low_entropy))
+        count, need = sum(self.stalled), (self.window + 1) // 2
+        if len(self.stalled) < self.window or count < need:
+            return None
+        what = (f"collapse: {count} of the last {self.window} steps stalled below {COLLAPSE_SUCCESS:g} success "
+                f"with no gradient or entropy < {self.cfg.collapse_entropy:g} (drift.alarm.collapse_steps="
+                f"{self.window}; now success {success:.3g}, grad norm {grad:.3g}"
+                + (f", entropy {entropy:.3g})" if isinstance(entropy, (int, float)) else ")"))
+        return Fired("collapse_steps", HEALTH_STALLED, float(count), float(need), "above", step, None, None, what)
 
     def crossings(self, step: int, metrics: Mapping[str, Any]) -> list[Fired]:
         """The thresholds that `metrics` of `step` cross; a metric this step did not measure crosses none."""
@@ -108,13 +134,16 @@ class Alarms:
         if not self.active:
             return {}
         self.fired = self.crossings(step, metrics)
+        collapsed = self.collapse(step, metrics) if self.window else None
+        self.fired += [collapsed] if collapsed else []
         for f in self.fired:
             if self.cfg.action == "warn" and f.key not in self.warned:
                 self.warned.add(f.key)
                 if self.speaks:
                     log.warning("drift alarm: %s; the run goes on (drift.alarm.action=warn): later crossings of "
                                 "this metric are counted in health/alarms, not logged", f.describe())
-        return {HEALTH_ALARMS: float(len(self.fired))}
+        return {HEALTH_ALARMS: float(len(self.fired))} | ({HEALTH_STALLED: float(sum(self.stalled))}
+                                                           if self.window else {})
 
     def enforce(self) -> None:
         """Raise `DriftAlarm` when the last checked step crossed a threshold under `action=stop`."""

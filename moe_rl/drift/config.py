@@ -23,6 +23,10 @@ ALARM_METRICS: dict[str, tuple[str, str]] = {
     "route_margin": ("drift/route_margin", "below"),
 }
 
+COLLAPSE_DEFAULT_STEPS = 8  # the collapse alarm's window in asynchronous runs
+COLLAPSE_SUCCESS = 0.9      # a stalled step is one below this success rate (reward/success_rate)
+COLLAPSE_GRAD = 1e-8        # ... whose gradient norm is at most this (perf/grad_norm: 0.0 when nothing trains)
+
 
 @dataclass
 class AlarmConfig:
@@ -43,10 +47,25 @@ class AlarmConfig:
     route_margin: float | None = ranged(None, ge=0.0)
     """Fire when `drift/route_margin` (mean gap between the k-th and (k+1)-th router logit) falls
     below this floor: routers that cannot tell their experts apart flip routes; None = no alarm."""
+    collapse_steps: int | None = ranged(None, ge=0)
+    """The collapse alarm: fire when at least half of the last N steps stalled below a 0.9 success rate,
+    each with no gradient (`perf/grad_norm` ~ 0: every group uniform, or every token carrying an
+    advantage clipped) or a sampling policy whose entropy (`rollout/entropy`) fell below
+    collapse_entropy: a policy that stopped learning before it learned the task. None = 8 in
+    asynchronous runs (algo.max_staleness >= 1), where stale samples can stall it, and off otherwise;
+    0 = off. `health/stalled_steps` counts the stalled steps of the window."""
+    collapse_entropy: float = ranged(0.05, ge=0.0)
+    """The collapse alarm's entropy floor, in nats per sampled token."""
     action: str = choice("warn", ALARM_ACTIONS)
     """What a crossed threshold does, for every alarm: warn = log it once per metric with the worst
     layer and the step, and go on; stop = checkpoint the step and exit with status 4 naming the metric.
     Either way `health/alarms` counts the alarms of each step and the report marks them."""
+
+    def collapse_window(self, asynchronous: bool) -> int:
+        """N of the collapse alarm for this run (0: off): collapse_steps, or its default."""
+        if self.collapse_steps is None:
+            return COLLAPSE_DEFAULT_STEPS if asynchronous else 0
+        return int(self.collapse_steps)
 
     def thresholds(self) -> dict[str, float]:
         """The alarms that are set: field name -> threshold."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.algo.config import staleness_bound
 from moe_rl.config import ConfigError, RunConfig, load_config, named_run_dir
 from moe_rl.dist.collectives import agree
 from moe_rl.dist.ports import free_port
@@ -206,7 +207,8 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
         recipe.resumed()
     progress = Progress(cfg.train.steps, enabled=rank == 0, live=None if cfg.log.progress else False)
     ckpt = Checkpoints(recipe, out, cfg.train.keep_last, cfg.train.async_save)
-    alarms = Alarms(cfg.drift.alarm, rank)  # drift.alarm: thresholds on each step's metrics, whatever the recipe
+    # drift.alarm: thresholds on each step's metrics, whatever the recipe; the collapse alarm on by default when async
+    alarms = Alarms(cfg.drift.alarm, rank, asynchronous=staleness_bound(cfg.algo) >= 1)
     code = 0
     try:
         for step in range(start_step, cfg.train.steps + 1):

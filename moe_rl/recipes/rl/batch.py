@@ -222,12 +222,24 @@ def score(run: Any, samples: Samples) -> dict[str, float]:
     out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
            "reward/success_rate": float((rewards >= 1.0).float().mean()),
            "reward/failures": float(run.rewards.failures),
-           "rollout/response_len": float(lengths.float().mean())}
+           "rollout/response_len": float(lengths.float().mean()),
+           "rollout/entropy": sampled_entropy(samples)}
     if samples.action_masks is not None:  # multi-turn: how many turns, how much of the context is the environment's
         env_tokens = sum(int((~a).sum()) for a in samples.action_masks)
         out |= {"rollout/turns_mean": float(samples.turns.mean()),
                 "rollout/env_token_frac": env_tokens / max(1, int(lengths.sum()))}
     return out
+
+
+def sampled_entropy(samples: Samples) -> float:
+    """Mean -log pi_engine over the sampled response tokens (the model's, not an environment's): an
+    unbiased estimate of the sampling policy's per-token entropy, E_a[-log pi(a)] = H(pi), free because
+    the engine returns the log-probs. Near 0: the policy samples one answer (the collapse alarm's floor,
+    drift.alarm.collapse_entropy). NaN without tokens."""
+    masks = samples.action_masks or [None] * len(samples.engine_logp)
+    picked = [lp if m is None else lp[m[: lp.shape[0]].bool()] for lp, m in zip(samples.engine_logp, masks)]
+    logp = torch.cat([p.float().reshape(-1) for p in picked]) if picked else torch.zeros(0)
+    return float(-logp.mean()) if logp.numel() else float("nan")
 
 
 def dynamic_sampling_rounds(run: Any, samples: Samples, step: int) -> tuple[Samples | None, dict[str, float]]:
@@ -272,7 +284,9 @@ def advantages_and_filters(run: Any, samples: Samples | None) -> tuple[Samples |
         return samples, {}
     samples.advantages = compute_advantages(a.advantage, rewards, group_size=g, eps=a.adv_eps) \
         if a.advantage == "grpo" else compute_advantages(a.advantage, rewards, group_size=g)
-    return samples, {"adv/abs_mean": float(samples.advantages.abs().mean())}
+    groups = rewards.reshape(-1, g)
+    uniform = (groups == groups[:, :1]).all(1).float().mean()  # groups that teach nothing: advantages 0
+    return samples, {"adv/abs_mean": float(samples.advantages.abs().mean()), "adv/uniform_groups": float(uniform)}
 
 
 def usable_groups(kept_groups: int, group_size: int, unit: int) -> int:

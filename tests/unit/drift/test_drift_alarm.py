@@ -107,3 +107,52 @@ def test_alarm_config_errors_name_the_key():
     cfg = load_config(str(DEMO), ["drift.alarm.volatility=0.2", "drift.alarm.action=stop"])
     assert cfg.drift.alarm.thresholds() == {"volatility": 0.2} and cfg.drift.alarm.action == "stop"
     assert load_config(str(DEMO)).drift.alarm.thresholds() == {}  # off by default
+
+
+# ---------------------------------------------------------------- the collapse alarm
+
+def _step(success=0.3, grad=0.5, entropy=0.7):
+    return {"reward/success_rate": success, "perf/grad_norm": grad, "rollout/entropy": entropy}
+
+
+def test_collapse_alarm_is_on_by_default_in_asynchronous_runs_only():
+    assert not Alarms(AlarmConfig()).active                                  # on-policy: off
+    assert Alarms(AlarmConfig(), asynchronous=True).window == 8              # algo.max_staleness >= 1: on
+    assert not Alarms(AlarmConfig(collapse_steps=0), asynchronous=True).active  # 0 = off
+    assert Alarms(AlarmConfig(collapse_steps=4)).window == 4                 # asked for: on either way
+    cfg = load_config(str(DEMO), ["drift.alarm.collapse_steps=6", "drift.alarm.collapse_entropy=0.1"])
+    assert (cfg.drift.alarm.collapse_steps, cfg.drift.alarm.collapse_entropy) == (6, 0.1)
+    with pytest.raises(ConfigError, match=r"drift.alarm.collapse_steps: -1 must be >= 0"):
+        load_config(str(DEMO), ["drift.alarm.collapse_steps=-1"])
+
+
+def test_collapse_fires_when_half_of_a_full_window_stalled():
+    alarms = Alarms(AlarmConfig(collapse_steps=8))
+    for step in range(1, 5):  # 4 stalled steps, but the window is not full yet
+        assert alarms.check(step, _step(grad=0.0)) == {HEALTH_ALARMS: 0.0, "health/stalled_steps": float(step)}
+    for step in range(5, 8):  # learning again: 4 of 7
+        assert alarms.check(step, _step())[HEALTH_ALARMS] == 0.0
+    assert alarms.check(8, _step()) == {HEALTH_ALARMS: 1.0, "health/stalled_steps": 4.0}  # 4 of the last 8
+    assert "collapse: 4 of the last 8 steps stalled" in alarms.fired[0].describe()
+    assert alarms.check(9, _step()) == {HEALTH_ALARMS: 0.0, "health/stalled_steps": 3.0}  # step 1 left the window
+
+
+def test_a_stalled_step_is_below_the_success_bar_with_no_gradient_or_no_entropy():
+    def stalled(**kw):
+        alarms = Alarms(AlarmConfig(collapse_steps=1))
+        return alarms.check(1, _step(**kw))["health/stalled_steps"] == 1.0
+    assert stalled(grad=0.0)
+    assert stalled(entropy=0.01)                     # one answer sampled, though a gradient flows
+    assert not stalled()                             # learning
+    assert not stalled(grad=0.0, success=0.95)       # solved: uniform groups of right answers
+    assert not stalled(entropy=0.05)                 # at the floor, not below it
+    alarms = Alarms(AlarmConfig(collapse_steps=1))
+    assert alarms.check(1, {"loss/dpo": 0.5}) == {HEALTH_ALARMS: 0.0, "health/stalled_steps": 0.0}  # not an RL step
+
+
+def test_collapse_with_action_stop_raises_naming_it():
+    alarms = Alarms(AlarmConfig(collapse_steps=2, action="stop"))
+    alarms.check(1, _step(grad=0.0))
+    with pytest.raises(DriftAlarm, match=r"collapse: 1 of the last 2 steps stalled below 0.9 success .* at step 2"):
+        alarms.check(2, _step())
+        alarms.enforce()
