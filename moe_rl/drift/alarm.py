@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from moe_rl.drift.config import ALARM_METRICS, COLLAPSE_GRAD, COLLAPSE_SUCCESS, AlarmConfig
+from moe_rl.drift.config import ALARM_METRICS, COLLAPSE_GRAD, AlarmConfig
 
 EXIT_DRIFT_ALARM = 4  # `moe-rl train` exit status when a drift alarm with action=stop fired
 HEALTH_ALARMS = "health/alarms"
@@ -90,27 +90,32 @@ class Alarms:
         self.fired: list[Fired] = []   # the last checked step's
         self.window = cfg.collapse_window(asynchronous)  # the collapse alarm's N (0: off)
         self.stalled: deque[bool] = deque(maxlen=max(1, self.window))
+        self.success: deque[float] = deque(maxlen=max(1, self.window))
 
     @property
     def active(self) -> bool:
         return bool(self.thresholds) or self.window > 0
 
     def collapse(self, step: int, metrics: Mapping[str, Any]) -> Fired | None:
-        """The collapse alarm: at least half of the last `window` steps (a full window) stalled below
-        COLLAPSE_SUCCESS with no gradient or an entropy under the floor. Steps without a success rate
-        and a gradient norm (an evaluation-only or DPO step) are not counted."""
+        """The collapse alarm: over a full window of the last `window` steps, at least half stalled (below
+        drift.alarm.collapse_success with no gradient or an entropy under the floor) and the mean success
+        rate is below it too. A learned run also has uniform groups (all right), and single steps of
+        it dip below the bar: the mean keeps it quiet. Steps without a success rate and a gradient norm
+        (DPO) are not counted."""
         success, grad = metrics.get("reward/success_rate"), metrics.get("perf/grad_norm")
         if not isinstance(success, (int, float)) or not isinstance(grad, (int, float)):
             return None
         entropy = metrics.get("rollout/entropy")
         low_entropy = isinstance(entropy, (int, float)) and crossed(float(entropy), self.cfg.collapse_entropy, "below")
-        self.stalled.append(success < COLLAPSE_SUCCESS and (grad <= COLLAPSE_GRAD or low_entropy))
-        count, need = sum(self.stalled), (self.window + 1) // 2
-        if len(self.stalled) < self.window or count < need:
+        bar = self.cfg.collapse_success
+        self.stalled.append(success < bar and (grad <= COLLAPSE_GRAD or low_entropy))
+        self.success.append(float(success))
+        count, need, mean = sum(self.stalled), (self.window + 1) // 2, sum(self.success) / len(self.success)
+        if len(self.stalled) < self.window or count < need or mean >= bar:
             return None
-        what = (f"collapse: {count} of the last {self.window} steps stalled below {COLLAPSE_SUCCESS:g} success "
-                f"with no gradient or entropy < {self.cfg.collapse_entropy:g} (drift.alarm.collapse_steps="
-                f"{self.window}; now success {success:.3g}, grad norm {grad:.3g}"
+        what = (f"collapse: {count} of the last {self.window} steps stalled below {bar:g} success "
+                f"with no gradient or an entropy < {self.cfg.collapse_entropy:g}, mean success {mean:.3g} "
+                f"(drift.alarm.collapse_steps={self.window}; now grad norm {grad:.3g}"
                 + (f", entropy {entropy:.3g})" if isinstance(entropy, (int, float)) else ")"))
         return Fired("collapse_steps", HEALTH_STALLED, float(count), float(need), "above", step, None, None, what)
 

@@ -24,8 +24,7 @@ ALARM_METRICS: dict[str, tuple[str, str]] = {
 }
 
 COLLAPSE_DEFAULT_STEPS = 8  # the collapse alarm's window in asynchronous runs
-COLLAPSE_SUCCESS = 0.9      # a stalled step is one below this success rate (reward/success_rate)
-COLLAPSE_GRAD = 1e-8        # ... whose gradient norm is at most this (perf/grad_norm: 0.0 when nothing trains)
+COLLAPSE_GRAD = 1e-8        # a stalled step's gradient norm is at most this (perf/grad_norm: 0.0 when nothing trains)
 
 
 @dataclass
@@ -48,14 +47,18 @@ class AlarmConfig:
     """Fire when `drift/route_margin` (mean gap between the k-th and (k+1)-th router logit) falls
     below this floor: routers that cannot tell their experts apart flip routes; None = no alarm."""
     collapse_steps: int | None = ranged(None, ge=0)
-    """The collapse alarm: fire when at least half of the last N steps stalled below a 0.9 success rate,
-    each with no gradient (`perf/grad_norm` ~ 0: every group uniform, or every token carrying an
-    advantage clipped) or a sampling policy whose entropy (`rollout/entropy`) fell below
-    collapse_entropy: a policy that stopped learning before it learned the task. None = 8 in
-    asynchronous runs (algo.max_staleness >= 1), where stale samples can stall it, and off otherwise;
-    0 = off. `health/stalled_steps` counts the stalled steps of the window."""
+    """The collapse alarm: fire when, over the last N steps, the mean success rate is below
+    collapse_success and at least half of the steps stalled below it, with no gradient (`perf/grad_norm` ~ 0: every group uniform, or
+    every token carrying an advantage clipped) or a sampling policy whose entropy (`rollout/entropy`)
+    fell below collapse_entropy: a policy that stopped learning before it learned the task. None = 8
+    in asynchronous runs (algo.max_staleness >= 1), where stale samples can stall it, and off
+    otherwise; 0 = off. `health/stalled_steps` counts the stalled steps of the window."""
     collapse_entropy: float = ranged(0.05, ge=0.0)
     """The collapse alarm's entropy floor, in nats per sampled token."""
+    collapse_success: float = ranged(0.8, gt=0.0, le=1.0)
+    """The collapse alarm's success rate (reward/success_rate): below it a run that stopped learning has
+    not learned its task. A learned policy turns deterministic too (uniform groups of right answers, a
+    few prompts always wrong: 0.85-0.95 on the toy tasks with no gradient), hence not 1."""
     action: str = choice("warn", ALARM_ACTIONS)
     """What a crossed threshold does, for every alarm: warn = log it once per metric with the worst
     layer and the step, and go on; stop = checkpoint the step and exit with status 4 naming the metric.
