@@ -91,6 +91,7 @@ class Alarms:
         self.window = cfg.collapse_window(asynchronous)  # the collapse alarm's N (0: off)
         self.stalled: deque[bool] = deque(maxlen=max(1, self.window))
         self.success: deque[float] = deque(maxlen=max(1, self.window))
+        self.first_entropy: float | None = None  # rollout/entropy of the first step that measured it
 
     @property
     def active(self) -> bool:
@@ -98,17 +99,23 @@ class Alarms:
 
     def collapse(self, step: int, metrics: Mapping[str, Any]) -> Fired | None:
         """The collapse alarm: over a full window of the last `window` steps, at least half stalled (below
-        drift.alarm.collapse_success with no gradient or an entropy under the floor) and the mean success
-        rate is below it too. A learned run also has uniform groups (all right), and single steps of
+        drift.alarm.collapse_success with an entropy under the floor, or with no gradient and an entropy
+        under half the first step's) and the mean success rate is below it too. A learned run also has uniform groups (all right), and single steps of
         it dip below the bar: the mean keeps it quiet. Steps without a success rate and a gradient norm
         (DPO) are not counted."""
         success, grad = metrics.get("reward/success_rate"), metrics.get("perf/grad_norm")
         if not isinstance(success, (int, float)) or not isinstance(grad, (int, float)):
             return None
         entropy = metrics.get("rollout/entropy")
-        low_entropy = isinstance(entropy, (int, float)) and crossed(float(entropy), self.cfg.collapse_entropy, "below")
+        measured = isinstance(entropy, (int, float)) and not math.isnan(entropy)
+        if measured and self.first_entropy is None:
+            self.first_entropy = float(entropy)
+        low_entropy = measured and entropy < self.cfg.collapse_entropy
+        # no gradient while the policy still explores (at least half its first step's entropy) is a task
+        # not found yet, as at the start when every group is wrong: it stalls only once exploring stopped
+        explores = measured and self.first_entropy is not None and entropy >= self.first_entropy / 2
         bar = self.cfg.collapse_success
-        self.stalled.append(success < bar and (grad <= COLLAPSE_GRAD or low_entropy))
+        self.stalled.append(success < bar and ((grad <= COLLAPSE_GRAD and not explores) or low_entropy))
         self.success.append(float(success))
         count, need, mean = sum(self.stalled), (self.window + 1) // 2, sum(self.success) / len(self.success)
         if len(self.stalled) < self.window or count < need or mean >= bar:

@@ -14,10 +14,23 @@ of a step the trainer waited for its batch (`perf/rollout_s`) or for the push
         [--task toy:add-easy] [--new-tokens 8]
 
 `--task toy:echo-tail --new-tokens 32` is the long-tailed case: answers of 1 to 32 tokens.
+
+`--learn`: learning against K, over seeds. For each K and seed (model.seed = data.shuffle_seed = the
+seed) a whole run of `--steps` steps of `--prompts` prompts x `--samples` samples at `--lr`, with
+`--minibatches` updates per step (defaults: the issue's task shape, 32 x 8, 4 updates, lr 3e-3), and
+per K: the median steps to 0.8 (the first step whose batch success rate, averaged with the two steps
+before it, reaches 0.8) with its interquartile range, the seeds that never got there, the seeds on
+which the collapse alarm (`drift.alarm.collapse_steps`, its defaults, replayed on the metrics) fired,
+the final success (mean of the last 5 steps) and samples/s. `--set key=value` adds overrides to
+every run (e.g. `--set algo.tis_cap=2.0`); `--jobs 2` runs two at once (samples/s is then shared).
+
+    python tools/bench/async_rl.py --learn --ks 0 2 --seeds 10 --task toy:last-parity --new-tokens 2 \
+        [--lr 3e-3] [--steps 80] [--jobs 2] [--json learn.json]
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -25,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
@@ -88,6 +102,75 @@ def compare(ks: list[int], steps: int, rounds: int, new_tokens: int, inflight: s
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------- --learn
+
+LEARNED = 0.8  # the success rate a run must reach (its 3-step running mean)
+
+
+def learn_overrides(k: int, seed: int, a: argparse.Namespace, run_dir: Path) -> list[str]:
+    return [f"algo.max_staleness={k}", f"rollout.inflight_update={a.inflight if k else 'wait'}",
+            "train.world_size=1", "parallel.ep=1", "rollout.num_servers=1",
+            f"data.train={a.task}", f"data.eval={a.task}-eval", f"data.prompts_per_step={a.prompts}",
+            f"rollout.n_samples={a.samples}", f"rollout.max_new_tokens={a.new_tokens}",
+            f"algo.num_minibatches={a.minibatches}", f"train.lr={a.lr}", f"train.steps={a.steps}",
+            f"model.seed={seed}", f"data.shuffle_seed={seed}", "train.eval_every=0", "train.save_every=0",
+            "drift.enabled=false", "log.progress=false", "log.tensorboard=false", "log.report=false",
+            f"log.run_dir={run_dir}", *a.set]
+
+
+def learn_one(k: int, seed: int, a: argparse.Namespace) -> dict[str, Any]:
+    """One whole run; what it learned, from its metrics."""
+    with tempfile.TemporaryDirectory(prefix=f"learn_k{k}_s{seed}_") as tmp:
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", str(CONFIG),
+                               *learn_overrides(k, seed, a, Path(tmp))],
+                              capture_output=True, text=True, env=env, cwd=ROOT)
+        if proc.returncode:
+            raise RuntimeError(f"K={k} seed {seed}: moe-rl train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    return learned(k, seed, rows, a.prompts * a.samples)
+
+
+def learned(k: int, seed: int, rows: list[dict[str, Any]], samples_per_step: int) -> dict[str, Any]:
+    from moe_rl.drift.alarm import Alarms
+    from moe_rl.drift.config import AlarmConfig
+
+    success = [r["reward/success_rate"] for r in rows]
+    reached = next((r["step"] for i, r in enumerate(rows) if i >= 2 and sum(success[i - 2:i + 1]) / 3 >= LEARNED),
+                   None)
+    alarms, collapsed = Alarms(AlarmConfig(), asynchronous=True), None
+    for r in rows:
+        alarms.check(r["step"], r)
+        collapsed = collapsed or (r["step"] if alarms.fired else None)
+    return {"K": k, "seed": seed, "steps_to_0.8": reached, "collapsed_at": collapsed,
+            "final_success": statistics.mean(success[-5:]),
+            "samples_per_s": samples_per_step * len(rows) / sum(r["perf/step_s"] for r in rows),
+            "entropy_final": statistics.mean(r.get("rollout/entropy", float("nan")) for r in rows[-5:]),
+            "approx_kl_max": max(r["loss/approx_kl"] for r in rows),
+            "staleness_mean": statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in rows)}
+
+
+def learn(a: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    jobs = [(k, seed) for seed in range(a.seeds) for k in a.ks]  # each seed's Ks side by side
+    with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
+        rows = list(pool.map(lambda ks: learn_one(*ks, a), jobs))
+    lines = [f"`{a.task}`, {a.prompts} prompts x {a.samples} samples of up to {a.new_tokens} tokens, "
+             f"{a.minibatches} updates per step, lr {a.lr}, {a.steps} steps, seeds 0-{a.seeds - 1}"
+             + (f", {' '.join(a.set)}" if a.set else "") + f"; {a.jobs} run(s) at a time.", "",
+             "| K | steps to 0.8: median [IQR] | missed | collapsed (alarm) | final success (median) | samples/s |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for k in a.ks:
+        mine = [r for r in rows if r["K"] == k]
+        hit = sorted(r["steps_to_0.8"] for r in mine if r["steps_to_0.8"] is not None)
+        quart = statistics.quantiles(hit, n=4) if len(hit) > 1 else hit * 3
+        spread = f"{statistics.median(hit):g} [{quart[0]:g}-{quart[2]:g}]" if hit else "-"
+        lines.append(f"| {k} | {spread} | {len(mine) - len(hit)}/{len(mine)} | "
+                     f"{sum(r['collapsed_at'] is not None for r in mine)}/{len(mine)} | "
+                     f"{statistics.median(r['final_success'] for r in mine):.2f} | "
+                     f"{statistics.median(r['samples_per_s'] for r in mine):.0f} |")
+    return "\n".join(lines), rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4])
@@ -97,7 +180,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--task", default="toy:add-easy", help="data.train (its -eval variant is data.eval)")
     p.add_argument("--inflight", default="auto", choices=["auto", "in_place", "retract"],
                    help="rollout.inflight_update of the K >= 1 runs")
+    p.add_argument("--learn", action="store_true", help="learning against K over seeds (see above)")
+    p.add_argument("--seeds", type=int, default=10, help="--learn: seeds 0..N-1")
+    p.add_argument("--lr", type=float, default=3e-3, help="--learn: train.lr")
+    p.add_argument("--prompts", type=int, default=32, help="--learn: data.prompts_per_step")
+    p.add_argument("--samples", type=int, default=8, help="--learn: rollout.n_samples")
+    p.add_argument("--minibatches", type=int, default=4, help="--learn: algo.num_minibatches")
+    p.add_argument("--set", action="append", default=[], help="--learn: one more override key=value (repeatable)")
+    p.add_argument("--jobs", type=int, default=1, help="--learn: runs at a time")
+    p.add_argument("--json", help="--learn: also write the per-run rows here")
     a = p.parse_args(argv)
+    if a.learn:
+        if a.steps == 12:  # the throughput mode's default is too short to learn anything
+            a.steps = 80
+        table, rows = learn(a)
+        print(table)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
+        return
     print(compare(a.ks, a.steps, a.rounds, a.new_tokens, a.inflight, a.task))
 
 

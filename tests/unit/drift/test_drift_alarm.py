@@ -111,8 +111,10 @@ def test_alarm_config_errors_name_the_key():
 
 # ---------------------------------------------------------------- the collapse alarm
 
-def _step(success=0.3, grad=0.5, entropy=0.7):
-    return {"reward/success_rate": success, "perf/grad_norm": grad, "rollout/entropy": entropy}
+def _step(success=0.3, grad=0.5, entropy=None):
+    """A step's metrics; without `entropy` the engine gave no log-probs (the gradient alone decides)."""
+    return {"reward/success_rate": success, "perf/grad_norm": grad} | (
+        {} if entropy is None else {"rollout/entropy": entropy})
 
 
 def test_collapse_alarm_is_on_by_default_in_asynchronous_runs_only():
@@ -146,6 +148,10 @@ def test_a_stalled_step_is_below_the_success_bar_with_no_gradient_or_no_entropy(
     assert not stalled()                             # learning
     assert not stalled(grad=0.0, success=0.85)       # learned: uniform groups of right answers, a few wrong
     assert not stalled(entropy=0.05)                 # at the floor, not below it
+    explore = Alarms(AlarmConfig(collapse_steps=3))
+    got = [explore.check(step, _step(grad=0.0, entropy=h))["health/stalled_steps"]
+           for step, h in enumerate([2.7, 1.4, 1.3], 1)]
+    assert got == [0.0, 0.0, 1.0]  # no gradient while it explores (>= half its first entropy): not found yet
     alarms = Alarms(AlarmConfig(collapse_steps=1))
     assert alarms.check(1, {"loss/dpo": 0.5}) == {HEALTH_ALARMS: 0.0, "health/stalled_steps": 0.0}  # not an RL step
 
