@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
@@ -53,17 +53,21 @@ def _overrides(k: int, steps: int, new_tokens: int, run_dir: Path, inflight: str
             "train.save_every=0", "log.progress=false", "log.tensorboard=false", f"log.run_dir={run_dir}"]
 
 
+def _train(what: str, overrides: Callable[[Path], list[str]]) -> list[dict[str, Any]]:
+    """One whole `moe-rl train` run of the demo config with `overrides(run_dir)`; its metrics rows."""
+    with tempfile.TemporaryDirectory(prefix="async_rl_") as tmp:
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", str(CONFIG),
+                               *overrides(Path(tmp))], capture_output=True, text=True, env=env, cwd=ROOT)
+        if proc.returncode:
+            raise RuntimeError(f"{what}: moe-rl train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        return [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+
+
 def run_one(k: int, steps: int, new_tokens: int, inflight: str = "auto",
             task: str = "toy:add-easy") -> list[dict[str, float]]:
     """One `moe-rl train` run with K; its metrics rows."""
-    with tempfile.TemporaryDirectory(prefix=f"async_k{k}_") as tmp:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", str(CONFIG),
-                               *_overrides(k, steps, new_tokens, Path(tmp), inflight, task)],
-                              capture_output=True, text=True, env=env, cwd=ROOT)
-        if proc.returncode:
-            raise RuntimeError(f"K={k}: moe-rl train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    return _train(f"K={k}", lambda run_dir: _overrides(k, steps, new_tokens, run_dir, inflight, task))
 
 
 def summarize(k: int, rows: list[dict[str, float]], samples_per_step: int) -> dict[str, float]:
@@ -120,14 +124,7 @@ def learn_overrides(k: int, seed: int, a: argparse.Namespace, run_dir: Path) -> 
 
 def learn_one(k: int, seed: int, a: argparse.Namespace) -> dict[str, Any]:
     """One whole run; what it learned, from its metrics."""
-    with tempfile.TemporaryDirectory(prefix=f"learn_k{k}_s{seed}_") as tmp:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--config", str(CONFIG),
-                               *learn_overrides(k, seed, a, Path(tmp))],
-                              capture_output=True, text=True, env=env, cwd=ROOT)
-        if proc.returncode:
-            raise RuntimeError(f"K={k} seed {seed}: moe-rl train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    rows = _train(f"K={k} seed {seed}", lambda run_dir: learn_overrides(k, seed, a, run_dir))
     return learned(k, seed, rows, a.prompts * a.samples)
 
 
