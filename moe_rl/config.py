@@ -39,7 +39,7 @@ from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseExceptio
 from moe_rl.algo.config import (ADVANTAGES, AGGREGATIONS, CORRECTION_MODES, CRITIC_REPLAYS, DPO_LOSSES,
                                 KL_ESTIMATORS, LOSSES, REPLAYS, TIS_LEVELS, AlgoConfig, CriticConfig, DPOConfig,
                                 RolloutCorrectionConfig, check_algo, check_critic, check_dpo, replay_mode,
-                                staleness_bound)
+                                staleness_bound, tis_cap_of)
 from moe_rl.configurable import ConfigError, choice, ranged
 from moe_rl.data.config import DATA_SUFFIXES, DataConfig, check_data
 from moe_rl.drift.config import AlarmConfig, DriftConfig, check_drift
@@ -195,10 +195,11 @@ def _build(layers: list[tuple[dict[str, Any], str]]) -> RunConfig:
         logging.getLogger("moe_rl").warning("algo.off_policy_overlap is deprecated: it means algo.max_staleness=1 "
                                             "(at least); set that instead")
     a = cfg.algo
-    if staleness_bound(a) and a.behaviour == "recompute" and a.tis_cap is None and a.rollout_correction.mode is None:
+    if staleness_bound(a) and a.behaviour == "recompute" and tis_cap_of(a) is None and a.rollout_correction.mode is None:
         logging.getLogger("moe_rl").warning(
-            "algo.max_staleness=%d trains on samples from older weights with no importance weight for them: "
-            "set algo.tis_cap (e.g. 2; decoupled PPO) or algo.rollout_correction.mode", staleness_bound(a))
+            "algo.max_staleness=%d trains on samples from older weights with no importance weight for them "
+            "(algo.stale_tis_cap=null): set algo.tis_cap (e.g. 2; decoupled PPO) or algo.rollout_correction.mode",
+            staleness_bound(a))
     return cfg.validate()
 
 

@@ -89,7 +89,15 @@ class AlgoConfig:
     kl_estimator: str = choice("k3", KL_ESTIMATORS)
     """KL estimator when kl_coef > 0; k3 is unbiased and non-negative."""
     tis_cap: float | None = ranged(None, gt=0.0)
-    """Truncated importance sampling cap for the rollout/trainer mismatch; None = off."""
+    """Truncated importance sampling cap for the rollout/trainer mismatch; None = off on-policy, and
+    algo.stale_tis_cap when algo.max_staleness >= 1 (with no algo.rollout_correction.mode)."""
+    stale_tis_cap: float | None = ranged(2.0, gt=0.0)
+    """The importance weight of asynchronous runs (algo.max_staleness >= 1, algo.behaviour=recompute)
+    when algo.tis_cap and algo.rollout_correction.mode are unset: each token weighed by
+    pi_prox / pi_behaviour (the trainer's recomputed log-prob over the engine's) capped here, decoupled
+    PPO as AReaL defines it; null = none. Without it a K=2 run trains on stale samples as if the
+    proximal policy drew them: on a 2-token task at lr 3e-3 it reached 0.8 on 1 seed of 8 where K=0
+    did on 6, with it on 7 (tools/bench/async_rl.py --learn)."""
     tis_level: str = choice("token", TIS_LEVELS)
     """Whether the TIS weight is per token or one per sequence."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -125,7 +133,7 @@ class AlgoConfig:
     """Asynchronous RL: the servers keep generating the next K steps' batches while the trainer
     trains, and no token more than K weight versions old is trained on (moe_rl/recipes/rl/
     pipeline.py); 0 = each step generates, then trains, on-policy. Pair K >= 1 with a rollout
-    correction (algo.tis_cap) and, to let the servers generate through weight pushes,
+    correction (algo.tis_cap; algo.stale_tis_cap, 2, when unset) and, to let the servers generate through weight pushes,
     rollout.inflight_update=in_place."""
     behaviour: str = choice("recompute", BEHAVIOURS)
     """pi_old, the policy the objective's ratio is taken and clipped against. recompute: the trainer's
@@ -206,6 +214,15 @@ def replay_mode(a: AlgoConfig) -> str:
 def staleness_bound(a: Any) -> int:
     """K of `algo.max_staleness`, with the deprecated `algo.off_policy_overlap=true` as K >= 1."""
     return max(int(a.max_staleness), 1 if a.off_policy_overlap else 0)
+
+
+def tis_cap_of(a: Any) -> float | None:
+    """The TIS cap a run applies: algo.tis_cap, else algo.stale_tis_cap in an asynchronous run whose
+    pi_old is recomputed and that asks for no other correction."""
+    if a.tis_cap is not None:
+        return a.tis_cap
+    stale = staleness_bound(a) >= 1 and a.behaviour == "recompute" and a.rollout_correction.mode is None
+    return a.stale_tis_cap if stale else None
 
 
 def ratio_mode(rc: RolloutCorrectionConfig) -> str | None:

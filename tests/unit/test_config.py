@@ -511,6 +511,28 @@ def test_off_policy_overlap_is_the_deprecated_name_of_max_staleness_1(caplog):
     assert handoff_budget_s(load_config(None, ["algo.max_staleness=3"])) == 4 * handoff_budget_s(load_config(None))
 
 
+def test_asynchronous_runs_weigh_stale_samples_by_default_and_the_loss_gets_it(caplog):
+    """algo.stale_tis_cap (2) when algo.max_staleness >= 1, pi_old is recomputed and no correction is set;
+    never on-policy unless asked; null turns it off (and warns); an explicit cap or a mode wins."""
+    from moe_rl.algo.config import tis_cap_of
+    from moe_rl.recipes.rl.step import loss_params
+
+    on_policy, stale = load_config(None), load_config(None, ["algo.max_staleness=2"])
+    assert tis_cap_of(on_policy.algo) is None and "tis_cap" not in loss_params(on_policy.algo)
+    assert tis_cap_of(stale.algo) == 2.0 and loss_params(stale.algo)["tis_cap"] == 2.0
+    assert tis_cap_of(load_config(None, ["algo.max_staleness=1", "algo.tis_cap=5"]).algo) == 5.0
+    masked = load_config(None, ["algo.max_staleness=1", "algo.rollout_correction.mode=token_mask"]).algo
+    assert tis_cap_of(masked) is None and loss_params(masked)["correction"] == "token_mask"
+    assert tis_cap_of(load_config(None, ["algo.max_staleness=1", "algo.behaviour=engine"]).algo) is None
+    with caplog.at_level("WARNING", logger="moe_rl"):
+        off = load_config(None, ["algo.max_staleness=2", "algo.stale_tis_cap=null"])
+    assert tis_cap_of(off.algo) is None and "no importance weight for them" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moe_rl"):
+        load_config(None, ["algo.max_staleness=2"])
+    assert "no importance weight" not in caplog.text
+
+
 def test_named_run_dir_is_read_from_the_layers_of_a_config_that_does_not_load(tmp_path):
     from moe_rl.config import named_run_dir
 

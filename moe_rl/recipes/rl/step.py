@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.algo.config import ratio_mode, route_mask_bound, staleness_bound
+from moe_rl.algo.config import ratio_mode, route_mask_bound, staleness_bound, tis_cap_of
 from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.losses import compute_loss, ntp_loss
 from moe_rl.config import RunConfig, replay_mode
@@ -223,13 +223,14 @@ def loss_params(a: Any) -> dict[str, Any]:
     if a.loss == "sapo":
         params |= {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}
     rc, mode = a.rollout_correction, ratio_mode(a.rollout_correction)
-    corrected = a.tis_cap is not None or mode is not None
+    tis_cap = tis_cap_of(a)  # algo.tis_cap, or the stale samples' default when asynchronous
+    corrected = tis_cap is not None or mode is not None
     if corrected:
         bounds = None
         if rc.low is not None or rc.high is not None:  # each unset side from the mode's default
             low, high = DEFAULT_BOUNDS[mode]
             bounds = (low if rc.low is None else rc.low, high if rc.high is None else rc.high)
-        params |= {"tis_cap": a.tis_cap, "tis_level": a.tis_level, "correction": mode,
+        params |= {"tis_cap": tis_cap, "tis_level": a.tis_level, "correction": mode,
                    "correction_bounds": bounds}
     return params
 
