@@ -100,9 +100,9 @@ class Alarms:
     def collapse(self, step: int, metrics: Mapping[str, Any]) -> Fired | None:
         """The collapse alarm: over a full window of the last `window` steps, at least half stalled (below
         drift.alarm.collapse_success with an entropy under the floor, or with no gradient and an entropy
-        under half the first step's) and the mean success rate is below it too. A learned run also has uniform groups (all right), and single steps of
-        it dip below the bar: the mean keeps it quiet. Steps without a success rate and a gradient norm
-        (DPO) are not counted."""
+        under half the first step's) and the mean success rate is below it too. A learned run also has
+        uniform groups (all right), and single steps of it dip below the bar: the mean keeps it quiet.
+        Steps without a success rate and a gradient norm (DPO) are not counted."""
         success, grad = metrics.get("reward/success_rate"), metrics.get("perf/grad_norm")
         if not isinstance(success, (int, float)) or not isinstance(grad, (int, float)):
             return None

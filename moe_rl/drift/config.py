@@ -48,13 +48,13 @@ class AlarmConfig:
     below this floor: routers that cannot tell their experts apart flip routes; None = no alarm."""
     collapse_steps: int | None = ranged(None, ge=0)
     """The collapse alarm: fire when, over the last N steps, the mean success rate is below
-    collapse_success and at least half of the steps stalled below it: a sampling policy whose entropy (`rollout/entropy`) fell
-    below collapse_entropy, or no gradient (`perf/grad_norm` ~ 0: every group uniform, or every token
-    carrying an advantage clipped) from a policy whose entropy is under half its first step's (no
-    gradient while it still explores is a task not found yet): a policy that stopped learning before
-    it learned the task. None = 8
-    in asynchronous runs (algo.max_staleness >= 1), where stale samples can stall it, and off
-    otherwise; 0 = off. `health/stalled_steps` counts the stalled steps of the window."""
+    collapse_success and at least half of the steps stalled below it: a sampling policy whose entropy
+    (`rollout/entropy`) fell below collapse_entropy, or no gradient (`perf/grad_norm` ~ 0: every group
+    uniform, or every token carrying an advantage clipped) from a policy whose entropy is under half
+    its first step's (no gradient while it still explores is a task not found yet): a policy that
+    stopped learning before it learned the task. None = 8 in asynchronous runs (algo.max_staleness
+    >= 1), where stale samples can stall it, and off otherwise; 0 = off. `health/stalled_steps`
+    counts the stalled steps of the window."""
     collapse_entropy: float = ranged(0.05, ge=0.0)
     """The collapse alarm's entropy floor, in nats per sampled token."""
     collapse_success: float = ranged(0.8, gt=0.0, le=1.0)

@@ -133,6 +133,12 @@ SCALE_EXPERTS = (8, 32, 64)
 # before); the unhashed ones compute no checksums while they push, so their push_s compare like with like.
 VARIANTS_SCALE = ("sources/delta", "sources/full", "sources/full-unhashed", "funnel/full")
 UNHASHED = ("sources/full-unhashed", "funnel/full")
+
+
+def _variant(name: str) -> tuple[str, str, bool]:
+    """A variant's row fields: path, mode, and whether it hashes the verify checksums as it sends."""
+    path, mode = name.split("/")
+    return path, mode.removesuffix("-unhashed"), name not in UNHASHED
 SCALE_BUCKET = 4 << 20  # ~6 buckets for the 64-expert model, as 1 GiB buckets cut a 30B model into ~60
 
 
@@ -304,8 +310,7 @@ def scale_rows(rounds: int = 3, experts: tuple[int, ...] = SCALE_EXPERTS,
                     per_rank = run_ranks(_scale_worker, ranks, hf_dir, layout, server.url, rounds, timeout=1800)
                     model_bytes = sum(r["model_bytes"] for r in per_rank)
                     for variant in VARIANTS_SCALE:
-                        path, mode = variant.split("/")
-                        mode, hashed = mode.removesuffix("-unhashed"), variant not in UNHASHED
+                        path, mode, hashed = _variant(variant)
                         v = [r[variant] for r in per_rank]
                         busiest = max(common.median([s + rc for s, rc in zip(x["sent"], x["recv"])]) for x in v)
                         rows.append({
@@ -347,9 +352,8 @@ def format_scale(rows: list[dict[str, Any]]) -> str:
                              "verified"], cells)
     lines = []
     for variant in VARIANTS_SCALE:
-        path, mode = variant.split("/")
-        sel = [r for r in rows if (r["path"], r["mode"], r["hashed"]) == (path, mode.removesuffix("-unhashed"),
-                                                                            variant not in UNHASHED)]
+        sel = [r for r in rows if (r["path"], r["mode"], r["hashed"]) == _variant(variant)]
+        path, mode = variant.split("/")  # the label: "full-unhashed" says which full push
         for layout, _ in SCALE_LAYOUTS:
             by_size = [r for r in sel if r["layout"] == layout]
             if len(by_size) > 1:
