@@ -5,6 +5,7 @@ check passed: a refused update changes no weight."""
 from __future__ import annotations
 
 import re
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.
 _MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
 _MIXTRAL_RE = re.compile(r"\.block_sparse_moe\.|\.w[123]\.")
 
-Plan = list[tuple[torch.Tensor, tuple, torch.Tensor, str]]
+Plan = list[tuple[torch.Tensor, torch.Tensor, str]]  # (the served view written, the value, its name)
 
 
 def check_checkpoint(path: str | Path, new: torch.nn.Module, served: torch.nn.Module) -> None:
@@ -36,28 +37,57 @@ def check_checkpoint(path: str | Path, new: torch.nn.Module, served: torch.nn.Mo
             raise ValueError(f"{str(path)!r}: {k} holds NaN or inf")
 
 
+class _Served:
+    """A served model's parameters and buffers by name, and where each pushed name writes, worked out
+    once per model: a push resolves every name of every bucket (thousands per push at scale), and
+    walking the module tree and matching the name patterns again for each bucket cost more than the
+    copy. Parameters are updated in place, so a model's entries stay valid; a disk update installs a
+    new model object, which gets its own."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.state = dict(model.named_parameters())
+        self.state.update(dict(model.named_buffers()))
+        self._where: dict[str, tuple[torch.Tensor, tuple[int, ...]] | None] = {}
+
+    def view(self, name: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """What `name` writes (a view into the served tensors) and its shape; None: no such tensor."""
+        if name not in self._where:
+            self._where[name] = None if (v := served_view(self.state, name)) is None else (v, tuple(v.shape))
+        return self._where[name]
+
+
+_SERVED: weakref.WeakKeyDictionary[torch.nn.Module, _Served] = weakref.WeakKeyDictionary()
+
+
+def _served(model: torch.nn.Module) -> _Served:
+    got = _SERVED.get(model)
+    if got is None:
+        got = _SERVED[model] = _Served(model)
+    return got
+
+
 def plan_tensors(model: torch.nn.Module, items: list[tuple[str, Any]]) -> Plan:
     """(target tensor, index, value, name) per pushed tensor; ValueError naming every bad one (at most 5)."""
-    state = dict(model.named_parameters())
-    state.update(dict(model.named_buffers()))
+    served = _served(model)
+    state = served.state
     plan: Plan = []
     errors = [f"{n} without {partner(n)}: SGLang fuses the two in one load and drops a lone one"
               for n in split_pairs((n for n, _ in items), state)]
     items = [(name, torch.as_tensor(value)) for name, value in items]
     not_finite = _not_finite(items)
     for name, value in items:
-        target, index = resolve(name, state)
-        if target is None:
+        hit = served.view(name)
+        if hit is None:
             errors.append(f"unknown parameter {name!r}")
             continue
-        want = target[index].shape if index else target.shape
-        if tuple(value.shape) != tuple(want):
-            errors.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(want)}")
+        dst, want = hit
+        if tuple(value.shape) != want:
+            errors.append(f"{name}: shape {tuple(value.shape)}, expected {want}")
             continue
         if name in not_finite:
             errors.append(f"{name}: holds NaN or inf")
             continue
-        plan.append((target, index, value, name))
+        plan.append((dst, value, name))
     if errors:
         raise ValueError("weight update refused, nothing was changed: " + "; ".join(errors[:5])
                          + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
@@ -73,9 +103,21 @@ def _not_finite(items: list[tuple[str, torch.Tensor]]) -> set[str]:
             by_dtype.setdefault(value.dtype, []).append((name, value))
     bad: set[str] = set()
     for group in by_dtype.values():
-        if not _all_finite(torch.cat([v.reshape(-1) for _, v in group])):
+        if not _all_finite(_joined([v for _, v in group])):
             bad |= {n for n, v in group if not _all_finite(v)}
     return bad
+
+
+def _joined(values: list[torch.Tensor]) -> torch.Tensor:
+    """The elements of `values` (one dtype) as one flat tensor: a view when they lie back to back in one
+    storage, as a received bucket's tensors do (`unflatten_bucket`), else a copy (`torch.cat`)."""
+    first, at = values[0], values[0].storage_offset()
+    storage = first.untyped_storage()
+    for v in values:
+        if not v.is_contiguous() or v.storage_offset() != at or v.untyped_storage().data_ptr() != storage.data_ptr():
+            return torch.cat([v.reshape(-1) for v in values])
+        at += v.numel()
+    return first.new_empty(0).set_(storage, first.storage_offset(), (at - first.storage_offset(),))
 
 
 # An IEEE float is NaN or inf exactly when its exponent bits are all ones: tested on the integer view,
@@ -99,9 +141,8 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 def apply_plan(plan: Plan) -> None:
     with torch.no_grad():
-        for target, index, value, _ in plan:
-            dst = target[index] if index else target
-            dst.copy_(value.to(device=dst.device, dtype=dst.dtype))
+        for dst, value, _ in plan:
+            dst.copy_(value)  # casts and moves as it copies
 
 
 def resolve(name: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, tuple]:
@@ -130,16 +171,15 @@ SparsePlan = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 def plan_sparse(model: torch.nn.Module, items: list[tuple[str, torch.Tensor, torch.Tensor]]) -> SparsePlan:
     """(served view, flat indices, values) per element delta `(name, values, indices)`; ValueError naming
     every bad one (at most 5), before anything is written."""
-    state = dict(model.named_parameters())
-    state.update(dict(model.named_buffers()))
+    served = _served(model)
     plan: SparsePlan = []
     errors = []
     for name, values, idx in items:
-        target, index = resolve(name, state)
-        if target is None:
+        hit = served.view(name)
+        if hit is None:
             errors.append(f"unknown parameter {name!r}")
             continue
-        view = target[index] if index else target
+        view = hit[0]
         if idx.numel() != values.numel() or (idx.numel() and int(idx.max()) >= view.numel()):
             errors.append(f"{name}: {idx.numel()} indices for {values.numel()} values into {view.numel()} elements")
             continue
