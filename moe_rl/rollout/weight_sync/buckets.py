@@ -101,14 +101,10 @@ def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def unflatten_bucket(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
     """Inverse of `flatten_bucket`: views into `flat` with each meta's dtype and shape."""
-    out, offset = [], 0
-    for m in metas:
-        piece = flat[offset:offset + m.nbytes].view(getattr(torch, m.dtype)).reshape(m.shape)
-        out.append((m.name, piece))
-        offset += m.nbytes
-    if offset != flat.numel():
-        raise ValueError(f"bucket holds {flat.numel()} bytes, metas describe {offset}")
-    return out
+    sizes = [m.nbytes for m in metas]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"bucket holds {flat.numel()} bytes, metas describe {sum(sizes)}")
+    return [(m.name, piece.view(getattr(torch, m.dtype)).view(m.shape)) for m, piece in zip(metas, flat.split(sizes))]
 
 
 @dataclass
