@@ -59,6 +59,15 @@ def _push_worker(urls: list[str], new_dir: str, kill_pid: int, restart: dict[str
     from moe_rl.rollout.weight_sync import NcclSync, WeightSyncError, tensor_checksum
 
     me = dist.get_rank()
+    calls = {"objects": 0}  # object collectives among the trainer ranks: each is a round trip for all of them
+
+    def counted(fn):
+        def wrapper(*a, **k):
+            calls["objects"] += 1
+            return fn(*a, **k)
+        return wrapper
+    dist.all_gather_object = counted(dist.all_gather_object)
+    dist.broadcast_object_list = counted(dist.broadcast_object_list)
     new = load_file(str(Path(new_dir) / "model.safetensors"))
     mine = _share(new, me)
     sync = NcclSync(urls, master_address="127.0.0.1", master_port=free_port() if me == 0 else 1, backend="gloo",
@@ -72,8 +81,10 @@ def _push_worker(urls: list[str], new_dir: str, kill_pid: int, restart: dict[str
     for i, name in enumerate(sorted(changed)):
         if i % 3 == 0:
             changed[name].view(-1)[:: max(1, changed[name].numel() // 3)] += 0.5
+    before = calls["objects"]
     sync.sync(2, list(changed.items()))                          # delta, element-wise to moe-rl serve
     out["delta2"] = vars(sync.stats).copy()
+    out["objects2"] = calls["objects"] - before
     out["sums2"] = {n: tensor_checksum(t) for n, t in changed.items()}
 
     def dying() -> Any:                                          # server 2 dies after rank 0's first tensor
@@ -124,6 +135,9 @@ def test_four_sources_two_servers_delta_verify_and_a_server_killed_mid_push(tiny
             d = r["delta2"]
             assert not d["full"] and d["sparse_tensors"] >= 1 and d["sent_tensors"] < d["tensors"]
             assert d["sent_bytes"] <= 0.1 * 2 * d["full_bytes"] + 2 * 4096
+            # the push's control traffic: rank 0's plan, one gather of every outcome, one verdict, and
+            # verify's gather of checksums and its verdict (the push's metrics ride on the verdict)
+            assert r["objects2"] == 5, r["objects2"]
         # push 3 failed on every rank, naming the dead server; push 4 was full and verified
         assert all(r["error3"] and servers[1].url in r["error3"] for r in res), [r["error3"] for r in res]
         assert all(r["push4"]["full"] for r in res)

@@ -271,23 +271,23 @@ class NcclSync:
         self._wire = self.dtype or (getattr(torch, plan["dtype"]) if plan["dtype"] else None)
         pairs = _named_tensors(weights, self._wire)  # a policy casts before its gathers
         if plan["error"] is None:
-            errors = all_errors(self._send_share(pairs, version, plan["full"], plan["sparse"], source), self.group)
-            if rank0 and not errors:  # every source is done: the servers hold all but the last word
-                errors = [e for e in [self._last_word(self._smallest, version)] if e]
+            error = self._send_share(pairs, version, plan["full"], plan["sparse"], source)
         else:  # the session did not open: send nothing, but keep pace with the policy's gathers
-            errors = [plan["error"]]
+            error = None
             for _ in pairs:
                 pass
-        if rank0 and plan["error"] is None:
-            end_error = self._call_all("/end_weight_update", {})
-            errors += [end_error] if end_error else []
-        errors = _from_rank0(errors, self.group)
+        # Two collectives end the push (each costs every rank a round trip, more at hundreds of ranks):
+        # one gather brings every rank's outcome and stats to rank 0, which has the servers finish the
+        # push and tells every rank how it went and the push's metrics in one broadcast.
+        every = all_gather_objects((error, vars(self.stats)), self.group)
+        outcome = self._finish_push(plan, [e for e, _ in every if e], [s for _, s in every], version,
+                                    started) if rank0 else None
+        errors, self.push_metrics, total = _from_rank0(outcome, self.group)
         if not errors and self.verify:
             errors = self._verify(version)
+            self.push_metrics["weight_sync/verify_s"] = self.stats.verify_s
+            self.push_metrics["weight_sync/push_s"] += self.stats.verify_s
         self.stats.push_s = time.perf_counter() - started
-        every = all_gather_objects(vars(self.stats), self.group)
-        total = sum(s["tensors"] for s in every)
-        self.push_metrics = push_metrics(every)
         if errors:
             if self.delta is not None:
                 self.delta.valid = False
@@ -297,7 +297,22 @@ class NcclSync:
         if self.delta is not None:
             self.delta.valid = True
         self._pushed = str(version)
-        return int(total)
+        return total
+
+    def _finish_push(self, plan: dict[str, Any], errors: list[str], every: list[dict[str, Any]], version: int,
+                     started: float) -> tuple[list[str], dict[str, float], int]:
+        """Rank 0, once every source is done: the last word and the end of the servers' session; the
+        push's errors, its metrics, and the number of tensors the sources own."""
+        if plan["error"] is not None:
+            errors = [plan["error"]]
+        else:
+            if not errors:  # every source is done: the servers hold all but the last word
+                errors += [e for e in [self._last_word(self._smallest, version)] if e]
+            end_error = self._call_all("/end_weight_update", {})
+            errors += [end_error] if end_error else []
+        self.stats.push_s = time.perf_counter() - started
+        every[0] = vars(self.stats)  # with the last word's message and bytes
+        return errors, push_metrics(every), sum(s["tensors"] for s in every)
 
     def _source(self, weights: WeightsArg) -> tuple[WeightsArg, bool]:
         """The weights, and whether this rank sends any (a policy says; plain pairs by being there)."""
@@ -477,8 +492,7 @@ class NcclSync:
                 else:
                     replies.append((url, body))
             problems += mismatches(merged, replies, version, self.tp_sizes)
-        problems = _from_rank0(problems, self.group)
-        self.stats.verify_s = time.perf_counter() - t0
+        problems, self.stats.verify_s = _from_rank0((problems, time.perf_counter() - t0), self.group)
         return problems
 
     def _server_info(self, url: str) -> dict[str, Any]:
