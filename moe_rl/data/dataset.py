@@ -40,14 +40,18 @@ MAX_REPORTED_PROBLEMS = 10  # enough to show a pattern without flooding the term
 
 
 class DataError(ValueError):
-    """A dataset that cannot be loaded; `problems` holds one `file:line: ...` line per bad row."""
+    """A dataset that cannot be loaded; `problems` holds one `file:line: ...` line per bad row, and
+    `more` says that reading stopped at a bad row past those (so the count is a lower bound)."""
 
-    def __init__(self, problems: str | Sequence[str]):
+    def __init__(self, problems: str | Sequence[str], more: bool = False):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
-        if len(self.problems) == 1:
+        self.more = more
+        if len(self.problems) == 1 and not more:
             message = self.problems[0]
         else:
-            message = f"{len(self.problems)} bad rows:\n" + "\n".join(f"  - {p}" for p in self.problems)
+            head = (f"more than {len(self.problems)} bad rows (reading stopped; the first {len(self.problems)}):"
+                    if more else f"{len(self.problems)} bad rows:")
+            message = head + "\n" + "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(message)
 
 
@@ -187,19 +191,19 @@ def parse_rows(rows: Iterable[tuple[int, dict[str, Any] | str]], source: str,
     `make` raises `_RowError` for a bad row; an empty file is an error too.
     """
     where = _locator(source)
-    items, problems = [], []
+    items, problems, more = [], [], False
     for line_no, row in rows:
         try:
             if isinstance(row, str):
                 raise _RowError(row)
             items.append(make(row, line_no))
         except _RowError as e:
-            problems.append(f"{where(line_no)}: {e}")
-            if len(problems) >= MAX_REPORTED_PROBLEMS:
-                problems.append(f"{source}: stopped after {MAX_REPORTED_PROBLEMS} bad rows")
+            if len(problems) == MAX_REPORTED_PROBLEMS:  # one bad row past the report: stop reading
+                more = True
                 break
+            problems.append(f"{where(line_no)}: {e}")
     if problems:
-        raise DataError(problems)
+        raise DataError(problems, more)
     if not items:
         raise DataError(f"{source}: the file has no rows")
     return items

@@ -135,3 +135,19 @@ def test_bad_specs(tmp_path):
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(DataError, match="cannot read as parquet"):
         load_dataset(str(tmp_path / "junk.parquet"))
+
+
+@pytest.mark.parametrize("bad", [10, 11, 25])
+def test_the_bad_row_count_is_the_files_and_a_cut_report_says_so(tmp_path, bad):
+    path = str(tmp_path / "rows.jsonl")
+    open(path, "w").write("".join('{"answer": "1"}\n' for _ in range(bad)) + '{"prompt": "fine"}\n')
+    with pytest.raises(DataError) as err:
+        load_dataset(path, CharTokenizer())
+    shown = min(bad, 10)
+    assert len(err.value.problems) == shown
+    assert all(p.startswith(f"{path}:") for p in err.value.problems)
+    head = str(err.value).splitlines()[0]
+    if bad == 10:  # exactly ten bad rows: the count is exact, and nothing says reading stopped
+        assert head == "10 bad rows:" and not err.value.more
+    else:
+        assert head == "more than 10 bad rows (reading stopped; the first 10):" and err.value.more
