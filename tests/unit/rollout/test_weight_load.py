@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from moe_rl.rollout.local_engine import LocalEngine
-from moe_rl.rollout.weight_load import _joined
+from moe_rl.rollout.weight_load import _joined, apply_sparse
 from moe_rl.rollout.weight_sync import TensorMeta, flatten_bucket, unflatten_bucket
 
 EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"
@@ -75,3 +75,48 @@ def test_a_push_after_a_disk_update_writes_into_the_new_model(engine, tiny_hf_di
     fused = dict(engine.model.named_parameters())["model.layers.1.mlp.experts.down_proj"]
     assert torch.equal(fused[2], ckpt[EXPERT] + 2)
     assert torch.equal(old.get_parameter(EMBED), ckpt[EMBED] + 1)  # the swapped-out model was left alone
+
+
+def test_element_deltas_into_every_served_tensor_equal_the_whole_tensors_pushed(tiny_hf_dir):
+    """Sparse deltas write through every kind of served view (whole tensors, one expert of a fused
+    tensor, a half of a fused gate/up pair) exactly where the same values pushed whole go."""
+    ckpt = _checkpoint(tiny_hf_dir)
+    g = torch.Generator().manual_seed(3)
+    new, deltas = {}, []
+    for name, t in ckpt.items():
+        if not t.is_floating_point():
+            continue
+        changed = torch.rand(t.numel(), generator=g) < 0.05
+        idx = changed.nonzero().reshape(-1)
+        values = (t.reshape(-1)[idx].float() + 1).to(t.dtype)
+        full = t.clone().reshape(-1)
+        full[idx] = values
+        new[name] = full.reshape(t.shape)
+        deltas.append((name, values, idx))
+    sparse, dense = LocalEngine(tiny_hf_dir, seed=0), LocalEngine(tiny_hf_dir, seed=0)
+    try:
+        sparse.update_weights_sparse(deltas)
+        dense.update_weights_from_tensors(list(new.items()))
+        got, want = dict(sparse.model.named_parameters()), dict(dense.model.named_parameters())
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
+    finally:
+        sparse.close()
+        dense.close()
+
+
+@pytest.mark.parametrize("view", [lambda t: t[1, :, 5:], lambda t: t[2].t(), lambda t: t[:, 3]])
+def test_element_deltas_write_through_strided_views(view):
+    """A served name may be a strided view (a half along the last dim of a fused pair, a transpose):
+    the flat row-major indices land where writing the view's flattened copy would put them."""
+    base = torch.arange(4 * 6 * 10, dtype=torch.float32).reshape(4, 6, 10).to(torch.bfloat16)
+    want = base.clone()
+    target = view(want)
+    assert not target.is_contiguous()
+    idx = torch.randperm(target.numel(), generator=torch.Generator().manual_seed(0))[:7]
+    values = -torch.arange(1, 8, dtype=torch.bfloat16)
+    flat = target.reshape(-1).clone()
+    flat[idx] = values
+    target.copy_(flat.view(target.shape))
+    apply_sparse([(view(base), idx, values)])
+    assert torch.equal(base, want)
