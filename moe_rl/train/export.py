@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from moe_rl.config import ConfigError, load_config
+from moe_rl.train.integrity import not_a_checkpoint
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # what a HF tokenizer (and generation defaults) is made of, copied next to the weights
@@ -80,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     ckpt, out = Path(args.checkpoint), Path(args.out)
     try:
-        if not (ckpt / "meta.json").is_file():
-            raise ExportError(f"{ckpt} is not a finished checkpoint (no meta.json)")
+        if why := not_a_checkpoint(ckpt):
+            raise ExportError(why)
         if not (ckpt / "policy").is_dir():
             raise ExportError(f"{ckpt} has no policy/ directory: it is in the per-rank format of earlier versions; "
                               "resume it once (train.resume=...) and export the checkpoint that run writes")

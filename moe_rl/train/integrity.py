@@ -29,6 +29,19 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
+def not_a_checkpoint(path: Path) -> str | None:
+    """Why `path` is not a finished checkpoint directory, in words a user can act on; None if it is."""
+    if not path.exists():
+        near = sorted(p.name for p in path.parent.glob("step_*")) if path.parent.is_dir() else []
+        return (f"{path} does not exist" + (f" (its folder holds {', '.join(near[-3:])})" if near else ""))
+    if not path.is_dir():
+        return f"{path} is a file, not a checkpoint directory (checkpoints/step_N)"
+    if not (path / META).is_file():
+        return (f"{path} is not a finished checkpoint (no {META}: a save that was interrupted, or not a "
+                "checkpoints/step_N directory)")
+    return None
+
+
 def read_meta(ckpt: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(meta, None), or (None, what is wrong with `meta.json`)."""
     path = ckpt / META

@@ -47,12 +47,11 @@ def _layout(cfg: RunConfig, world_size: int) -> str | None:
 
 def _resume(cfg: RunConfig) -> str | None:
     from moe_rl.train.checkpoint import latest_checkpoint
-    from moe_rl.train.integrity import read_meta
+    from moe_rl.train.integrity import not_a_checkpoint, read_meta
 
     r = cfg.train.resume
-    if r and r != "auto" and not (Path(r) / "meta.json").is_file():
-        return (f"train.resume: {r} is not a finished checkpoint directory (no meta.json); give a "
-                "checkpoints/step_N directory or train.resume=auto")
+    if r and r != "auto" and (why := not_a_checkpoint(Path(r))):
+        return f"train.resume: {why}; give a checkpoints/step_N directory or train.resume=auto"
     path = latest_checkpoint(Path(cfg.log.run_dir)) if r == "auto" and cfg.log.run_dir else Path(r) if r else None
     if path is None:
         return None

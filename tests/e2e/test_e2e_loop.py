@@ -233,7 +233,7 @@ def test_bad_dataset_row_names_file_and_line(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.ep=4", "parallel.pp=2", "train.world_size=3"], "world size 3 is not divisible by tp*pp = 1*2"),
     (["model.hf_path=/nonexistent/model"], "model.hf_path: /nonexistent/model has no config.json"),
-    (["train.resume=/nonexistent/ckpt"], "train.resume: /nonexistent/ckpt is not a finished checkpoint"),
+    (["train.resume=/nonexistent/ckpt"], "train.resume: /nonexistent/ckpt does not exist"),
     (["train.lr=inf"], "train.lr: inf must be a finite number"),
     (["data.train=/nonexistent/rows.jsonl"], "data.train: /nonexistent/rows.jsonl: no such file"),
     (["model.tiny.vocab_size=8"], "outside the model's vocabulary [0, 8)"),

@@ -43,7 +43,7 @@ def test_launch_slurm_help_keeps_its_paragraphs_apart(capsys):
     (["serve", "--model", "MISSING", "--port", "0"], "does not exist"),
     (["drift", "--before", "MISSING", "--after", "MISSING", "--data", "MISSING", "--out", "OUT"], "does not exist"),
     (["report", "MISSING"], "not found"),
-    (["export", "--checkpoint", "MISSING", "--out", "OUT"], "not a finished checkpoint"),
+    (["export", "--checkpoint", "MISSING", "--out", "OUT"], "missing does not exist"),
     (["launch", "slurm", "--config", "MISSING", "--nodes", "2"], "not found"),
     (["train", "--config", "MISSING"], "not found"),
     (["config", "no.such.key"], "unknown key"),

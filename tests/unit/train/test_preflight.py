@@ -62,3 +62,20 @@ def test_in_place_pushes_refuse_a_running_server_that_keeps_a_prefix_cache(tmp_p
                 assert "--disable-radix-cache" in problem
             else:
                 assert problem is None, problem
+
+
+def test_a_resume_path_that_is_not_a_checkpoint_says_what_it_is(tmp_path):
+    """Missing (with the folder's step directories named), a file, or a directory without meta.json
+    (an interrupted save): each in its own words, naming train.resume."""
+    ckpt = _checkpoint(tmp_path, None, step=5)
+    missing = ckpt.parent / "step_000050"
+    problem = preflight(load_config(CONFIG, [f"train.resume={missing}"]), 2)
+    assert problem.startswith(f"train.resume: {missing} does not exist (its folder holds step_000005)"), problem
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    problem = preflight(load_config(CONFIG, [f"train.resume={a_file}"]), 2)
+    assert problem.startswith(f"train.resume: {a_file} is a file, not a checkpoint directory"), problem
+    unfinished = ckpt.parent / "step_000006"
+    unfinished.mkdir()
+    problem = preflight(load_config(CONFIG, [f"train.resume={unfinished}"]), 2)
+    assert problem.startswith(f"train.resume: {unfinished} is not a finished checkpoint (no meta.json: a save"), problem
