@@ -47,12 +47,15 @@ def _encode(prev: torch.Tensor | None, new: torch.Tensor, sparse: bool
         return (new, -1), new.numel()
     new_bits = _bits(new)
     diff = _bits(prev) != new_bits
-    nnz = int(diff.sum())
+    if not sparse:
+        nnz = int(diff.sum())
+        return (None if nnz == 0 else (new, -1)), nnz
+    changed = diff.nonzero().reshape(-1)  # one pass gives both the count and the places
+    nnz = changed.numel()
     if nnz == 0:
         return None, 0
-    if not sparse or sparse_nbytes(nnz, new.element_size()) >= new.numel() * new.element_size():
+    if sparse_nbytes(nnz, new.element_size()) >= new.numel() * new.element_size():
         return (new, -1), nnz
-    changed = diff.nonzero().reshape(-1)
     payload = torch.cat([changed.to(torch.int32).view(torch.uint8), new_bits[changed].view(torch.uint8)])
     return (payload, nnz), nnz
 
@@ -113,11 +116,15 @@ class DeltaBase:
         a push that fails invalidates the whole base, so recording before the servers took it is safe."""
         prev = self.values.get(name) if self.valid else None
         out, self.last_changed = _encode(prev, new, sparse)
-        if out is not None:
-            if prev is not None and prev.shape == new.shape and prev.dtype == new.dtype:
-                prev.copy_(new)
-            else:
-                self.values[name] = new.detach().clone()
+        if out is None:
+            return None
+        if prev is None or prev.shape != new.shape or prev.dtype != new.dtype:
+            self.values[name] = new.detach().clone()
+        elif out[1] >= 0 and prev.is_contiguous():  # an element delta: only those elements move
+            at = out[0][:4 * out[1]].view(torch.int32).to(torch.int64)
+            _bits(prev).index_copy_(0, at, _bits(new)[at])  # bits, as compared (a view: writes into prev)
+        else:
+            prev.copy_(new)
         return out
 
     def nbytes(self) -> int:

@@ -114,3 +114,21 @@ def test_a_pushed_nan_or_inf_is_found_in_any_float_dtype_and_named(dtype):
         broken = [(n, t.clone()) for n, t in items]
         broken[2][1][4] = bad
         assert _not_finite(broken) == {"w2"}, bad
+
+
+def test_after_many_element_deltas_the_base_holds_the_last_pushed_bits():
+    """The base takes an element delta's elements only (NaN payloads and -0.0 included, compared as
+    bits), a whole tensor's all of them: after every push it equals what was pushed, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    base, t = DeltaBase(), torch.randn(40, 30, generator=g).to(torch.bfloat16)
+    base.encode("w", t.clone(), sparse=True)
+    base.valid = True
+    for step in range(6):
+        t = t.clone()
+        n = 3 if step % 2 else 1000  # a few elements (sparse), then most of them (whole)
+        where = torch.randperm(t.numel(), generator=g)[:n]
+        t.view(-1)[where] = torch.randn(n, generator=g).to(torch.bfloat16)
+        t.view(-1)[where[:1]] = float("nan") if step == 1 else -0.0
+        payload, nnz = base.encode("w", t, sparse=True)
+        assert (nnz >= 0) == (n == 3), (step, nnz)
+        assert torch.equal(base.values["w"].view(torch.int16), t.view(torch.int16)), step
