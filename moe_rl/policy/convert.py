@@ -562,13 +562,28 @@ def export_hf(chunks: list[Any], out_dir: str | Path, arch: MoEArch, hf_config: 
     return out if rank == 0 else None
 
 
+def _file_mode() -> int:
+    """The mode `open()` gives a new file here: 0o666 less the process's umask (read, not set: setting
+    it to read it would race other threads' file creation)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
+
+
 def _finalize(out: Path, files: list[tuple[str, list[str]]], hf_config: dict[str, Any]) -> None:
     """Rename the parts to HF's shard names and write the index and config."""
     n = len(files)
     weight_map: dict[str, str] = {}
     total = 0
+    mode = _file_mode()
     for i, (tmp, names) in enumerate(sorted(files)):
         final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.chmod(out / tmp, mode)  # safetensors writes 0600: readable as the other files are
         os.replace(out / tmp, out / final)
         total += (out / final).stat().st_size
         for name in names:

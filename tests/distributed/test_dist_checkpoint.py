@@ -212,6 +212,10 @@ def test_export_writes_the_trained_weights_and_transformers_gives_the_trainers_l
     out = export_policy(Path(ckpt), Path(tiny_hf_dir), tmp_path / "hf")
     tensors = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert set(tensors) == set(want["weights"]) and all(torch.equal(tensors[k], want["weights"][k]) for k in tensors)
+    probe = tmp_path / "probe"  # the weights are readable as any file this process writes (safetensors: 0600)
+    probe.write_text("")
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in out.glob("*.safetensors")} == {
+        f.name: oct(probe.stat().st_mode & 0o777) for f in out.glob("*.safetensors")}
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     for rank, seqs in ((r, batch[r::2]) for r in (0, 1)):
         for i, seq in enumerate(seqs):
