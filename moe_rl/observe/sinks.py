@@ -15,10 +15,12 @@ record from step s on.
 
 Non-finite floats: JSON has no NaN or infinity, and Python's `json` module
 would write the non-standard tokens `NaN` / `Infinity`, which many readers
-reject. They are written as the strings "NaN", "Infinity" and "-Infinity"
-instead: the file stays valid JSON, a NaN loss stays distinguishable from an
-infinite grad norm (null would lose that), and `read_metrics` turns the
-strings back into floats.
+reject. A NaN (a value the step does not have, or a loss that went bad: the
+health gates say which) is written as JSON null, what pandas, jq and DuckDB
+read as missing; an infinity as the string "Infinity" or "-Infinity", so an
+overflowing grad norm stays distinguishable from a missing one.
+`read_metrics` turns the strings back into floats and keeps null as None
+(files of earlier versions wrote the string "NaN": read as NaN).
 """
 from __future__ import annotations
 
@@ -112,14 +114,14 @@ def _ends_without_newline(path: Path) -> bool:
 
 
 def _json_value(key: str, value: Any) -> Any:
-    """A JSON-safe scalar: tensors/numpy scalars unwrapped, non-finite floats as strings."""
+    """A JSON-safe scalar: tensors/numpy scalars unwrapped, NaN as None (null), infinities as strings."""
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
         value = value.item()  # 0-d torch tensor or numpy scalar
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         if math.isnan(value):
-            return "NaN"
+            return None
         if math.isinf(value):
             return "Infinity" if value > 0 else "-Infinity"
         return value

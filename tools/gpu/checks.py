@@ -24,7 +24,7 @@ SGLANG_LOGP_ABS_DIFF = 0.05
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of `run_dir/metrics.jsonl` ("NaN" strings as float NaN); [] when there is none."""
+    """The rows of `run_dir/metrics.jsonl` (null, a NaN: None; "Infinity" strings as floats); [] when none."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []

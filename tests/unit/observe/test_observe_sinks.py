@@ -35,12 +35,12 @@ def test_jsonl_round_trip_with_non_finite_values(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 2
     raw = [_strict_json(line) for line in lines]  # valid JSON, no NaN/Infinity tokens
-    assert raw[0]["loss/pg_loss"] == "NaN" and raw[0]["perf/grad_norm"] == "Infinity"
+    assert raw[0]["loss/pg_loss"] is None and raw[0]["perf/grad_norm"] == "Infinity"  # NaN: JSON null
     assert "time" in raw[0]
 
     first, second = read_metrics(path)
     assert first["step"] == 1 and second["step"] == 2
-    assert math.isnan(first["loss/pg_loss"])
+    assert first["loss/pg_loss"] is None
     assert first["perf/grad_norm"] == math.inf and first["loss/min"] == -math.inf
     assert first["reward/mean"] == 0.5 and first["count"] == 3 and first["flag"] is True
     assert first["t"] == 0.25 and first["n"] == 1.5 and first["note"] == "ok"
@@ -227,3 +227,10 @@ def test_report_reads_the_current_history(tmp_path):
                               for s, a in ((1, 1), (2, 1), (3, 1), (1, 2), (2, 2))) + "\n")
     metrics = _load(tmp_path)
     assert [r["attempt"] for r in metrics.records] == [2, 2]
+
+
+def test_metrics_files_of_earlier_versions_read_their_nan_strings_as_nan(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss/pg_loss": "NaN", "perf/grad_norm": "Infinity"}\n')
+    (first,) = read_metrics(path)
+    assert math.isnan(first["loss/pg_loss"]) and first["perf/grad_norm"] == math.inf
