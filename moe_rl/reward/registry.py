@@ -105,7 +105,9 @@ def _import_function(path: str) -> Callable[..., float]:
                           f"({type(e).__name__}: {e}); is it on PYTHONPATH?") from e
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise ImportError(f"reward {path!r}: {getattr(obj, '__name__', obj)!s} has no attribute {part!r}")
+            close = difflib.get_close_matches(part, [n for n in dir(obj) if not n.startswith("_")], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ImportError(f"reward {path!r}: {getattr(obj, '__name__', obj)!s} has no attribute {part!r}{hint}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise ImportError(f"reward {path!r}: {attr_path} is a {type(obj).__name__}, not a function")

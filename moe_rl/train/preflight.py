@@ -17,7 +17,8 @@ from moe_rl.train.model_shape import model_shape, run_hf_config
 
 def preflight(cfg: RunConfig, world_size: int) -> str | None:
     """The first problem that would stop this run, or None."""
-    for check in (_model, lambda c: _layout(c, world_size), _resume, _data, _keys, _devices, _in_place_servers):
+    for check in (_model, lambda c: _layout(c, world_size), _resume, _data, _reward, _keys, _devices,
+                  _in_place_servers):
         problem = check(cfg)
         if problem:
             return problem
@@ -64,6 +65,20 @@ def _resume(cfg: RunConfig) -> str | None:
             return (f"train.resume: {path} holds a model with {key}={saved[key]}, this run's model has "
                     f"{key}={ours[key]} (model.hf_path / model.tiny); resume with the checkpoint's model, or "
                     "start a new run directory")
+    return None
+
+
+def _reward(cfg: RunConfig) -> str | None:
+    """The reward imports and exists (a user's `module:function` is imported here, once, as each
+    rank will import it): otherwise every rank fails after it started, one traceback each."""
+    from moe_rl.reward.registry import get_reward
+
+    if cfg.train.mode != "rl":
+        return None
+    try:
+        get_reward(cfg.reward.name, data=cfg.data.train)
+    except (KeyError, ImportError) as e:
+        return f"reward.name: {' '.join(str(e.args[0] if e.args else e).split())}"
     return None
 
 

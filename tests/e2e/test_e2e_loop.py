@@ -237,7 +237,8 @@ def test_bad_dataset_row_names_file_and_line(tmp_path):
     (["train.lr=inf"], "train.lr: inf must be a finite number"),
     (["data.train=/nonexistent/rows.jsonl"], "data.train: /nonexistent/rows.jsonl: no such file"),
     (["model.tiny.vocab_size=8"], "outside the model's vocabulary [0, 8)"),
-], ids=["layout", "hf_path", "resume", "lr", "data", "vocab"])
+    (["reward.name=no_such_module:score"], "reward.name: reward 'no_such_module:score': cannot import module"),
+], ids=["layout", "hf_path", "resume", "lr", "data", "vocab", "reward"])
 def test_mistakes_found_before_any_rank_starts(tmp_path, overrides, message):
     """One line naming the field, exit 2, no traceback; written to train.log when the run dir is named."""
     r = _cli(["train", "--config", "launch/configs/tiny_cpu.yaml", *overrides, f"log.run_dir={tmp_path}/run"],

@@ -79,3 +79,23 @@ def test_a_resume_path_that_is_not_a_checkpoint_says_what_it_is(tmp_path):
     unfinished.mkdir()
     problem = preflight(load_config(CONFIG, [f"train.resume={unfinished}"]), 2)
     assert problem.startswith(f"train.resume: {unfinished} is not a finished checkpoint (no meta.json: a save"), problem
+
+
+def test_a_reward_that_does_not_import_or_is_misspelled_is_one_line_before_any_rank_starts(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_pf.py").write_text("def exact_match(text, answer):\n    return float(text == answer)\n")
+    (tmp_path / "broken_rewards_pf.py").write_text("import no_such_package_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ok = load_config(CONFIG, ["reward.name=my_rewards_pf:exact_match"])
+    assert preflight(ok, 2) is None
+    cases = {
+        "my_rewards_pf:exact_mach": "reward.name: reward 'my_rewards_pf:exact_mach': my_rewards_pf has no attribute "
+                                    "'exact_mach' (did you mean 'exact_match'?)",
+        "no_such_module_pf:score": "reward.name: reward 'no_such_module_pf:score': cannot import module "
+                                   "'no_such_module_pf' (ModuleNotFoundError",
+        "broken_rewards_pf:score": "reward.name: reward 'broken_rewards_pf:score': cannot import module "
+                                   "'broken_rewards_pf' (ModuleNotFoundError: No module named 'no_such_package_anywhere')",
+        "mathh": "reward.name: unknown reward 'mathh' (did you mean 'math'?)",
+    }
+    for name, want in cases.items():
+        problem = preflight(load_config(CONFIG, [f"reward.name={name}"]), 2)
+        assert problem is not None and problem.startswith(want) and "\n" not in problem, (name, problem)
