@@ -49,6 +49,7 @@ class RewardRunner:
         self.failures = 0
         self.total = 0
         self.first_error: str | None = None
+        self._call_failures, self._call_first = 0, None  # this `score` call's
         self._accepts = _accepted_keywords(fn)
 
     @property
@@ -71,7 +72,12 @@ class RewardRunner:
             raise ValueError(f"score: {len(prompts)} prompts, {len(completions)} completions and "
                              f"{'no' if completion_ids is None else len(completion_ids)} id lists must match")
         ids = completion_ids if completion_ids is not None else [None] * len(completions)
+        self._call_failures, self._call_first = 0, None
         rewards = [self._score_one(p, c, i) for p, c, i in zip(prompts, completions, ids)]
+        if self._call_failures:  # one line per call (a step), not one per sample: 100+ lines a step otherwise
+            log.warning("reward %s failed on %d of %d samples, scored 0.0 (%d failures in %d samples so far); "
+                        "first: %s", self.name, self._call_failures, len(completions), self.failures, self.total,
+                        self._call_first)
         self._check_failure_rate()
         return rewards
 
@@ -89,13 +95,15 @@ class RewardRunner:
 
     def _record_failure(self, prompt: Prompt, completion: str, error: Exception) -> None:
         self.failures += 1
+        self._call_failures += 1
         what = f"{type(error).__name__}: {error}"
         sample = f"prompt {prompt.uid} {_clip(prompt.prompt_text)!r}, completion {_clip(completion)!r}"
+        if self._call_first is None:
+            self._call_first = f"{what} (on {sample})"
         if self.first_error is None:
-            self.first_error = f"{what} (on {sample})"
-        # The first traceback is what a user needs; later ones would flood the log.
-        log.warning("reward %s raised %s on %s; scored 0.0 (%d failures in %d samples)",
-                    self.name, what, sample, self.failures, self.total, exc_info=self.failures == 1)
+            self.first_error = self._call_first
+            # The run's first traceback is what a user needs; `score` logs the counts once per call.
+            log.warning("reward %s raised on its first failure of the run:", self.name, exc_info=error)
 
     def _check_failure_rate(self) -> None:
         if self.total < self.min_samples or self.failures <= self.max_failure_frac * self.total:

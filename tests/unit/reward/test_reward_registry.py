@@ -137,3 +137,28 @@ def test_runner_state_round_trip_and_length_check():
     assert (other.failures, other.total, other.first_error) == (1, 1, runner.first_error)
     with pytest.raises(ValueError, match="must match"):
         runner.score([make_prompt()], ["a", "b"])
+
+
+def test_a_step_of_failing_rewards_logs_one_line_with_counts_and_the_first_reason(caplog):
+    """48 samples, 30 failing (raise or return None): one summary line per step naming the counts and
+    the first reason, plus the run's first traceback once, not a line per sample."""
+    def sometimes(text, answer):
+        if text.startswith("raise"):
+            raise KeyError("no field")
+        return None if text.startswith("none") else 1.0
+
+    runner = RewardRunner(sometimes, max_failure_frac=1.0)
+    texts = ["raise"] * 10 + ["none"] * 20 + ["ok"] * 18
+    prompts = [make_prompt(f"u{i}") for i in range(len(texts))]
+    with caplog.at_level(logging.WARNING, logger="moe_rl.reward.runner"):
+        runner.score(prompts, texts)
+        first = [r.getMessage() for r in caplog.records]
+        traceback = caplog.records[0].exc_info
+        caplog.clear()
+        runner.score(prompts, texts)
+        second = [r.getMessage() for r in caplog.records]
+    assert len(first) == 2 and "first failure of the run" in first[0] and traceback[0] is KeyError
+    summary = first[1]
+    assert "failed on 30 of 48 samples" in summary and "(30 failures in 48 samples so far)" in summary
+    assert "first: KeyError: 'no field' (on prompt u0" in summary
+    assert len(second) == 1 and "failed on 30 of 48 samples" in second[0] and "60 failures in 96" in second[0]
