@@ -93,7 +93,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
     results = build_report(run_dir, out_dir)
     for r in results:
         if r.skipped:
-            log.info("report: %s skipped: %s", r.name, r.skipped)
+            log.debug("report: %s skipped: %s", r.name, r.skipped)  # index.md lists them
     return [r.path for r in results if r.path is not None]
 
 

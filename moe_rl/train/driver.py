@@ -186,7 +186,7 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
     handles Ctrl-C for it)."""
     from moe_rl.observe.logging import setup_logging
     from moe_rl.observe.progress import Progress
-    from moe_rl.observe.report import write_report
+    from moe_rl.observe.report import build_report
     from moe_rl.observe.sinks import make_sinks
 
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
@@ -209,7 +209,7 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
     ckpt = Checkpoints(recipe, out, cfg.train.keep_last, cfg.train.async_save)
     # drift.alarm: thresholds on each step's metrics, whatever the recipe; the collapse alarm on by default when async
     alarms = Alarms(cfg.drift.alarm, rank, asynchronous=staleness_bound(cfg.algo) >= 1)
-    code = 0
+    code, last = 0, {}
     try:
         for step in range(start_step, cfg.train.steps + 1):
             ckpt.poll()  # an asynchronous save whose writers are done is finished here
@@ -222,6 +222,7 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
                 metrics |= recipe.evaluate(step)
             metrics |= alarms.check(step, metrics)  # health/alarms; action=warn logs each metric's first crossing
             metrics["step"] = step
+            last = {k: v for k, v in last.items() if k.startswith("eval/")} | metrics  # the last eval stays
             sinks.log(step, metrics)
             progress.update(step, metrics)
             try:
@@ -252,10 +253,32 @@ def train_rank(cfg: RunConfig, run_dir: str, spawned: bool = False) -> int:
         recipe.close()
     if not code:
         recipe.finish(out)
-    if rank == 0 and cfg.log.report:  # a run stopped by an alarm gets its report too: it shows why
-        figures = write_report(out)
-        log.info("report: %s", ", ".join(str(f) for f in figures))
+    if rank == 0:  # a run stopped by an alarm gets its report too: it shows why
+        report = build_report(out) if cfg.log.report else None
+        for line in end_of_run(out, cfg, last, report):
+            log.info("%s", line)
     return code
+
+
+def end_of_run(out: Path, cfg: RunConfig, last: dict[str, Any], report: list[Any] | None) -> list[str]:
+    """What a run prints when it ends: its last step's key metrics, where the report is (the figures
+    it skipped are listed in its index, not here), and the weights as a HF checkpoint (or the command
+    that makes one)."""
+    from moe_rl.observe.progress import format_step_line
+
+    lines = [f"done: {format_step_line(int(last['step']), cfg.train.steps, last, None)}"] if last else []
+    if report is not None:
+        index = next(r.path for r in report if r.name == "index.md")
+        figures = [r for r in report if r.name.endswith(".png")]
+        skipped = sum(1 for r in figures if r.skipped)
+        lines.append(f"report: {index} ({len(figures) - skipped} figures"
+                     + (f"; {skipped} skipped for want of their metrics, listed there)" if skipped else ")"))
+    ckpt = latest_checkpoint(out)
+    if cfg.train.export_hf or cfg.train.mode == "dpo":
+        lines.append(f"weights: {out / 'hf'} (a HF checkpoint)")
+    elif ckpt is not None:
+        lines.append(f"weights as a HF checkpoint: moe-rl export --checkpoint {ckpt} --out {out / 'hf'}")
+    return lines
 
 
 def _save_and_give_up(recipe: Any, ckpt: Checkpoints, last: int, before: dict[str, Any], cfg: RunConfig, log: Any,

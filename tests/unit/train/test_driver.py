@@ -105,3 +105,37 @@ def test_stop_alarm_checkpoints_the_step_and_exits_4(tmp_path, monkeypatch, proc
     assert "drift/volatility = 0.3 is above drift.alarm.volatility = 0.25 at step 3, worst layer 03" in error
     assert "checkpoint of step 3 saved" in error and "exit 4" in error
     assert "the last checkpoint from before it is step_000002" in error
+
+
+def test_a_run_ends_with_three_short_lines_its_metrics_report_and_export(tmp_path):
+    """The last step's key metrics (the last eval kept), the report's index with how many figures
+    it skipped (not a line per figure), and the export command for the newest checkpoint."""
+    import json
+
+    from moe_rl.observe.report import build_report
+    from moe_rl.observe.sinks import JsonlSink
+    from moe_rl.train.driver import end_of_run
+
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for step in (1, 2, 3):
+        sink.log(step, {"reward/mean": 0.25 * step, "reward/success_rate": 0.25 * step, "perf/step_s": 1.5})
+    sink.close()
+    for step in (2, 3):
+        (tmp_path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step:06d}" / "meta.json").write_text(json.dumps({"step": step}))
+    cfg = load_config(str(DEMO), ["train.steps=3"])
+    report = build_report(tmp_path)
+    shown = [r for r in report if r.name.endswith(".png")]
+    skipped = sum(1 for r in shown if r.skipped)
+    assert 0 < skipped < len(shown)
+    last = {"step": 3, "reward/mean": 0.75, "reward/success_rate": 0.75, "eval/success_rate": 0.5}
+    lines = end_of_run(tmp_path, cfg, last, report)
+    assert lines == [
+        "done: step 3/3 | reward 0.750 | success 75.0% | eval 50.0%",
+        f"report: {tmp_path / 'report' / 'index.md'} ({len(shown) - skipped} figures; {skipped} skipped for want "
+        "of their metrics, listed there)",
+        f"weights as a HF checkpoint: moe-rl export --checkpoint {tmp_path / 'checkpoints' / 'step_000003'} "
+        f"--out {tmp_path / 'hf'}",
+    ]
+    exported = load_config(str(DEMO), ["train.steps=3", "train.export_hf=true"])
+    assert end_of_run(tmp_path, exported, last, None)[1:] == [f"weights: {tmp_path / 'hf'} (a HF checkpoint)"]
