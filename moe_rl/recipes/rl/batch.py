@@ -220,6 +220,7 @@ def score(run: Any, samples: Samples) -> dict[str, float]:
     rewards = samples.rewards = task_rewards(run, samples)
     lengths = torch.tensor(samples.lengths()) - samples.prompt_lens
     out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+           "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),  # the report's band stays inside
            "reward/success_rate": float((rewards >= 1.0).float().mean()),
            "reward/failures": float(run.rewards.failures),
            "rollout/response_len": float(lengths.float().mean()),

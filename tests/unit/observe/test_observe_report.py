@@ -183,3 +183,22 @@ def test_drift_by_turn_is_token_weighted_over_the_run_and_drawn(tmp_path):
         sink.log(r["step"], {k: v for k, v in r.items() if k != "step"})
     sink.close()
     assert "turns.png" in {p.name for p in write_report(tmp_path)}
+
+
+def test_the_reward_band_of_a_0_1_reward_stays_inside_0_and_1():
+    """mean ± std of a 0/1 reward runs past 0 and 1 (mean 0.1, std 0.3); drawn within the step's min
+    and max, the band ends at them."""
+    import numpy as np
+
+    from moe_rl.observe.report_train import reward_figure
+
+    records = [{"step": s, "reward/mean": p, "reward/std": math.sqrt(p * (1 - p)), "reward/min": 0.0,
+                "reward/max": 1.0} for s, p in ((1, 0.1), (2, 0.5), (3, 0.9))]
+    fig = reward_figure(Metrics(records))
+    (band,) = fig.axes[0].collections
+    ys = np.concatenate([p.vertices[:, 1] for p in band.get_paths()])
+    assert ys.min() == pytest.approx(0.0) and ys.max() == pytest.approx(1.0)
+    without = reward_figure(Metrics([{k: v for k, v in r.items() if k not in ("reward/min", "reward/max")}
+                                     for r in records]))  # older runs: the band as it was
+    ys = np.concatenate([p.vertices[:, 1] for p in without.axes[0].collections[0].get_paths()])
+    assert ys.min() < -0.1 and ys.max() > 1.1
