@@ -202,3 +202,16 @@ def test_the_reward_band_of_a_0_1_reward_stays_inside_0_and_1():
                                      for r in records]))  # older runs: the band as it was
     ys = np.concatenate([p.vertices[:, 1] for p in without.axes[0].collections[0].get_paths()])
     assert ys.min() < -0.1 and ys.max() > 1.1
+
+
+@pytest.mark.parametrize("measured", [4, 40])
+def test_heatmap_ticks_sit_on_the_steps_drift_was_measured_at(measured):
+    from moe_rl.observe.report_drift import heatmap_figure
+
+    records = [{"step": s, "drift/volatility/layer_01": 0.1, "drift/volatility/layer_02": 0.2}
+               for s in range(5, 5 * measured + 1, 5)]
+    fig = heatmap_figure("drift/volatility", "t", "share", "zero")(Metrics(records))
+    ticks = list(fig.axes[0].get_xticks())
+    assert set(ticks) <= set(range(5, 5 * measured + 1, 5)) and 2 <= len(ticks) <= 10, ticks
+    if measured == 4:
+        assert ticks == [5, 10, 15, 20]
