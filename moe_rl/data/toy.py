@@ -58,13 +58,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 from moe_rl.data.sampler import seeded_shuffle
 
 __all__ = [
     "TOY_TOKENS", "ToyExample", "ToyTask", "ToyTokenizer", "chance_level", "get_toy_task",
-    "make_toy_examples", "register_toy_task", "toy_task_names",
+    "make_toy_examples", "register_toy_task", "save_toy_tokenizer", "toy_task_names",
 ]
 
 # The vocabulary, in id order. Special tokens first so PAD=0, BOS=1, EOS=2.
@@ -239,3 +240,22 @@ def chance_level(name: str, max_new_tokens: int, vocab_size: int | None = None) 
 
     return sum(p_match(len(ex.answer)) for ex in examples) / len(examples)
 
+
+
+def save_toy_tokenizer(model_dir: str | Path) -> Path:
+    """Write `ToyTokenizer` as a real HF tokenizer (tokenizer.json and its config) into `model_dir`, so a
+    fresh tiny model's directory, and its export, load with `AutoTokenizer` and encode text exactly as
+    the toy tokenizer does: one id per symbol, whitespace dropped, `<bos>` first with special tokens.
+    Built with the `tokenizers` library (a BPE model without merges: every symbol is a token)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TOY_TOKENS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in TOY_TOKENS[:3]])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    fast.save_pretrained(str(model_dir))
+    return Path(model_dir)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moe_rl.algo.config import staleness_bound
 from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
-from moe_rl.data.toy import ToyTokenizer
+from moe_rl.data.toy import ToyTokenizer, save_toy_tokenizer
 from moe_rl.dist.collectives import barrier, broadcast_object, init_control_group
 from moe_rl.dist.ports import free_port
 from moe_rl.rollout.config import pause_mode, pushes_in_place
@@ -162,6 +162,8 @@ def initial_model(cfg: RunConfig, out: Path, rank: int, dataset: Any) -> Path:
             if getattr(tok, attr, None) is not None:
                 setattr(tiny, attr, int(getattr(tok, attr)))
         make_tiny(family, path.with_suffix(".tmp"), seed=cfg.model.seed, config=tiny, init_std=init_std)
+        if isinstance(tok, ToyTokenizer):  # the model's text is the toy alphabet: its exports load with AutoTokenizer
+            save_toy_tokenizer(path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)
     if dist.is_initialized():
         barrier()

@@ -99,3 +99,38 @@ def test_chance_levels():
     assert chance_level("add-hard", 3) == pytest.approx(0.55 / 256 + 0.45 / 16**3)
     assert chance_level("last-parity", 1) == pytest.approx(1 / 16)
     assert chance_level("last-parity", 2) == pytest.approx(1 / 256)
+
+
+def test_the_toy_tokenizer_saved_for_hf_encodes_and_decodes_as_the_toy_one(tmp_path):
+    import random
+
+    from transformers import AutoTokenizer
+
+    from moe_rl.data.toy import TOY_TOKENS, ToyTokenizer, save_toy_tokenizer
+
+    hf, toy = AutoTokenizer.from_pretrained(str(save_toy_tokenizer(tmp_path))), ToyTokenizer()
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (0, 1, 2)
+    rng = random.Random(0)
+    pieces = list(TOY_TOKENS) + [" ", "  ", "\n"]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        assert hf.encode(text, add_special_tokens=False) == toy.encode(text), text
+        assert hf.encode(text) == toy.encode(text, add_special_tokens=True), text
+        ids = toy.encode(text)
+        assert hf.decode(ids) == toy.decode(ids), text
+
+
+def test_a_fresh_tiny_model_of_the_toy_alphabet_is_written_with_its_tokenizer(tmp_path):
+    """A run's init_model (and so its export, which copies the tokenizer files) loads with
+    AutoTokenizer, and as model.hf_path its text rows encode as the toy tokenizer encodes them."""
+    from types import SimpleNamespace
+
+    from moe_rl.config import load_config
+    from moe_rl.data.toy import ToyTokenizer
+    from moe_rl.recipes.build import initial_model, run_tokenizer
+
+    cfg = load_config("launch/configs/tiny_cpu.yaml")
+    path = initial_model(cfg, tmp_path, 0, SimpleNamespace(tokenizer=ToyTokenizer()))
+    again = run_tokenizer(load_config("launch/configs/tiny_cpu.yaml", [f"model.hf_path={path}"]))
+    assert type(again).__name__ != "ToyTokenizer" and again.encode("12+3=", add_special_tokens=False) == \
+        ToyTokenizer().encode("12+3=")
