@@ -115,8 +115,13 @@ def decorate(ax: Axes, ylabel: str, title: str) -> None:
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if len(ax.get_legend_handles_labels()[0]) > 1:  # one curve is named by the title
-        # Outside the axes, on the right: a legend inside would hide curves.
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        spec = ax.get_subplotspec()
+        if spec is not None and spec.get_gridspec().ncols > 1:
+            # Side by side, a legend outside one panel would push the next away (a wide gap): inside,
+            # where the curves leave room, half transparent.
+            ax.legend(fontsize=8, loc="best", framealpha=0.7)
+        else:  # one column: outside the axes, on the right, where it hides no curve
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def spans_decades(ax: Axes) -> bool:

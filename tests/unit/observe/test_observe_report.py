@@ -215,3 +215,36 @@ def test_heatmap_ticks_sit_on_the_steps_drift_was_measured_at(measured):
     assert set(ticks) <= set(range(5, 5 * measured + 1, 5)) and 2 <= len(ticks) <= 10, ticks
     if measured == 4:
         assert ticks == [5, 10, 15, 20]
+
+
+def test_side_by_side_panels_keep_their_legends_inside_and_their_labels_on_the_figure():
+    """staleness.png and turns.png: two panels side by side; a legend outside the left one pushed the
+    right one away (a wide gap) and clipped the x-labels. Each legend is inside its axes, every
+    x-label inside the figure, and the gap between the panels under a tenth of the width."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from moe_rl.observe.report_drift import staleness_figure, turns_figure
+
+    stale = [{"step": s, f"drift/rollout_mismatch_by_staleness/{k}": 0.1 * k, f"drift/logp_by_staleness/{k}/abs_diff": 0.01,
+              f"drift/rollout_mismatch_by_staleness/{k}/num_tokens": 10, f"drift/volatility_by_staleness/{k}": 0.05 * k}
+             for s in (1, 2) for k in (0, 1, 2)]
+    turns = [{"step": 1}]
+    for t in (0, 1):
+        turns[0] |= {f"drift/volatility_by_turn/{t}": 0.1, f"drift/volatility_by_turn/{t}/num_tokens": 10,
+                     f"drift/rollout_mismatch_by_turn/{t}": 0.0, f"drift/rollout_mismatch_by_turn/{t}/num_tokens": 10,
+                     f"drift/logp_by_turn/{t}/abs_diff": 1e-7}
+    for fig in (staleness_figure(Metrics([{k: v for r in stale if r["step"] == s for k, v in r.items()}
+                                          for s in (1, 2)])), turns_figure(Metrics(turns))):
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        renderer, whole = canvas.get_renderer(), fig.bbox
+        left, right = fig.axes[0], fig.axes[1]
+        legend = left.get_legend()
+        assert legend is not None
+        inside = legend.get_window_extent(renderer)
+        box = left.get_window_extent(renderer)
+        assert box.x0 <= inside.x0 and inside.x1 <= box.x1 + 1, (inside, box)
+        for ax in fig.axes:
+            label = ax.xaxis.label.get_window_extent(renderer)
+            assert whole.x0 <= label.x0 and label.x1 <= whole.x1 and label.y0 >= whole.y0, ax.get_xlabel()
+        assert right.get_window_extent(renderer).x0 - box.x1 < 0.1 * whole.width
