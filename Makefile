@@ -28,6 +28,7 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/moe-rl train --config launch/configs/tiny_cpu.yaml
+	@echo "moe-rl and its python are in .venv: source .venv/bin/activate to run the commands above"
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench/run_all.py
