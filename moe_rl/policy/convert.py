@@ -17,6 +17,7 @@ transformer-engine parameter names to HF Qwen3-MoE for arbitrary layouts
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -563,15 +564,9 @@ def export_hf(chunks: list[Any], out_dir: str | Path, arch: MoEArch, hf_config: 
 
 
 def _file_mode() -> int:
-    """The mode `open()` gives a new file here: 0o666 less the process's umask (read, not set: setting
-    it to read it would race other threads' file creation)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except OSError:
-        pass
+    """0o666 less the umask, the mode open() gives (read from /proc: setting it to read it races threads)."""
+    with contextlib.suppress(OSError), open("/proc/self/status", encoding="ascii") as f:
+        return next((0o666 & ~int(line.split()[1], 8) for line in f if line.startswith("Umask:")), 0o644)
     return 0o644
 
 
