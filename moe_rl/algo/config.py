@@ -135,6 +135,17 @@ class AlgoConfig:
     pipeline.py); 0 = each step generates, then trains, on-policy. Pair K >= 1 with a rollout
     correction (algo.tis_cap; algo.stale_tis_cap, 2, when unset) and, to let the servers generate through weight pushes,
     rollout.inflight_update=in_place."""
+    auto_staleness: bool = False
+    """Asynchronous RL (algo.max_staleness = K >= 1, the largest K allowed): the run lowers K by one
+    each time the updates moved the policy too far for stale samples, loss/approx_kl (the step's
+    within-update KL) above algo.auto_staleness_kl on algo.auto_staleness_steps steps in a row, down
+    to 0 (on-policy); logged, and rollout/staleness_bound each step. It never raises K again."""
+    auto_staleness_kl: float = ranged(0.15, gt=0.0)
+    """The within-step KL (loss/approx_kl) past which algo.auto_staleness lowers K. 0.15: on the
+    last-parity task the runs that collapsed at K=2 had its p90 at 0.15-0.63, those that learned at K=0
+    0.02-0.10 (tools/bench/async_rl.py --learn)."""
+    auto_staleness_steps: int = ranged(2, ge=1)
+    """Steps in a row above algo.auto_staleness_kl before algo.auto_staleness lowers K."""
     behaviour: str = choice("recompute", BEHAVIOURS)
     """pi_old, the policy the objective's ratio is taken and clipped against. recompute: the trainer's
     log-probs of the step's samples under its weights before the step's updates, the proximal policy of
@@ -271,6 +282,9 @@ def check_algo(cfg: Any) -> Iterator[str]:
         yield ("algo.behaviour: 'engine' takes pi_old from the engine's log-probs, so there is no engine/trainer "
                "ratio to correct; unset algo.tis_cap and algo.rollout_correction.mode, or use "
                "algo.behaviour=recompute (decoupled PPO: clip against the trainer, weigh the engine's samples)")
+    if a.auto_staleness and staleness_bound(a) == 0:
+        yield ("algo.auto_staleness: lowers K from algo.max_staleness, which is 0 (on-policy); set "
+               "algo.max_staleness to the largest K to allow (e.g. 2)")
     samples = cfg.data.prompts_per_step * cfg.rollout.n_samples
     if samples % a.num_minibatches:
         yield (f"algo.num_minibatches: {a.num_minibatches} must divide the step's samples, "

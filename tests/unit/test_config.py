@@ -545,3 +545,10 @@ def test_named_run_dir_is_read_from_the_layers_of_a_config_that_does_not_load(tm
     broken = tmp_path / "broken.yaml"
     broken.write_text("log: [unclosed\n")
     assert named_run_dir(broken, ["log.run_dir=r"]) == "r"
+
+
+def test_auto_staleness_needs_a_largest_k():
+    cfg = "launch/configs/tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"algo.auto_staleness: lowers K from algo.max_staleness, which is 0"):
+        load_config(cfg, ["algo.auto_staleness=true"])
+    assert load_config(cfg, ["algo.auto_staleness=true", "algo.max_staleness=2"]).algo.auto_staleness

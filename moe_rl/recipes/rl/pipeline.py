@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
+import math
 import operator
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,13 +39,34 @@ class _Ask:
     sampler_before: dict[str, Any]  # the data order before its prompts were drawn
 
 
-class RolloutPipeline:
-    """Rank 0's batches in flight, oldest first (`depth` = K of them between steps)."""
+@dataclass
+class StalenessGovernor:
+    """`algo.auto_staleness`: lower K by one after `steps` steps in a row whose within-step KL
+    (loss/approx_kl) exceeded `kl`; the run then trains on fresher samples, down to on-policy."""
 
-    def __init__(self, depth: int) -> None:
+    kl: float
+    steps: int
+    over: int = 0
+
+    def lower(self, metrics: dict[str, Any]) -> bool:
+        value = metrics.get("loss/approx_kl")
+        hot = isinstance(value, (int, float)) and math.isfinite(value) and value > self.kl
+        self.over = self.over + 1 if hot else 0
+        if self.over < self.steps:
+            return False
+        self.over = 0
+        return True
+
+
+class RolloutPipeline:
+    """Rank 0's batches in flight, oldest first (`depth` = K of them between steps; `bound`, the
+    configured K, stays the staleness allowed when a governor lowers `depth`)."""
+
+    def __init__(self, depth: int, governor: StalenessGovernor | None = None) -> None:
         if depth < 1:
             raise ValueError(f"a rollout pipeline needs algo.max_staleness >= 1, got {depth}")
-        self.depth = depth
+        self.depth = self.bound = depth
+        self.governor = governor
         self.asked: deque[_Ask] = deque()
         self.current: _Ask | None = None  # the batch of the step in progress (until the next take)
         self._pool = ThreadPoolExecutor(max_workers=depth + 1, thread_name_prefix="rollout-pipeline")
@@ -61,7 +86,18 @@ class RolloutPipeline:
             self._ask(run, step + len(self.asked) + 1, request, next_prompts)
         samples = samples_of(run, head.prompts, head.future.result())
         samples, dropped = self._fresh(run, samples, head, request, samples_of)
-        return samples, run.weight_version - head.version, {"rollout/dropped_stale_groups": float(dropped)}
+        return samples, run.weight_version - head.version, {"rollout/dropped_stale_groups": float(dropped),
+                                                            "rollout/staleness_bound": float(self.depth)}
+
+    def observe(self, step: int, metrics: dict[str, Any]) -> None:
+        """After step `step`'s updates: the governor's verdict on its metrics (lower K by one: the
+        next steps ask for one batch fewer ahead, so the samples trained get fresher)."""
+        if self.governor is None or self.depth == 0 or not self.governor.lower(metrics):
+            return
+        self.depth -= 1
+        log.warning("algo.auto_staleness: K %d -> %d after step %d (loss/approx_kl above %g on %d steps in a "
+                    "row: the updates move the policy too far for samples that stale)", self.depth + 1,
+                    self.depth, step, self.governor.kl, self.governor.steps)
 
     def _ask(self, run: Any, step: int, request: Any, next_prompts: Any) -> None:
         before = copy.deepcopy(run.sampler.state_dict())
@@ -75,7 +111,7 @@ class RolloutPipeline:
             return samples, 0
         g = run.cfg.rollout.n_samples
         stale = [i for i in range(len(head.prompts))
-                 if any(v.numel() and run.weight_version - int(v.min()) > self.depth
+                 if any(v.numel() and run.weight_version - int(v.min()) > self.bound
                         for v in samples.versions[i * g:(i + 1) * g])]
         if not stale:
             return samples, 0
@@ -107,6 +143,12 @@ class RolloutPipeline:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def observe_staleness(run: Any, step: int, metrics: dict[str, Any]) -> None:
+    """Rank 0, asynchronous runs: hand the step's metrics to the pipeline's governor."""
+    if run.pipeline is not None:
+        run.pipeline.observe(step, metrics)
 
 
 def check_staleness(metrics: dict[str, float], bound: int) -> None:

@@ -29,6 +29,7 @@ from moe_rl.policy.policy import Policy
 from moe_rl.recipes.common import Stopwatch, combine_loss_metrics, mean_metrics, probe_routes, probe_volatility
 from moe_rl.recipes.rl.batch import Samples, Share, response_mask, rollout_batch, wait_for_prefetch
 from moe_rl.recipes.rl.critic import critic_step
+from moe_rl.recipes.rl.pipeline import observe_staleness
 from moe_rl.recipes.rl.replay_health import engine_route_cover, free_pass_due, replay_routes, route_health
 from moe_rl.rollout.config import pause_mode
 from moe_rl.reward.runner import RewardRunner
@@ -70,6 +71,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         if metrics["critic/warmup"]:                              # value pretraining: the policy waits
             return metrics | clock.metrics()
     metrics |= minibatch_updates(run, share, old)                 # loss -> backward -> optimizer step
+    observe_staleness(run, step, metrics)                         # algo.auto_staleness: K lowered if they moved too far
     clock.lap("updates")
     run.weight_version += 1
     metrics |= sync_weights(run)                                  # rollout/weight_sync/

@@ -105,3 +105,31 @@ def test_a_token_beyond_the_bound_is_an_error():
     check_staleness({"rollout/staleness_max": 2.0}, 2)
     with pytest.raises(RuntimeError, match="3 weight versions old, beyond algo.max_staleness=2"):
         check_staleness({"rollout/staleness_max": 3.0}, 2)
+
+
+def test_the_governor_lowers_k_after_steps_of_high_kl_and_the_prompts_keep_the_synchronous_order():
+    """algo.auto_staleness: two steps in a row with loss/approx_kl above the bar lower K by one; a calm
+    step resets the count. Lowered from 2 to 0, the run asks nothing ahead (on-policy: lag 0), and
+    no prompt is skipped or trained twice on the way."""
+    from moe_rl.recipes.rl.pipeline import StalenessGovernor
+
+    sync = PromptSampler(40, 4, seed=0)
+    want = [sync.next_batch() for _ in range(9)]
+    run, pipe = _run(), RolloutPipeline(2, StalenessGovernor(kl=0.15, steps=2))
+    kl = {1: 0.01, 2: 0.3, 3: 0.01, 4: 0.3, 5: 0.4, 6: 0.2, 7: 0.5, 8: 0.9, 9: 0.9}
+    got, bounds = [], []
+    for step in range(1, 10):
+        samples, lag, metrics = pipe.take(run, step, _request, _samples_of, _next_prompts)
+        pipe.drain()
+        got.append((samples.prompts[::G], lag))
+        bounds.append(metrics["rollout/staleness_bound"])
+        pipe.observe(step, {"loss/approx_kl": kl[step]})
+        run.weight_version += 1
+        run.server_version = run.weight_version
+    assert [p for p, _ in got] == want
+    assert bounds == [2, 2, 2, 2, 2, 1, 1, 0, 0]  # lowered after steps 5 and 7 (two hot steps each)
+    # a batch keeps the K it was asked for with: step 7's at step 5 (K 2), step 8's at step 7 (K 1);
+    # from step 9 each step generates its own (on-policy)
+    assert [lag for _, lag in got][-3:] == [2, 1, 0]
+    assert max(lag for _, lag in got) <= 2
+    pipe.close()
