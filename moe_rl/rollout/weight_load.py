@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.rollout.flat import joined
 from moe_rl.rollout.fused_weights import partner, split_pairs
 
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -103,21 +104,9 @@ def _not_finite(items: list[tuple[str, torch.Tensor]]) -> set[str]:
             by_dtype.setdefault(value.dtype, []).append((name, value))
     bad: set[str] = set()
     for group in by_dtype.values():
-        if not _all_finite(_joined([v for _, v in group])):
+        if not _all_finite(joined([v for _, v in group])):
             bad |= {n for n, v in group if not _all_finite(v)}
     return bad
-
-
-def _joined(values: list[torch.Tensor]) -> torch.Tensor:
-    """The elements of `values` (one dtype) as one flat tensor: a view when they lie back to back in one
-    storage, as a received bucket's tensors do (`unflatten_bucket`), else a copy (`torch.cat`)."""
-    first, at = values[0], values[0].storage_offset()
-    storage = first.untyped_storage()
-    for v in values:
-        if not v.is_contiguous() or v.storage_offset() != at or v.untyped_storage().data_ptr() != storage.data_ptr():
-            return torch.cat([v.reshape(-1) for v in values])
-        at += v.numel()
-    return first.new_empty(0).set_(storage, first.storage_offset(), (at - first.storage_offset(),))
 
 
 # An IEEE float is NaN or inf exactly when its exponent bits are all ones: tested on the integer view,

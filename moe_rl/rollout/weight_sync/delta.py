@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from moe_rl.rollout.flat import back_to_back
 from moe_rl.rollout.weight_sync.buckets import TensorMeta
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -114,17 +115,55 @@ class DeltaBase:
     def encode(self, name: str, new: torch.Tensor, sparse: bool) -> tuple[torch.Tensor, int] | None:
         """`encode` against this base (whole when the base is not valid), recording `new` as pushed:
         a push that fails invalidates the whole base, so recording before the servers took it is safe."""
-        prev = self.values.get(name) if self.valid else None
-        out, self.last_changed = _encode(prev, new, sparse)
-        if out is None:
-            return None
-        if prev is None or prev.shape != new.shape or prev.dtype != new.dtype:
-            self.values[name] = new.detach().clone()
-        elif out[1] >= 0 and prev.is_contiguous():  # an element delta: only those elements move
-            at = out[0][:4 * out[1]].view(torch.int32).to(torch.int64)
-            _bits(prev).index_copy_(0, at, _bits(new)[at])  # bits, as compared (a view: writes into prev)
-        else:
-            prev.copy_(new)
+        (out, self.last_changed), = self.encode_many([(name, new, sparse)])
+        return out
+
+    def encode_many(self, items: Sequence[tuple[str, torch.Tensor, bool]]
+                    ) -> list[tuple[tuple[torch.Tensor, int] | None, int]]:
+        """`encode` of each `(name, new, sparse)`, and its changed elements, in a few passes over all of
+        them: per tensor, a compare, a count and a nonzero cost ~0.1 ms each in dispatch alone, which a
+        push of thousands of expert tensors per rank pays on every step. The new values become the base
+        as one flat buffer (each name a view into it), so the next push compares against it in place."""
+        out: list[tuple[tuple[torch.Tensor, int] | None, int]] = [(None, 0)] * len(items)
+        by_width: dict[int, list[int]] = {}
+        for i, (_, t, _) in enumerate(items):
+            by_width.setdefault(t.element_size(), []).append(i)
+        for at in by_width.values():
+            news = [items[i][1].detach() for i in at]
+            prevs = [self.values.get(items[i][0]) if self.valid else None for i in at]
+            same = [p is not None and p.shape == t.shape and p.dtype == t.dtype for p, t in zip(prevs, news)]
+            flat = torch.cat([_bits(t) for t in news])  # the new base, and the side compared
+            sizes = [t.numel() for t in news]
+            starts = torch.tensor([0, *sizes], device=flat.device).cumsum(0)
+            counts, places, local = [0] * len(at), None, None
+            if any(same):
+                base = back_to_back([_bits(p) for p in prevs]) if all(same) else None
+                if base is None:  # a tensor without a base compares with itself: no change found there
+                    base = torch.cat([_bits(p) if ok else _bits(t) for p, t, ok in zip(prevs, news, same)])
+                places = (base != flat).nonzero().reshape(-1)
+                owner = torch.searchsorted(starts[1:], places, right=True)
+                counts = torch.bincount(owner, minlength=len(at)).tolist()
+                local = (places - starts[owner]).to(torch.int32)
+            ends = [0]
+            for c in counts:
+                ends.append(ends[-1] + c)
+            for j, i in enumerate(at):
+                name, new, sparse = items[i]
+                if not same[j]:
+                    out[i] = ((new, -1), new.numel())
+                elif counts[j] == 0:
+                    out[i] = (None, 0)
+                elif not sparse or sparse_nbytes(counts[j], new.element_size()) >= new.numel() * new.element_size():
+                    out[i] = ((new, -1), counts[j])
+                else:
+                    lo, hi = ends[j], ends[j + 1]
+                    payload = torch.cat([local[lo:hi].view(torch.uint8), flat[places[lo:hi]].view(torch.uint8)])
+                    out[i] = ((payload, counts[j]), counts[j])
+            offset = 0
+            for j, i in enumerate(at):
+                t = news[j]
+                self.values[items[i][0]] = flat[offset:offset + sizes[j]].view(t.dtype).view(t.shape)
+                offset += sizes[j]
         return out
 
     def nbytes(self) -> int:

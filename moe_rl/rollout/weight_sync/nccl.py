@@ -365,35 +365,49 @@ class NcclSync:
                     self._sums[name] = self._checksum(t)
                 yield name, t
 
-        def changed(unit: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-            # A fused pair (fused_weights.py) goes whole and together when either half changed.
-            outs = [self.delta.encode(n, t, sparse and len(unit) == 1) for n, t in unit]
-            st.changed_elements += self.delta.last_changed
-            st.elements += sum(t.numel() for _, t in unit)
-            if all(o is None for o in outs):
-                return
-            for (name, t), out in zip(unit, outs):
-                payload, nnz = out if len(unit) == 1 else (t, -1)
-                if self.verify and not full:
-                    self._sums[name] = self._checksum(t)
-                kept[name] = (TensorMeta.of(name, t), nnz)
-                yield name, (payload.contiguous().reshape(-1).view(torch.uint8) if sparse else payload)
+        def changed(units: list[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+            # Compared a bucket's worth at a time (DeltaBase.encode_many). A fused pair (fused_weights.py)
+            # goes whole and together when either half changed.
+            outs = iter(self.delta.encode_many([(n, t, sparse and len(u) == 1) for u in units for n, t in u]))
+            for unit in units:
+                got = [next(outs) for _ in unit]
+                st.changed_elements += sum(c for _, c in got)
+                st.elements += sum(t.numel() for _, t in unit)
+                if all(o is None for o, _ in got):
+                    continue
+                for (name, t), (out, _) in zip(unit, got):
+                    payload, nnz = out if len(unit) == 1 else (t, -1)
+                    if self.verify and not full:
+                        self._sums[name] = self._checksum(t)
+                    kept[name] = (TensorMeta.of(name, t), nnz)
+                    yield name, (payload.contiguous().reshape(-1).view(torch.uint8) if sparse else payload)
+
+        def units() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            held: dict[str, tuple[str, torch.Tensor]] = {}
+            for name, t in converted():
+                key = fused_key(name)
+                if key is None:
+                    yield [(name, t)]
+                elif key in held:
+                    yield [held.pop(key), (name, t)]
+                else:
+                    held[key] = (name, t)
+            for item in held.values():
+                yield [item]
 
         def wire() -> Iterator[tuple[str, torch.Tensor]]:
             if self.delta is None:
                 yield from converted()
                 return
-            held: dict[str, tuple[str, torch.Tensor]] = {}
-            for name, t in converted():
-                key = fused_key(name)
-                if key is None:
-                    yield from changed([(name, t)])
-                elif key in held:
-                    yield from changed([held.pop(key), (name, t)])
-                else:
-                    held[key] = (name, t)
-            for item in held.values():
-                yield from changed([item])
+            group, size = [], 0  # at most a bucket of converted tensors held for one comparison
+            for unit in units():
+                group.append(unit)
+                size += sum(t.numel() * t.element_size() for _, t in unit)
+                if size >= self.bucket_bytes:
+                    yield from changed(group)
+                    group, size = [], 0
+            if group:
+                yield from changed(group)
 
         for bucket in local_buckets(wire(), self.bucket_bytes, rank(self.group)):
             if sparse:  # the metas describe the full tensors; the payloads are raw bytes

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from moe_rl.rollout.local_engine import LocalEngine
-from moe_rl.rollout.weight_load import _joined, apply_sparse
+from moe_rl.rollout.flat import joined
+from moe_rl.rollout.weight_load import apply_sparse
 from moe_rl.rollout.weight_sync import TensorMeta, flatten_bucket, unflatten_bucket
 
 EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"
@@ -34,15 +35,15 @@ def _received(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]
 def test_a_received_buckets_tensors_are_checked_without_a_copy_and_others_by_one():
     tensors = {f"w{i}": torch.randn(3, i + 1) for i in range(4)}
     got = [t for _, t in _received(tensors)]
-    whole = _joined(got)
+    whole = joined(got)
     assert whole.data_ptr() == got[0].data_ptr() and whole.numel() == sum(t.numel() for t in got)  # a view
     assert torch.equal(whole, torch.cat([t.reshape(-1) for t in tensors.values()]))
     shuffled = [got[2], got[0], got[3]]  # not back to back: copied, in the order given
-    copy = _joined(shuffled)
+    copy = joined(shuffled)
     assert copy.data_ptr() != got[0].data_ptr()
     assert torch.equal(copy, torch.cat([t.reshape(-1) for t in shuffled]))
     strided = [got[0], got[1].t()]  # not contiguous: copied
-    assert torch.equal(_joined(strided), torch.cat([t.reshape(-1) for t in strided]))
+    assert torch.equal(joined(strided), torch.cat([t.reshape(-1) for t in strided]))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
