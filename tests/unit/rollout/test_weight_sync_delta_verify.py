@@ -132,3 +132,42 @@ def test_after_many_element_deltas_the_base_holds_the_last_pushed_bits():
         payload, nnz = base.encode("w", t, sparse=True)
         assert (nnz >= 0) == (n == 3), (step, nnz)
         assert torch.equal(base.values["w"].view(torch.int16), t.view(torch.int16)), step
+
+
+def test_encoding_many_tensors_at_once_equals_encoding_each_against_its_base():
+    """`DeltaBase.encode_many` (one pass over a bucket's worth) gives each tensor exactly what
+    `encode(prev, new)` of that tensor alone gives: skipped, whole, or its changed elements; over
+    mixed widths, a tensor new to the base, one whose shape changed, and a second push compared
+    against the flat base the first one left."""
+    from moe_rl.rollout.weight_sync.delta import encode
+
+    g = torch.Generator().manual_seed(1)
+    shapes = {"a": (5, 7), "b": (64,), "c": (3, 4, 5), "d": (9,), "e": (2, 50)}
+    dtypes = {"a": torch.bfloat16, "b": torch.float32, "c": torch.bfloat16, "d": torch.float32, "e": torch.bfloat16}
+    base = DeltaBase()
+    old = {n: torch.randn(s, generator=g).to(dtypes[n]) for n, s in shapes.items()}
+    base.encode_many([(n, t, True) for n, t in old.items()])
+    base.valid = True
+    for push in range(2):
+        new = {n: t.clone() for n, t in old.items()}
+        new["a"].view(-1)[[0, 9]] += 1          # a few elements: sparse
+        new["b"] += 1                           # all of them: whole
+        # "c" unchanged: skipped
+        new["d"] = torch.randn(10, generator=g)  # its shape changed: whole
+        new["e"].view(-1)[3] = float("nan")     # one element, NaN bits
+        new["f"] = torch.randn(4, generator=g).to(torch.bfloat16)  # new to the base: whole
+        items = [(n, t, n != "b" or push == 0) for n, t in new.items()]
+        got = base.encode_many(items)
+        for (n, t, sparse), (out, changed) in zip(items, got):
+            want = encode(old.get(n), t, sparse)
+            assert (out is None) == (want is None), (push, n)
+            if out is not None:
+                assert out[1] == want[1] and torch.equal(out[0].view(torch.uint8), want[0].view(torch.uint8)), (push, n)
+            prev = old.get(n)
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+            differ = (t.numel() if prev is None or prev.shape != t.shape or prev.dtype != t.dtype
+                      else int((prev.reshape(-1).view(bits) != t.reshape(-1).view(bits)).sum()))
+            assert changed == differ, (push, n)
+        for n, t in new.items():
+            assert torch.equal(base.values[n].view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (push, n)
+        old = new
