@@ -107,6 +107,37 @@ def test_stop_alarm_checkpoints_the_step_and_exits_4(tmp_path, monkeypatch, proc
     assert "the last checkpoint from before it is step_000002" in error
 
 
+class _CollapsingRecipe(_DriftingRecipe):
+    """An asynchronous run's steps that learn for 3 steps, then collapse onto one answer: the entropy
+    falls under the floor, every group is uniform, no gradient, success at the one-answer plateau."""
+
+    def step(self, step):
+        if step <= 3:
+            return {"reward/success_rate": 0.1 * step, "perf/grad_norm": 1.0, "rollout/entropy": 0.9}
+        return {"reward/success_rate": 0.5, "perf/grad_norm": 0.0, "rollout/entropy": 0.01}
+
+
+def test_the_collapse_alarm_of_an_asynchronous_run_stops_it_at_a_checkpoint(tmp_path, monkeypatch, process_state):
+    """drift.alarm.collapse_steps is on by default with algo.max_staleness >= 1: with action=stop, the
+    step whose window holds enough stalled steps is checkpointed and the run exits 4 naming the collapse."""
+    import json
+
+    from moe_rl.drift.alarm import EXIT_DRIFT_ALARM
+    from moe_rl.train import driver
+
+    cfg = load_config(str(DEMO), ["algo.max_staleness=2", "drift.alarm.collapse_steps=4", "drift.alarm.action=stop",
+                                  "train.steps=12", "train.save_every=0", "log.tensorboard=false", "log.progress=false",
+                                  "log.report=false", f"log.run_dir={tmp_path}"])
+    monkeypatch.setattr(driver, "build_recipe", lambda *_: _CollapsingRecipe(cfg))
+    assert driver.train_rank(cfg, str(tmp_path)) == EXIT_DRIFT_ALARM
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # window of 4 with 2 stalled (steps 4, 5) and mean success below 0.8: it fires at step 5
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["health/stalled_steps"] == 2
+    assert (tmp_path / "checkpoints" / "step_000005" / "meta.json").is_file()
+    error = next(line for line in (tmp_path / "train.log").read_text().splitlines() if " ERROR " in line)
+    assert "collapse: 2 of the last 4 steps stalled below 0.8 success" in error and "exit 4" in error
+
+
 def test_a_run_ends_with_three_short_lines_its_metrics_report_and_export(tmp_path):
     """The last step's key metrics (the last eval kept), the report's index with how many figures
     it skipped (not a line per figure), and the export command for the newest checkpoint."""
