@@ -6,7 +6,8 @@ module: hence `Any`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterator
 
 from moe_rl.configurable import choice, ranged, registry_names
@@ -263,9 +264,26 @@ def check_route_mask(cfg: Any) -> Iterator[str]:
                "whose free routing disagrees with the replayed one, or use algo.replay=r2/off")
 
 
+# the objectives' hyperparameters among the algo keys (each objective reads its own subset: loss_reads)
+_OBJECTIVE_KEYS = ("eps_low", "eps_high", "tau_pos", "tau_neg", "dual_clip")
+
+
+def loss_reads(loss: str) -> tuple[str, ...]:
+    """The `algo` keys objective `loss` reads: its registered function's keyword hyperparameters that are
+    config fields (moe_rl/algo/losses.py declares them; read late, as the registry's names are)."""
+    spec = importlib.import_module("moe_rl.algo.losses").get_loss(loss)
+    names = {f.name for f in fields(AlgoConfig)}
+    return tuple(k for k in spec.defaults if k in names)
+
+
 def check_algo(cfg: Any) -> Iterator[str]:
     a = cfg.algo
     yield from check_route_mask(cfg)
+    reads = loss_reads(a.loss)
+    for f in fields(AlgoConfig):  # a hyperparameter set for an objective that ignores it is a mistake
+        if f.name in _OBJECTIVE_KEYS and f.name not in reads and getattr(a, f.name) != f.default:
+            yield (f"algo.{f.name}: the {a.loss} objective does not read it (it reads "
+                   f"{', '.join(reads) or 'none of them'}); unset it, or choose an objective that reads it")
     if replay_mode(a) == "r3" and not cfg.rollout.return_routed_experts:
         yield (f"algo.replay: {a.replay!r} chooses 'r3' here, which replays the rollout engine's routes and requires "
                "rollout.return_routed_experts=true")

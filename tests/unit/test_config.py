@@ -552,3 +552,27 @@ def test_auto_staleness_needs_a_largest_k():
     with pytest.raises(ConfigError, match=r"algo.auto_staleness: lowers K from algo.max_staleness, which is 0"):
         load_config(cfg, ["algo.auto_staleness=true"])
     assert load_config(cfg, ["algo.auto_staleness=true", "algo.max_staleness=2"]).algo.auto_staleness
+
+
+def test_each_objective_reads_the_keys_its_function_declares_and_a_key_it_ignores_is_refused():
+    """The algo keys an objective reads are its registered function's keyword hyperparameters
+    (`loss_reads`): set for an objective that ignores it (a dual clip on CISPO, a clip range on SAPO),
+    a key is a config error naming it and what the objective reads."""
+    from moe_rl.algo.config import loss_reads
+    from moe_rl.recipes.rl.step import loss_params
+
+    cfg = "launch/configs/tiny_cpu.yaml"
+    assert loss_reads("sapo") == ("tau_pos", "tau_neg") and loss_reads("cispo") == ("eps_low", "eps_high")
+    assert set(loss_reads("gspo")) == {"eps_low", "eps_high", "dual_clip"}
+    with pytest.raises(ConfigError, match=r"algo.dual_clip: the cispo objective does not read it \(it reads eps_low, "
+                                          r"eps_high\)"):
+        load_config(cfg, ["algo.loss=cispo", "algo.dual_clip=3"])
+    with pytest.raises(ConfigError, match=r"algo.eps_high: the sapo objective does not read it"):
+        load_config(cfg, ["algo.loss=sapo", "algo.eps_high=0.3"])
+    with pytest.raises(ConfigError, match=r"algo.tau_neg: the grpo objective does not read it"):
+        load_config(cfg, ["algo.loss=grpo", "algo.tau_neg=2"])
+    a = load_config(cfg, ["algo.loss=gspo", "algo.dual_clip=3", "algo.eps_low=0.001"]).algo
+    assert {k: v for k, v in loss_params(a).items() if k in ("eps_low", "eps_high", "dual_clip")} == \
+        {"eps_low": 0.001, "dual_clip": 3}  # eps_high unset: the objective's own default
+    assert {k: loss_params(load_config(cfg, ["algo.loss=sapo"]).algo)[k] for k in ("tau_pos", "tau_neg")} == \
+        {"tau_pos": 1.0, "tau_neg": 1.05}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.algo.config import ratio_mode, route_mask_bound, staleness_bound, tis_cap_of
+from moe_rl.algo.config import loss_reads, ratio_mode, route_mask_bound, staleness_bound, tis_cap_of
 from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.losses import compute_loss, ntp_loss
 from moe_rl.config import RunConfig, replay_mode
@@ -217,13 +217,8 @@ def _loss_fn(run: Run, num_tokens: float, num_seqs: float, num_correct_tokens: f
 def loss_params(a: Any) -> dict[str, Any]:
     """`compute_loss` keywords from the `algo` section: the objective's hyperparameters and the
     rollout correction (present only when one is on)."""
-    params: dict[str, Any] = {}
-    if a.loss in ("grpo", "dapo", "gspo", "gspo_token", "cispo", "gmpo"):
-        params |= {k: v for k, v in (("eps_low", a.eps_low), ("eps_high", a.eps_high)) if v is not None}
-    if a.loss in ("grpo", "dapo", "gspo", "gspo_token") and a.dual_clip is not None:
-        params["dual_clip"] = a.dual_clip
-    if a.loss == "sapo":
-        params |= {"tau_pos": a.tau_pos, "tau_neg": a.tau_neg}
+    # the objective's own hyperparameters, as its registered function declares them; None: its default
+    params: dict[str, Any] = {k: getattr(a, k) for k in loss_reads(a.loss) if getattr(a, k) is not None}
     rc, mode = a.rollout_correction, ratio_mode(a.rollout_correction)
     tis_cap = tis_cap_of(a)  # algo.tis_cap, or the stale samples' default when asynchronous
     corrected = tis_cap is not None or mode is not None
