@@ -133,7 +133,7 @@ class AlgoConfig:
     max_staleness: int = ranged(0, ge=0)
     """Asynchronous RL: the servers keep generating the next K steps' batches while the trainer
     trains, and no token more than K weight versions old is trained on (moe_rl/recipes/rl/
-    pipeline.py); 0 = each step generates, then trains, on-policy. Pair K >= 1 with a rollout
+    async_rollouts.py); 0 = each step generates, then trains, on-policy. Pair K >= 1 with a rollout
     correction (algo.tis_cap; algo.stale_tis_cap, 2, when unset) and, to let the servers generate through weight pushes,
     rollout.inflight_update=in_place."""
     auto_staleness: bool = False

@@ -26,7 +26,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     """Model checkpoint, policy, data, rewards, rollout engine and weight sync for this rank."""
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
-    from moe_rl.recipes.rl.pipeline import RolloutPipeline, StalenessGovernor
+    from moe_rl.recipes.rl.async_rollouts import AsyncRollouts, StalenessGovernor
     from moe_rl.recipes.rl.step import Run
     from moe_rl.reward.registry import get_reward
     from moe_rl.reward.runner import RewardRunner
@@ -57,7 +57,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
               critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None,
-              pipeline=RolloutPipeline(depth, StalenessGovernor(cfg.algo.auto_staleness_kl, cfg.algo.auto_staleness_steps)
+              async_rollouts=AsyncRollouts(depth, StalenessGovernor(cfg.algo.auto_staleness_kl, cfg.algo.auto_staleness_steps)
                                        if cfg.algo.auto_staleness else None) if depth and rank == 0 else None,
               episodes=episode_runner(cfg, dataset.tokenizer, policy.hf_config, eos) if rank == 0 else None)
     eval_set = load_dataset(cfg.data.eval, run_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,

@@ -24,7 +24,7 @@ from moe_rl.data.balance import balanced_shards
 from moe_rl.data.dataset import Prompt, PromptDataset
 from moe_rl.data.sampler import seeded_shuffle
 from moe_rl.dist.collectives import broadcast_object, share_out
-from moe_rl.recipes.rl.pipeline import check_staleness
+from moe_rl.recipes.rl.async_rollouts import check_staleness
 from moe_rl.recipes.rl.replay_health import coverage
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
 from moe_rl.rollout.outage import attempt, unwrap
@@ -105,17 +105,17 @@ def sampling_params(run: Any, seed: int | None, greedy: bool = False) -> Samplin
 
 def rollout(run: Any, step: int) -> tuple[Samples, int, dict[str, float]]:
     """The step's samples, how many weight versions behind the trainer they were asked for, and
-    the rollout pipeline's metrics.
+    the asynchronous rollouts' metrics.
 
     With `algo.max_staleness` = K >= 1 the engine generates the next K steps' samples while
-    this step trains (rank 0's `run.pipeline`, moe_rl/recipes/rl/pipeline.py), so a step
+    this step trains (rank 0's `run.async_rollouts`, moe_rl/recipes/rl/async_rollouts.py), so a step
     trains on samples from weights up to K updates old; the trainer's recomputed old log-probs
     and the truncated IS correction (`algo.tis_cap`) account for the difference.
     """
-    if run.pipeline is None:
+    if run.async_rollouts is None:
         samples, staleness, metrics = generate(run, next_prompts(run), step), 0, {}
     else:
-        samples, staleness, metrics = run.pipeline.take(run, step, _request, _samples, next_prompts)
+        samples, staleness, metrics = run.async_rollouts.take(run, step, _request, _samples, next_prompts)
     take = getattr(run.engine, "take_stale_resamples", None)  # SGLang servers: samples from other weights
     if take is not None:
         metrics["rollout/stale_resamples"] = float(take())
@@ -348,8 +348,8 @@ def share_indices(lengths: list[int], dp: int, rank: int, num_minibatches: int,
 
 def wait_for_prefetch(run: Any) -> None:
     """Let the rollouts asked for ahead (algo.max_staleness) finish before the engine is used otherwise."""
-    if run.pipeline is not None:
-        run.pipeline.drain()
+    if run.async_rollouts is not None:
+        run.async_rollouts.drain()
 
 
 def response_mask(samples: Samples, width: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from moe_rl.policy.policy import Policy
 from moe_rl.recipes.common import Stopwatch, combine_loss_metrics, mean_metrics, probe_routes, probe_volatility
 from moe_rl.recipes.rl.batch import Samples, Share, response_mask, rollout_batch, wait_for_prefetch
 from moe_rl.recipes.rl.critic import critic_step
-from moe_rl.recipes.rl.pipeline import observe_staleness
+from moe_rl.recipes.rl.async_rollouts import observe_staleness
 from moe_rl.recipes.rl.replay_health import engine_route_cover, free_pass_due, replay_routes, route_health
 from moe_rl.rollout.config import pause_mode
 from moe_rl.reward.runner import RewardRunner
@@ -50,7 +50,7 @@ class Run:
     rank: int = 0
     weight_version: int = 0
     drift_state: dict[str, Any] = field(default_factory=dict)
-    pipeline: Any = None  # rank 0's RolloutPipeline when algo.max_staleness >= 1 (recipes/rl/pipeline.py)
+    async_rollouts: Any = None  # rank 0's AsyncRollouts when algo.max_staleness >= 1 (recipes/rl/async_rollouts.py)
     critic: Any = None  # moe_rl.policy.critic.Critic when algo.advantage=gae
     episodes: Any = None  # rank 0's EpisodeRunner when rollout.env is set (moe_rl/rollout/episodes.py)
 

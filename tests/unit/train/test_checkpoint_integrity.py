@@ -38,7 +38,7 @@ class _State:
 def _run(value: float):
     return RLRecipe(SimpleNamespace(policy=_State(value), sampler=_State(value), rewards=_State(value), critic=None, rank=0,
                            weight_version=int(value), drift_state={}, engine=None,
-                           cfg=load_config(None), weight_sync=SimpleNamespace(sync=lambda *a: None), pipeline=None))
+                           cfg=load_config(None), weight_sync=SimpleNamespace(sync=lambda *a: None), async_rollouts=None))
 
 
 def _two_checkpoints(tmp_path):

@@ -58,18 +58,18 @@ class StalenessGovernor:
         return True
 
 
-class RolloutPipeline:
+class AsyncRollouts:
     """Rank 0's batches in flight, oldest first (`depth` = K of them between steps; `bound`, the
     configured K, stays the staleness allowed when a governor lowers `depth`)."""
 
     def __init__(self, depth: int, governor: StalenessGovernor | None = None) -> None:
         if depth < 1:
-            raise ValueError(f"a rollout pipeline needs algo.max_staleness >= 1, got {depth}")
+            raise ValueError(f"asynchronous rollouts need algo.max_staleness >= 1, got {depth}")
         self.depth = self.bound = depth
         self.governor = governor
         self.asked: deque[_Ask] = deque()
         self.current: _Ask | None = None  # the batch of the step in progress (until the next take)
-        self._pool = ThreadPoolExecutor(max_workers=depth + 1, thread_name_prefix="rollout-pipeline")
+        self._pool = ThreadPoolExecutor(max_workers=depth + 1, thread_name_prefix="async-rollouts")
 
     def take(self, run: Any, step: int, request: Any, samples_of: Any, next_prompts: Any
              ) -> tuple[Any, int, dict[str, float]]:
@@ -81,7 +81,7 @@ class RolloutPipeline:
             self._ask(run, step, request, next_prompts)
         head = self.current = self.asked.popleft()
         if head.step != step:
-            raise RuntimeError(f"internal: the rollout pipeline holds step {head.step}'s batch at step {step}")
+            raise RuntimeError(f"internal: the asynchronous rollouts hold step {head.step}'s batch at step {step}")
         while len(self.asked) < self.depth:  # keep K steps of work on the servers while this one trains
             self._ask(run, step + len(self.asked) + 1, request, next_prompts)
         samples = samples_of(run, head.prompts, head.future.result())
@@ -146,9 +146,9 @@ class RolloutPipeline:
 
 
 def observe_staleness(run: Any, step: int, metrics: dict[str, Any]) -> None:
-    """Rank 0, asynchronous runs: hand the step's metrics to the pipeline's governor."""
-    if run.pipeline is not None:
-        run.pipeline.observe(step, metrics)
+    """Rank 0, asynchronous runs: hand the step's metrics to the governor of its asynchronous rollouts."""
+    if run.async_rollouts is not None:
+        run.async_rollouts.observe(step, metrics)
 
 
 def check_staleness(metrics: dict[str, float], bound: int) -> None:

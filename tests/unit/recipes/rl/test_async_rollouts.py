@@ -1,4 +1,4 @@
-"""The rollout pipeline of algo.max_staleness = K (moe_rl/recipes/rl/pipeline.py) against the
+"""The asynchronous rollouts of algo.max_staleness = K (moe_rl/recipes/rl/async_rollouts.py) against the
 synchronous schedule: the same prompts in the same order, at most K versions old, every prompt
 trained once across a checkpoint and a failed step, and stale groups generated again."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from moe_rl.data.sampler import PromptSampler
 from moe_rl.recipes.rl.batch import Samples
-from moe_rl.recipes.rl.pipeline import RolloutPipeline, check_staleness
+from moe_rl.recipes.rl.async_rollouts import AsyncRollouts, check_staleness
 
 G = 2  # samples per prompt
 
@@ -55,7 +55,7 @@ def _train(run, pipe, steps, start=1):
 def test_the_prompts_are_the_synchronous_runs_and_at_most_k_versions_old(k):
     sync = PromptSampler(40, 4, seed=0)
     want = [sync.next_batch() for _ in range(9)]
-    run, pipe = _run(), RolloutPipeline(k)
+    run, pipe = _run(), AsyncRollouts(k)
     got = _train(run, pipe, 9)
     assert [p for p, _, _ in got] == want
     assert [lag for _, lag, _ in got] == [min(s, k) for s in range(9)]  # K behind once the pipeline is full
@@ -63,19 +63,19 @@ def test_the_prompts_are_the_synchronous_runs_and_at_most_k_versions_old(k):
 
 
 def test_a_checkpoint_resumes_at_the_first_batch_not_trained():
-    run, pipe = _run(), RolloutPipeline(3)
+    run, pipe = _run(), AsyncRollouts(3)
     done = _train(run, pipe, 4)
     saved = pipe.sampler_state()  # what RLRecipe.state_dict saves as the data order
     rest = _train(run, pipe, 3, start=5)
     again = _run()
     again.sampler.load_state_dict(saved)
-    resumed = _train(again, RolloutPipeline(3), 3, start=5)
+    resumed = _train(again, AsyncRollouts(3), 3, start=5)
     assert [p for p, _, _ in resumed] == [p for p, _, _ in rest]  # no batch skipped, none twice
     assert len({tuple(p) for p, _, _ in done + rest}) == 7
 
 
 def test_a_failed_step_asks_for_its_batch_again():
-    run, pipe = _run(), RolloutPipeline(2)
+    run, pipe = _run(), AsyncRollouts(2)
     _train(run, pipe, 2)
     nxt = pipe.asked[0].prompts
     pipe.take(run, 3, _request, _samples_of, _next_prompts)  # step 3 starts ... and fails
@@ -85,7 +85,7 @@ def test_a_failed_step_asks_for_its_batch_again():
 
 
 def test_a_group_from_weights_more_than_k_versions_old_is_generated_again():
-    run, pipe = _run(), RolloutPipeline(1)
+    run, pipe = _run(), AsyncRollouts(1)
     _train(run, pipe, 3)
     victim = pipe.asked[0].prompts[1]
     run.lag_of = lambda p: 5 if p == victim else 0  # one server far behind, for one prompt's request
@@ -111,11 +111,11 @@ def test_the_governor_lowers_k_after_steps_of_high_kl_and_the_prompts_keep_the_s
     """algo.auto_staleness: two steps in a row with loss/approx_kl above the bar lower K by one; a calm
     step resets the count. Lowered from 2 to 0, the run asks nothing ahead (on-policy: lag 0), and
     no prompt is skipped or trained twice on the way."""
-    from moe_rl.recipes.rl.pipeline import StalenessGovernor
+    from moe_rl.recipes.rl.async_rollouts import StalenessGovernor
 
     sync = PromptSampler(40, 4, seed=0)
     want = [sync.next_batch() for _ in range(9)]
-    run, pipe = _run(), RolloutPipeline(2, StalenessGovernor(kl=0.15, steps=2))
+    run, pipe = _run(), AsyncRollouts(2, StalenessGovernor(kl=0.15, steps=2))
     kl = {1: 0.01, 2: 0.3, 3: 0.01, 4: 0.3, 5: 0.4, 6: 0.2, 7: 0.5, 8: 0.9, 9: 0.9}
     got, bounds = [], []
     for step in range(1, 10):
