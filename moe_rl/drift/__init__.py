@@ -11,5 +11,5 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "alarm": ("EXIT_DRIFT_ALARM", "HEALTH_ALARMS", "Alarms", "DriftAlarm"),
     "metrics": ("LOAD_PREFIX", "LOGPROB_PREFIX", "ROLLOUT_MISMATCH", "VOLATILITY", "DriftShapeError",
                 "LogprobStats", "RouteStats", "all_reduce_counts", "expert_load", "load_change",
-                "load_violation", "logprob_mismatch", "route_dtype", "route_stats"),
+                "load_violation", "logprob_mismatch", "route_stats"),
 })

@@ -480,18 +480,6 @@ def load_violation(load: Tensor, layer_ids: Sequence[int] | None = None,
     return out
 
 
-# ---------------------------------------------------------------- storage
-def route_dtype(num_experts: int) -> torch.dtype:
-    """Smallest torch dtype holding ids 0 .. num_experts - 1: uint8 <= 256, int16 <= 32768, else int32.
-
-    Ids are never truncated: 257 experts get int16.
-    """
-    if num_experts < 1:
-        raise DriftShapeError(f"num_experts must be >= 1, got {num_experts}")
-    for dt in (torch.uint8, torch.int16, torch.int32):
-        if num_experts - 1 <= torch.iinfo(dt).max:
-            return dt
-    raise DriftShapeError(f"num_experts={num_experts} does not fit in int32")
 
 
 def confidence_summary(sums: Tensor, num_tokens: float, layer_ids: Sequence[int] | None = None,

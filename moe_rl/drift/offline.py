@@ -28,8 +28,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from moe_rl.drift.metrics import (LOAD_PREFIX, LOGPROB_PREFIX, VOLATILITY, LogprobStats, RouteStats,
-                                  expert_load, load_change, logprob_mismatch, route_dtype, route_stats)
+                                  expert_load, load_change, logprob_mismatch, route_stats)
 from moe_rl.drift.routes import RoutedForward, hf_forward, pad_right, router_modules
+from moe_rl.routes import route_dtype
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 # Config fields two checkpoints must share for their routes to be comparable.

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.dist.devices import compute_device
-from moe_rl.drift.metrics import route_dtype  # smallest int type for ids; one definition for all routes
+from moe_rl.routes import record_dtype, route_dtype  # one type rule for every stored route
 from moe_rl.policy.forward import Microbatch
 from moe_rl.policy.model import MoEArch
 
@@ -359,12 +359,6 @@ class Recording:
             lo, hi = max(pos.start, a), min(pos.stop, a + n)
             if lo < hi:
                 buf[seq, lo - a: hi - a, column] = local[lo - pos.start: hi - pos.start, row]
-
-
-def record_dtype(num_experts: int) -> torch.dtype:
-    """The recording buffer's type: expert id + 1 (0 = not seen on this rank), so `route_dtype` of one id
-    more (uint8 up to 255 experts, int16 for DeepSeek-V3's 256 and Kimi-K2's 384), the routes' own rule."""
-    return route_dtype(num_experts + 1)
 
 
 def _merge_ids_over_model_parallel(buf: torch.Tensor) -> torch.Tensor:

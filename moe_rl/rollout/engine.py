@@ -26,7 +26,7 @@ from typing import Any, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
-from moe_rl.drift.metrics import route_dtype
+from moe_rl.routes import route_np_dtype
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -35,17 +35,8 @@ class RolloutError(RuntimeError):
     """A rollout could not be produced; the message names the server (or engine) and the cause."""
 
 
-def smallest_int_dtype(num_experts: int) -> np.dtype:
-    """Smallest integer dtype that holds every expert id 0 .. num_experts - 1, as numpy sees it.
-
-    The rule (uint8 up to 256 experts, int16 up to 32768, int32 beyond; never
-    truncating) is `drift.metrics.route_dtype`, one definition for every stored route.
-    """
-    return np.dtype(str(route_dtype(num_experts)).removeprefix("torch."))
-
-
 def to_route_dtype(ids: Any, num_experts: int | None, layer_ids: Sequence[int] | None = None) -> np.ndarray:
-    """Expert ids as an array of `smallest_int_dtype(num_experts)`, checked by `check_route_rows`.
+    """Expert ids as an array of `route_np_dtype(num_experts)` (moe_rl/routes.py), checked by `check_route_rows`.
 
     Raises ValueError naming the first bad row instead of letting a narrower dtype wrap an id
     around silently, or a padding row be replayed as if a router had chosen it.
@@ -54,7 +45,7 @@ def to_route_dtype(ids: Any, num_experts: int | None, layer_ids: Sequence[int] |
     check_route_rows(arr, num_experts, layer_ids)
     if num_experts is None:
         return arr.astype(np.int32, copy=False)
-    return arr.astype(smallest_int_dtype(num_experts), copy=False)
+    return arr.astype(route_np_dtype(num_experts), copy=False)
 
 
 class BadRoutes(ValueError):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_rl.policy.parallel import ParallelLayout
-from moe_rl.policy.replay import route_dtype
+from moe_rl.routes import route_dtype
 from moe_rl.testing import run_ranks
 from moe_rl.testing.replay_worker import bad_routes_worker, replay_worker
 

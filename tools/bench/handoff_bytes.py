@@ -22,7 +22,7 @@ bytes are compared with the formula below, which then scales them to the flagshi
     per rank     = step bytes (broadcast)   |   step bytes / DP (share_out)
 
 The old-pass route recording (R2 and drift) all-reduces a `[B/DP, T, L, K]` buffer over TP x PP:
-int32 before, now `moe_rl.policy.replay.record_dtype` (uint8 up to 255 experts).
+int32 before, now `moe_rl.routes.record_dtype` (uint8 up to 255 experts).
 
     python tools/bench/handoff_bytes.py
 """
@@ -105,7 +105,7 @@ def bench_rows(samples: int = 64, tokens: int = 2048, generated: int = 1024) -> 
 
 
 def format_table(rows: list[dict[str, Any]], samples: int = 64, tokens: int = 2048, generated: int = 1024) -> str:
-    from moe_rl.policy.replay import record_dtype
+    from moe_rl.routes import record_dtype
 
     f = FLAGSHIP
     shrunk = step_bytes(samples, tokens, generated, f["layers"], f["topk"])

@@ -3,7 +3,7 @@
 R2/R3 keep every token's routed experts from the old-log-prob pass (or the rollout
 engine) until the last update of the step. Their size is L·K·itemsize bytes per
 token (L MoE layers, top-K, ids in the smallest integer type that holds them,
-`moe_rl.drift.metrics.route_dtype`); the log-probs kept alongside are 4 bytes (fp32).
+`moe_rl.routes.route_dtype`); the log-probs kept alongside are 4 bytes (fp32).
 
 Measured rows build small models of each shape, run `Policy.logprobs(seqs,
 record_routes=True)` and divide the returned tensors' bytes (numel × element
@@ -11,7 +11,7 @@ size) by the tokens they cover. The last rows apply the same rule to published
 model shapes (computed, not measured). SGLang sends routes as int32 (4 bytes per id).
 
 The old pass records into a buffer of expert id + 1 (0 = not seen on this rank) and
-all-reduces it over TP x PP as bytes (`moe_rl.policy.replay.record_dtype`,
+all-reduces it over TP x PP as bytes (`moe_rl.routes.record_dtype`,
 `_merge_ids_over_model_parallel`): L·K·itemsize of that type per token, one id more
 than the stored routes hold, so 256 experts (DeepSeek-V3) store 1 byte per id and
 reduce 2 (int16 as two uint8 planes: gloo and NCCL reduce no 16-bit integer; int32
@@ -65,7 +65,7 @@ def _worker(hf_dirs: list[str], batch: int, seq: int) -> list[dict[str, Any]]:
 def bench_rows(shapes: tuple[Shape, ...] = SHAPES, batch: int = 4, seq: int = 64) -> list[dict[str, Any]]:
     """Measured rows `{layers, experts, topk, dtype, route_bytes, logp_bytes, measured=True}`, then
     the published shapes computed by the same rule (`measured=False`)."""
-    from moe_rl.drift.metrics import route_dtype
+    from moe_rl.routes import route_dtype
     from moe_rl.testing import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,7 +82,7 @@ def bench_rows(shapes: tuple[Shape, ...] = SHAPES, batch: int = 4, seq: int = 64
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    from moe_rl.policy.replay import record_dtype
+    from moe_rl.routes import record_dtype
 
     cells = [[r["model"], r["layers"], r["experts"], r["topk"], r["dtype"], f"{r['route_bytes']:.0f}",
               f"{r['logp_bytes']:.0f}", f"{r['route_bytes'] / r['logp_bytes']:.1f}",

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from moe_rl.drift.metrics import (ROLLOUT_MISMATCH, VOLATILITY, DriftShapeError, LogprobStats, RouteStats,
-                                  expert_load, load_change, load_violation, logprob_mismatch, route_dtype,
+                                  expert_load, load_change, load_violation, logprob_mismatch,
                                   route_stats)
+from moe_rl.routes import route_dtype
 from moe_rl.testing import run_ranks
 
 # K=2, 3 tokens, 2 layers. Rows are tokens; each inner pair is one layer's top-2.

@@ -167,7 +167,7 @@ def test_route_recording_is_reduced_in_the_smallest_type_that_holds_the_experts(
     (Qwen3-30B-A3B's 128: a quarter of int32's bytes), int16 for DeepSeek-V3's 256, never truncated."""
     import torch
 
-    from moe_rl.policy.replay import record_dtype
+    from moe_rl.routes import record_dtype
 
     for experts, dtype in ((4, torch.uint8), (128, torch.uint8), (255, torch.uint8), (256, torch.int16),
                            (32766, torch.int16), (40000, torch.int32)):

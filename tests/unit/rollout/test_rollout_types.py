@@ -6,21 +6,23 @@ import base64
 import numpy as np
 import pytest
 
+from moe_rl.routes import route_np_dtype
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutEngine, SamplingParams,
-                                   moe_layer_ids, smallest_int_dtype, to_route_dtype)
+                                   moe_layer_ids, to_route_dtype)
 from moe_rl.rollout.server import encode_routes
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.wire import Geometry, decode_routes
 
 
-def test_smallest_int_dtype_boundaries():
-    assert smallest_int_dtype(1) == np.uint8
-    assert smallest_int_dtype(256) == np.uint8      # ids 0..255
-    assert smallest_int_dtype(257) == np.int16      # id 256 does not fit in uint8
-    assert smallest_int_dtype(32768) == np.int16
-    assert smallest_int_dtype(32769) == np.int32
+def test_route_np_dtype_boundaries():
+
+    assert route_np_dtype(1) == np.uint8
+    assert route_np_dtype(256) == np.uint8      # ids 0..255
+    assert route_np_dtype(257) == np.int16      # id 256 does not fit in uint8
+    assert route_np_dtype(32768) == np.int16
+    assert route_np_dtype(32769) == np.int32
     with pytest.raises(ValueError):
-        smallest_int_dtype(0)
+        route_np_dtype(0)
 
 
 def test_ids_above_255_survive_server_encoding_and_client_decoding():
