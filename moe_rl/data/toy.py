@@ -241,7 +241,6 @@ def chance_level(name: str, max_new_tokens: int, vocab_size: int | None = None) 
     return sum(p_match(len(ex.answer)) for ex in examples) / len(examples)
 
 
-
 def save_toy_tokenizer(model_dir: str | Path) -> Path:
     """Write `ToyTokenizer` as a real HF tokenizer (tokenizer.json and its config) into `model_dir`, so a
     fresh tiny model's directory, and its export, load with `AutoTokenizer` and encode text exactly as

@@ -480,8 +480,6 @@ def load_violation(load: Tensor, layer_ids: Sequence[int] | None = None,
     return out
 
 
-
-
 def confidence_summary(sums: Tensor, num_tokens: float, layer_ids: Sequence[int] | None = None,
                        prefix: str = "drift/route") -> dict[str, float]:
     """Routers' confidence on a step's tokens, from per-layer sums.

@@ -37,10 +37,13 @@ def _reward_panel(ax: Axes, m: Metrics) -> None:
     std_steps, std = m.series("reward/std")
     if len(std_steps) == len(steps) and np.array_equal(std_steps, steps):
         low, high = mean - std, mean + std
-        for key, clip in (("reward/min", np.maximum), ("reward/max", np.minimum)):
-            bound_steps, bound = m.series(key)  # a 0/1 reward's band ends at 0 and 1, not past them
-            if np.array_equal(bound_steps, steps):
-                low, high = (clip(low, bound), high) if key == "reward/min" else (low, clip(high, bound))
+        # within the step's min and max: a 0/1 reward's band ends at 0 and 1, not past them
+        min_steps, lowest = m.series("reward/min")
+        if np.array_equal(min_steps, steps):
+            low = np.maximum(low, lowest)
+        max_steps, highest = m.series("reward/max")
+        if np.array_equal(max_steps, steps):
+            high = np.minimum(high, highest)
         ax.fill_between(steps, low, high, alpha=0.2, label="± std over samples (within the step's min and max)")
     decorate(ax, "reward", "Reward per step (mean over the step's samples)")
 

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.dist.devices import compute_device
-from moe_rl.routes import record_dtype, route_dtype  # one type rule for every stored route
 from moe_rl.policy.forward import Microbatch
 from moe_rl.policy.model import MoEArch
+from moe_rl.routes import record_dtype, route_dtype  # one type rule for every stored route
 
 
 class ReplayError(RuntimeError):

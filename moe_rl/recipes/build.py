@@ -54,11 +54,12 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=keys,
                             **(update_group(cfg, servers, out) if weight_sync_kind(cfg.rollout).update_group else {}))
     depth = staleness_bound(cfg.algo)
+    governor = (StalenessGovernor(cfg.algo.auto_staleness_kl, cfg.algo.auto_staleness_steps)
+                if cfg.algo.auto_staleness else None)
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
               critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None,
-              async_rollouts=AsyncRollouts(depth, StalenessGovernor(cfg.algo.auto_staleness_kl, cfg.algo.auto_staleness_steps)
-                                       if cfg.algo.auto_staleness else None) if depth and rank == 0 else None,
+              async_rollouts=AsyncRollouts(depth, governor) if depth and rank == 0 else None,
               episodes=episode_runner(cfg, dataset.tokenizer, policy.hf_config, eos) if rank == 0 else None)
     eval_set = load_dataset(cfg.data.eval, run_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                             cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None

@@ -48,12 +48,12 @@ class _Served:
     def __init__(self, model: torch.nn.Module):
         self.state = dict(model.named_parameters())
         self.state.update(dict(model.named_buffers()))
-        self._where: dict[str, tuple[torch.Tensor, tuple[int, ...]] | None] = {}
+        self._where: dict[str, torch.Tensor | None] = {}
 
-    def view(self, name: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-        """What `name` writes (a view into the served tensors) and its shape; None: no such tensor."""
+    def view(self, name: str) -> torch.Tensor | None:
+        """What `name` writes (a view into the served tensors); None: no such tensor."""
         if name not in self._where:
-            self._where[name] = None if (v := served_view(self.state, name)) is None else (v, tuple(v.shape))
+            self._where[name] = served_view(self.state, name)
         return self._where[name]
 
 
@@ -68,7 +68,7 @@ def _served(model: torch.nn.Module) -> _Served:
 
 
 def plan_tensors(model: torch.nn.Module, items: list[tuple[str, Any]]) -> Plan:
-    """(target tensor, index, value, name) per pushed tensor; ValueError naming every bad one (at most 5)."""
+    """(served view, value, name) per pushed tensor; ValueError naming every bad one (at most 5)."""
     served = _served(model)
     state = served.state
     plan: Plan = []
@@ -77,13 +77,12 @@ def plan_tensors(model: torch.nn.Module, items: list[tuple[str, Any]]) -> Plan:
     items = [(name, torch.as_tensor(value)) for name, value in items]
     not_finite = _not_finite(items)
     for name, value in items:
-        hit = served.view(name)
-        if hit is None:
+        dst = served.view(name)
+        if dst is None:
             errors.append(f"unknown parameter {name!r}")
             continue
-        dst, want = hit
-        if tuple(value.shape) != want:
-            errors.append(f"{name}: shape {tuple(value.shape)}, expected {want}")
+        if value.shape != dst.shape:
+            errors.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(dst.shape)}")
             continue
         if name in not_finite:
             errors.append(f"{name}: holds NaN or inf")
@@ -165,11 +164,10 @@ def plan_sparse(model: torch.nn.Module, items: list[tuple[str, torch.Tensor, tor
     errors = []
     not_finite = _not_finite([(name, values) for name, values, _ in items])
     for name, values, idx in items:
-        hit = served.view(name)
-        if hit is None:
+        view = served.view(name)
+        if view is None:
             errors.append(f"unknown parameter {name!r}")
             continue
-        view = hit[0]
         if idx.numel() != values.numel() or (idx.numel() and int(idx.max()) >= view.numel()):
             errors.append(f"{name}: {idx.numel()} indices for {values.numel()} values into {view.numel()} elements")
             continue

@@ -27,9 +27,9 @@ from moe_rl.drift.metrics import (confidence_summary, expert_load, load_change, 
 from moe_rl.policy.compat import native
 from moe_rl.policy.policy import Policy
 from moe_rl.recipes.common import Stopwatch, combine_loss_metrics, mean_metrics, probe_routes, probe_volatility
+from moe_rl.recipes.rl.async_rollouts import observe_staleness
 from moe_rl.recipes.rl.batch import Samples, Share, response_mask, rollout_batch, wait_for_prefetch
 from moe_rl.recipes.rl.critic import critic_step
-from moe_rl.recipes.rl.async_rollouts import observe_staleness
 from moe_rl.recipes.rl.replay_health import engine_route_cover, free_pass_due, replay_routes, route_health
 from moe_rl.rollout.config import pause_mode
 from moe_rl.reward.runner import RewardRunner

@@ -12,6 +12,7 @@ The base is valid only after a push every server took: a failed push, or a serve
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -144,9 +145,7 @@ class DeltaBase:
                 owner = torch.searchsorted(starts[1:], places, right=True)
                 counts = torch.bincount(owner, minlength=len(at)).tolist()
                 local = (places - starts[owner]).to(torch.int32)
-            ends = [0]
-            for c in counts:
-                ends.append(ends[-1] + c)
+            ends = [0, *itertools.accumulate(counts)]  # where each tensor's changes start in `places`
             for j, i in enumerate(at):
                 name, new, sparse = items[i]
                 if not same[j]:

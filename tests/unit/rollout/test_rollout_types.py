@@ -6,12 +6,12 @@ import base64
 import numpy as np
 import pytest
 
-from moe_rl.routes import route_np_dtype
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutEngine, SamplingParams,
                                    moe_layer_ids, to_route_dtype)
 from moe_rl.rollout.server import encode_routes
 from moe_rl.rollout.sglang_client import SGLangClient
 from moe_rl.rollout.wire import Geometry, decode_routes
+from moe_rl.routes import route_np_dtype
 
 
 def test_route_np_dtype_boundaries():
