@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from moe_rl import routes as route_rules
 from moe_rl.dist.devices import to_compute
 
 VOLATILITY = "drift/volatility"
@@ -52,19 +53,16 @@ def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _check_int(name: str, t: Tensor) -> None:
-    if not torch.is_tensor(t):
-        raise DriftShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise DriftShapeError(f"{name} must hold integer expert ids, got dtype {t.dtype}")
-
-
-def _check_routes(name: str, routes: Tensor) -> None:
-    _check_int(name, routes)
-    if routes.dim() != 3:
-        raise DriftShapeError(f"{name} must be [N tokens, L layers, K top-k], got shape {_shape(routes)}")
-    if routes.shape[2] < 1:
-        raise DriftShapeError(f"{name} has top-k K=0 (shape {_shape(routes)})")
+def _check_routes(name: str, routes: Tensor, *, ids: bool = False, num_experts: int | None = None,
+                  distinct: bool = False) -> None:
+    """`routes` is `[N, L, K]` integer ids (moe_rl/routes.py `check`); with `ids` (on the counted tokens:
+    padding may hold anything) ids >= 0, below `num_experts` when given, a distinct top-k with `distinct`."""
+    if not torch.is_tensor(routes):
+        raise DriftShapeError(f"{name} must be a torch.Tensor, got {type(routes).__name__}")
+    try:
+        route_rules.check(routes, num_experts, ids=ids, distinct=distinct)
+    except route_rules.BadRoutes as e:
+        raise DriftShapeError(f"{name}: {e}") from None
 
 
 def _check_pair(before: Tensor, after: Tensor) -> None:
@@ -93,30 +91,6 @@ def _token_mask(mask: Tensor | None, n: int, device: torch.device, what: str = "
     if mask.dim() != 1 or mask.shape[0] != n:
         raise DriftShapeError(f"mask must be [N] = [{n}] to match {what}, got shape {_shape(mask)}")
     return mask.to(device=device, dtype=torch.bool)
-
-
-def _check_ids(name: str, routes: Tensor, num_experts: int | None) -> None:
-    """Ids must be >= 0 and, when the expert count is known, < num_experts."""
-    if routes.numel() == 0:
-        return
-    lo, hi = int(routes.min()), int(routes.max())
-    if lo < 0:
-        raise DriftShapeError(f"{name} holds a negative expert id ({lo})")
-    if num_experts is not None and hi >= num_experts:
-        raise DriftShapeError(f"{name} holds expert id {hi}, but the model has num_experts={num_experts} "
-                              f"(valid ids 0..{num_experts - 1})")
-
-
-def _check_distinct(name: str, routes: Tensor) -> None:
-    """Top-k ids of one token and layer must be distinct: a duplicate makes the set size < K."""
-    if routes.shape[-1] < 2 or routes.numel() == 0:
-        return
-    s = routes.sort(dim=-1).values
-    dup = (s[..., 1:] == s[..., :-1]).any(dim=-1)  # [n, L]
-    if bool(dup.any()):
-        tok, layer = (int(v) for v in dup.nonzero()[0])
-        raise DriftShapeError(f"{name} repeats an expert id within one token's top-k "
-                              f"(first at masked token {tok}, layer {layer}: {routes[tok, layer].tolist()})")
 
 
 # ---------------------------------------------------------------- reductions
@@ -294,8 +268,7 @@ def route_stats(before: Tensor, after: Tensor, mask: Tensor | None = None,
 def _chunk_stats(before: Tensor, after: Tensor, num_experts: int | None) -> RouteStats:
     """RouteStats of counted tokens `[n, L, K]` (already masked)."""
     for name, r in (("before", before), ("after", after)):
-        _check_ids(name, r, num_experts)
-        _check_distinct(name, r)
+        _check_routes(name, r, ids=True, num_experts=num_experts, distinct=True)
     n, L, K = before.shape
     same = _overlap(before, after)               # [n, L]
     exact = same == K                             # [n, L]
@@ -408,7 +381,7 @@ def expert_load(routes: Tensor, num_experts: int, mask: Tensor | None = None) ->
     N, L, K = routes.shape
     keep = _token_mask(mask, N, routes.device)
     ids = routes[keep].long()                      # [n, L, K]
-    _check_ids("routes", ids, num_experts)
+    _check_routes("routes", ids, ids=True, num_experts=num_experts)
     # one bincount over (layer, expert) pairs flattened to layer * E + expert
     layer = torch.arange(L, device=ids.device).view(1, L, 1)
     flat = (layer * num_experts + ids).reshape(-1)

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from moe_rl import routes as route_rules
 from moe_rl.dist.devices import compute_device
 from moe_rl.policy.forward import Microbatch
 from moe_rl.policy.model import MoEArch
@@ -57,17 +58,18 @@ def filler_targets(num_tokens: int, top_k: int, num_experts: int) -> torch.Tenso
 
 
 def check_routes(routes: torch.Tensor, lengths: torch.Tensor, arch: MoEArch) -> None:
-    """Fail with what was expected when routes do not fit `[B, >= max(len) - 1, L, K]` and the expert range."""
+    """Fail with what was expected when routes do not fit `[B, >= max(len) - 1, L, K]`, or hold ids no router
+    of the model has (moe_rl/routes.py `check`; rows past a sequence may hold anything in range)."""
     L, K, E = arch.num_moe_layers, arch.moe_router_topk, arch.num_moe_experts
     need_t = int(lengths.max()) - 1
     if routes.dim() != 4 or routes.shape[0] != len(lengths) or routes.shape[2] != L or routes.shape[3] != K \
             or routes.shape[1] < need_t:
         raise ReplayError(f"routes have shape {tuple(routes.shape)}; expected [B={len(lengths)}, T-1>={need_t}, "
                           f"L={L} MoE layers, K={K}]")
-    if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= E):
-        bad = routes.long()
-        raise ReplayError(f"routes hold expert ids in [{int(bad.min())}, {int(bad.max())}]; "
-                          f"the model has experts 0..{E - 1}")
+    try:
+        route_rules.check(routes, E, batched=True, distinct=False)
+    except route_rules.BadRoutes as e:
+        raise ReplayError(f"replayed {e}") from None
 
 
 @dataclass

@@ -12,7 +12,8 @@ Conventions shared by every engine:
   the token at position i of `prompt_ids + output_ids`, for i in
   0 .. len(prompt + output) - 2 (the last token is never fed to the model).
   Dense layers are not included. Ids are global expert ids, stored in the
-  smallest integer dtype that holds `num_experts - 1`.
+  smallest integer dtype that holds `num_experts - 1` (moe_rl/routes.py: the type, the rules, the
+  wire form).
 - `finish_reason` is "stop" (a stop / EOS token was sampled; it is the last
   output token), "length" (max_new_tokens reached) or "abort" (the server
   aborted the request, e.g. `pause_generation(mode="abort")`; the output is
@@ -26,92 +27,13 @@ from typing import Any, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
-from moe_rl.routes import route_np_dtype
+from moe_rl.routes import BadRoutes, check as check_routes
 
 FINISH_REASONS = ("stop", "length", "abort")
 
 
 class RolloutError(RuntimeError):
     """A rollout could not be produced; the message names the server (or engine) and the cause."""
-
-
-def to_route_dtype(ids: Any, num_experts: int | None, layer_ids: Sequence[int] | None = None) -> np.ndarray:
-    """Expert ids as an array of `route_np_dtype(num_experts)` (moe_rl/routes.py), checked by `check_route_rows`.
-
-    Raises ValueError naming the first bad row instead of letting a narrower dtype wrap an id
-    around silently, or a padding row be replayed as if a router had chosen it.
-    """
-    arr = np.asarray(ids)
-    check_route_rows(arr, num_experts, layer_ids)
-    if num_experts is None:
-        return arr.astype(np.int32, copy=False)
-    return arr.astype(route_np_dtype(num_experts), copy=False)
-
-
-class BadRoutes(ValueError):
-    """Route rows no router produced (`check_route_rows`), from a named server or engine. A fault of
-    the engine's output, not an outage: retrying or waiting for another server does not help, and
-    replaying them would train on experts nobody chose, so the run stops with this message rather
-    than the lost-server path (RolloutError) that waits, checkpoints and exits 3."""
-
-
-# A row whose every MoE layer chose one and the same expert id is refused only where no router
-# picks it by chance: one expert per token (k >= 2 repeats are refused anyway) and ids whose
-# agreement across L layers has probability at most num_experts^-(L - 1) <= 1e-9 per token.
-# Expert indices of different layers are unrelated (any permutation of a layer's experts is the
-# same model), so correlated hidden states do not make equal indices likelier; at 1e-9 a step
-# of a million tokens refuses a true route with probability 1e-3 at most. Padding and unset
-# rows (all zeros) match the rule on every such model.
-ALL_ONE_ID_MIN_LAYERS = 4
-ALL_ONE_ID_MAX_CHANCE = 1e-9
-
-
-def out_of_range(routes: np.ndarray, num_experts: int | None) -> np.ndarray:
-    """`[rows, L]` bool: the token's top-k in that layer names an id outside [0, num_experts) (none
-    when the expert count is unknown)."""
-    if num_experts is None:
-        return np.zeros(routes.shape[:2], dtype=bool)
-    return ((routes < 0) | (routes >= num_experts)).any(-1)
-
-
-def repeated_ids(routes: np.ndarray) -> np.ndarray:
-    """`[rows, L]` bool: the token's top-k in that layer repeats an id (a router picks K distinct)."""
-    ordered = np.sort(routes, axis=-1)
-    return (ordered[..., 1:] == ordered[..., :-1]).any(-1)
-
-
-def check_route_rows(routes: np.ndarray, num_experts: int | None, layer_ids: Sequence[int] | None = None) -> None:
-    """Refuse route rows `[rows, L, K]` that no router produced: an id outside [0, num_experts)
-    (when it is known), an id repeated within one layer's top-k (a router picks K distinct
-    experts: zeros written as padding repeat 0 when K >= 2), or a row of one id across every
-    layer where chance cannot explain it (see ALL_ONE_ID_MAX_CHANCE). BadRoutes naming the
-    first bad row and layer (`layer_ids`: the layers' names, default the MoE column index).
-    """
-    if routes.ndim != 3 or routes.size == 0:
-        return
-    rows, L, K = routes.shape
-    name = lambda j: f"layer {layer_ids[j]}" if layer_ids is not None else f"MoE layer {j}"  # noqa: E731
-    wild = out_of_range(routes, num_experts)
-    if wild.any():
-        t, j = np.argwhere(wild)[0]
-        raise BadRoutes(f"expert id out of range [0, {num_experts}): min {int(routes.min())}, max {int(routes.max())} "
-                        f"(first at row {t}, {name(j)}: {routes[t, j].tolist()})")
-    if K > 1:
-        repeats = repeated_ids(routes)
-        if repeats.any():
-            t, j = np.argwhere(repeats)[0]
-            raise BadRoutes(f"row {t}, {name(j)} repeats an expert id within its top-{K}: {routes[t, j].tolist()} "
-                             f"({int(repeats.any(-1).sum())} of {rows} rows; a router picks {K} distinct experts: "
-                             "padding or unset rows written as routes?)")
-    elif L >= ALL_ONE_ID_MIN_LAYERS and num_experts is not None \
-            and float(num_experts) ** -(L - 1) <= ALL_ONE_ID_MAX_CHANCE:
-        flat = routes.reshape(rows, L)
-        same = (flat == flat[:, :1]).all(-1)
-        if same.any():
-            t = int(np.argwhere(same)[0][0])
-            raise BadRoutes(f"row {t} names expert {int(flat[t, 0])} in all {L} MoE layers ({int(same.sum())} of "
-                             f"{rows} rows), which routers of {num_experts} experts do not do by chance: padding or "
-                             "unset rows written as routes?")
 
 
 # The keys of SGLang 0.5.23's `sampling_params` (its api/v1 JSON contract, sglang/api/v1/api_types.py, checked by
@@ -392,8 +314,8 @@ class GenerateResult:
             if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != want:
                 raise ValueError(f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
                                  f"[{want}, num_moe_layers, topk] (len(prompt + output) - 1 - start rows)")
-            try:  # every engine's rows, the in-process ones' too (the range needs num_experts: to_route_dtype)
-                check_route_rows(np.asarray(self.routed_experts), None)
+            try:  # every engine's rows, the in-process ones' too (the range needs num_experts: routes.compact)
+                check_routes(np.asarray(self.routed_experts))
             except BadRoutes as e:
                 raise BadRoutes(f"{self.server or 'rollout engine'}: routed_experts: {e}") from None
 

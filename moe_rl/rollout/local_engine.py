@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, SamplingParams, WeightsSource, num_experts_of,
-                                   to_route_dtype, version_spans)
+                                   version_spans)
 from moe_rl.rollout.hf_models import (caches_plain_kv, kv_bytes_per_token, load_model, load_tokenizer, prefilled_cache,
                                       row_kv, select_rows)
 from moe_rl.rollout.memory import MEMORY_TAGS, MemoryRegions
@@ -41,6 +41,7 @@ from moe_rl.rollout.prefix_cache import PrefixCache, PrefixHit
 from moe_rl.rollout.route_recorder import make_recorder
 from moe_rl.rollout.sampler import ids_logprobs, prompt_logprobs, sample, top_logprobs
 from moe_rl.rollout.weight_load import apply_plan, apply_sparse, check_checkpoint, plan_sparse, plan_tensors
+from moe_rl.routes import compact as compact_routes
 
 PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's default size: 1 GiB of keys and values
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -245,7 +246,7 @@ class LocalEngine:
             r = torch.cat(row.routes, 0)[:n]
             if r.shape[0] != n:
                 raise RuntimeError(f"internal: recorded {r.shape[0]} route rows, expected {n}")
-            got = to_route_dtype(r.numpy(), self.num_experts)
+            got = compact_routes(r.numpy(), self.num_experts)
         return GenerateResult(prompt_ids=list(row.prompt), output_ids=list(row.out),
                               output_logprobs=np.asarray(row.lps, dtype=np.float32),
                               finish_reason=row.finish or "length", routed_experts=got,

@@ -10,14 +10,12 @@ sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
 "routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
 The routes are decoded as `extract_routed_experts_from_meta_info` does
 (sglang/srt/state_capturer/routed_experts.py: frombuffer int32), shape-checked,
-restricted to the MoE layers, checked row by row (`check_route_rows`: ids in range, no id
-repeated within a top-k, no padding rows) and stored in the smallest integer dtype. Every problem is a
-`RolloutError` naming the server and the sample.
+restricted to the MoE layers, checked row by row (ids in range, no id repeated within a top-k, no
+padding rows) and stored in the smallest integer dtype: moe_rl/routes.py `decode_b64`. A malformed
+payload is a `RolloutError`, rows no router produced are `BadRoutes`, each naming the server and the sample.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_rl.rollout.engine import (BadRoutes, GenerateRequest, GenerateResult, RolloutError, check_version_spans,
-                                   to_route_dtype)
+from moe_rl.rollout.engine import GenerateRequest, GenerateResult, RolloutError, check_version_spans
+from moe_rl.routes import BadRoutes, RouteWireError, decode_b64
 
 
 # SGLang's label of the weights a server starts with (sglang/srt/arg_groups/fields/serving.py
@@ -163,27 +161,17 @@ def in_place_spans(spans: tuple[tuple[str, int, int], ...] | None, sent: str, la
 
 
 def decode_routes(where: str, b64: Any, rows: int, geo: Geometry) -> np.ndarray:
+    """A reply's `routed_experts` as compact checked routes (moe_rl/routes.py `decode_b64`): a malformed payload
+    is the server's RolloutError, rows no router produced its BadRoutes, both naming `where`."""
     if not isinstance(b64, str):
         raise RolloutError(f"{where}: meta_info.routed_experts is missing (launch SGLang with "
                            f"--enable-return-routed-experts)")
     try:
-        raw = base64.b64decode(b64.encode("ascii"), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise RolloutError(f"{where}: routed_experts is not valid base64: {e}") from None
-    L, k = geo.num_layers, geo.topk
-    if len(raw) % 4:
-        raise RolloutError(f"{where}: routed_experts has {len(raw)} bytes, not a whole number of int32")
-    arr = np.frombuffer(raw, dtype="<i4")
-    want = rows * L * k
-    if arr.size != want:
-        got = f"{arr.size // (L * k)} rows" if arr.size % (L * k) == 0 else f"{arr.size} int32 values"
-        raise RolloutError(f"{where}: routed_experts has {got}, expected [len(prompt + output) - 1 = {rows}, "
-                           f"num_layers = {L}, topk = {k}] ({want} int32 values)")
-    arr = arr.reshape(rows, L, k)[:, geo.moe_layers, :]
-    try:
-        return to_route_dtype(arr, geo.num_experts, geo.moe_layers)
+        return decode_b64(b64, rows, geo.num_layers, geo.topk, geo.moe_layers, geo.num_experts)
     except BadRoutes as e:  # the server's fault, not an outage: the run stops naming it (see BadRoutes)
         raise BadRoutes(f"{where}: routed_experts: {e}") from None
+    except RouteWireError as e:
+        raise RolloutError(f"{where}: {e}") from None
 
 
 def disk_update_payload(path: str, version: str | None, flush_cache: bool = True) -> dict[str, Any]:

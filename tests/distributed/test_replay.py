@@ -111,7 +111,7 @@ def test_bad_routes_give_clear_errors(tiny_hf_dir, engine_rollouts):
     (errors,) = run_ranks(bad_routes_worker, 1, str(tiny_hf_dir), sequences)
     assert "expected [B=8, T-1>=" in errors["short"] and "L=4 MoE layers, K=2" in errors["short"]
     assert "routes have shape (8, " in errors["missing_layer"] and ", 3, 2)" in errors["missing_layer"]
-    assert "the model has experts 0..3" in errors["bad_id"]
+    assert "out of range [0, 4)" in errors["bad_id"] and "num_experts=4" in errors["bad_id"]
     assert "routes have shape (7, " in errors["wrong_batch"]
     assert "MoE layer 0: route targets of microbatches [1, 2, 3] were never consumed" in errors["unconsumed"]
 

@@ -19,7 +19,7 @@ import torch
 from moe_rl.algo.config import replay_mode, route_mask_bound
 from moe_rl.algo.route_mask import route_mask
 from moe_rl.drift.metrics import all_reduce_counts, route_stats
-from moe_rl.rollout.engine import out_of_range, repeated_ids
+from moe_rl.routes import out_of_range, repeated_ids
 
 # The layer-offset check. Measured on the tiny models (qwen3_moe, mixtral: 5 MoE layers; glm4_moe,
 # deepseek_v3: a dense first layer; 4 experts, top-2; two seeds; 384 tokens): a layer's routes
@@ -64,7 +64,7 @@ def sample_cover(routes: torch.Tensor | None, routed: int, num_layers: int, num_
     if routes is None:
         return out
     ids = routes[:routed].numpy()
-    # the rules the rollout engine refuses rows by (moe_rl/rollout/engine.py check_route_rows)
+    # the rules the rollout engine refuses rows by (moe_rl/routes.py check)
     out[:ids.shape[0]] = torch.from_numpy(~(repeated_ids(ids) | out_of_range(ids, num_experts)))
     return out
 

@@ -129,8 +129,7 @@ from __future__ import annotations
 from moe_rl.rollout.server.app import ROUTES, make_app, model_info, server_info
 from moe_rl.rollout.server.cli import add_arguments, run
 from moe_rl.rollout.server.common import DEFAULT_PORT
-from moe_rl.rollout.server.protocol import encode_routes
 from moe_rl.rollout.server.thread import ServerThread
 
-__all__ = ["DEFAULT_PORT", "ROUTES", "ServerThread", "add_arguments", "encode_routes", "make_app", "model_info",
+__all__ = ["DEFAULT_PORT", "ROUTES", "ServerThread", "add_arguments", "make_app", "model_info",
            "run", "server_info"]

@@ -6,16 +6,14 @@ modules); tests/contract/ checks these rules against sglang's own types and mess
 """
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from moe_rl.rollout.engine import GenerateRequest, GenerateResult, SamplingContractError, SamplingParams
 from moe_rl.rollout.server.common import BadRequest, ContractError, _is_int
+from moe_rl.routes import encode_b64
 
 
 @dataclass
@@ -171,14 +169,6 @@ def finish_json(res: GenerateResult) -> dict[str, Any] | None:
     return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}  # FINISH_ABORT
 
 
-def encode_routes(routes: np.ndarray, moe_layer_ids: list[int], num_hidden_layers: int) -> str:
-    """Routes [N, num_moe_layers, k] -> SGLang's base64 of int32 [N, num_hidden_layers, k]."""
-    n, _, k = routes.shape
-    full = np.zeros((n, num_hidden_layers, k), dtype="<i4")
-    full[:, moe_layer_ids, :] = routes
-    return base64.b64encode(full.tobytes()).decode("ascii")
-
-
 def reply_text(res: GenerateResult, req: GenerateRequest, tok: Any) -> str:
     """The reply's text (DetokenizerManager.trim_matched_stop): a matched stop string is cut off (kept with
     no_stop_trim), as is a matched stop token, whose text is not decoded."""
@@ -235,8 +225,8 @@ def sample_json(res: GenerateResult, req: GenerateRequest, rid: str, return_logp
         meta["weight_version"] = res.weight_versions[-1][0]
     if finished and req.return_routed_experts and res.routed_experts is not None:
         # rows [routed_experts_start_len, len - 1), as SGLang's get_topk(start_len=...)
-        meta["routed_experts"] = encode_routes(res.routed_experts[routes_start:], engine.moe_layer_ids,
-                                               engine.num_hidden_layers)
+        meta["routed_experts"] = encode_b64(res.routed_experts[routes_start:], engine.moe_layer_ids,
+                                            engine.num_hidden_layers)
     if finished and arrival is not None:
         meta["e2e_latency"] = time.monotonic() - arrival
     out: dict[str, Any] = {}

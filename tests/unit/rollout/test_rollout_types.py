@@ -1,46 +1,12 @@
-"""Engine contract: dtypes for expert ids, sampling-param translation, result shape checks."""
+"""Engine contract: sampling-param translation, result shape checks (a route's type and wire form:
+tests/unit/test_routes.py)."""
 from __future__ import annotations
-
-import base64
 
 import numpy as np
 import pytest
 
-from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutEngine, SamplingParams,
-                                   moe_layer_ids, to_route_dtype)
-from moe_rl.rollout.server import encode_routes
+from moe_rl.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams, moe_layer_ids
 from moe_rl.rollout.sglang_client import SGLangClient
-from moe_rl.rollout.wire import Geometry, decode_routes
-from moe_rl.routes import route_np_dtype
-
-
-def test_route_np_dtype_boundaries():
-
-    assert route_np_dtype(1) == np.uint8
-    assert route_np_dtype(256) == np.uint8      # ids 0..255
-    assert route_np_dtype(257) == np.int16      # id 256 does not fit in uint8
-    assert route_np_dtype(32768) == np.int16
-    assert route_np_dtype(32769) == np.int32
-    with pytest.raises(ValueError):
-        route_np_dtype(0)
-
-
-def test_ids_above_255_survive_server_encoding_and_client_decoding():
-    rng = np.random.default_rng(0)
-    num_experts, rows, k = 384, 7, 8
-    routes = np.stack([np.stack([rng.choice(num_experts, k, replace=False) for _ in range(3)])
-                       for _ in range(rows)])              # [rows, 3 moe layers, k]
-    assert routes.max() > 255
-    # 4 hidden layers, layer 1 dense: SGLang leaves its rows 0
-    b64 = encode_routes(routes, [0, 2, 3], 4)
-    flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32).reshape(rows, 4, k)
-    assert (flat[:, 1] == 0).all()
-    geo = Geometry(num_layers=4, topk=k, num_experts=num_experts, moe_layers=[0, 2, 3])
-    got = decode_routes("test", b64, rows, geo)
-    assert got.dtype == np.int16
-    np.testing.assert_array_equal(got, routes)
-    with pytest.raises(ValueError, match="out of range"):
-        to_route_dtype(routes, 300)  # ids >= 300 must not be wrapped silently
 
 
 def test_sampling_params_roundtrip_and_validation():
