@@ -14,7 +14,7 @@ from moe_rl.configurable import choice, ranged
 ALARM_ACTIONS = ("warn", "stop")
 
 # The alarm thresholds: field of `drift.alarm` -> (metric key, whether it fires above or below the
-# value). All are measured on the step's own tokens (`step_drift` in moe_rl/recipes/rl/step.py).
+# value). All are measured on the step's own tokens (`step_drift` in moe_rl/recipes/rl/drift_views.py).
 ALARM_METRICS: dict[str, tuple[str, str]] = {
     "volatility": ("drift/volatility", "above"),
     "rollout_mismatch": ("drift/rollout_mismatch", "above"),
@@ -112,3 +112,9 @@ def check_drift(cfg: Any) -> Iterator[str]:
         elif name == "rollout_mismatch" and not cfg.rollout.return_routed_experts:
             yield (f"{key} is set, but rollout.return_routed_experts=false: without the engine's routes "
                    f"drift/rollout_mismatch is never measured; set rollout.return_routed_experts=true or unset {key}")
+
+
+def step_tokens_due(d: DriftConfig, step: int) -> bool:
+    """Whether step `step` measures drift on its own tokens (`drift.step_tokens`, every `drift.every` steps):
+    the old pass then records the trainer's free routes for it."""
+    return d.enabled and d.step_tokens and step % d.every == 0

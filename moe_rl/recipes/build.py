@@ -27,7 +27,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
     from moe_rl.recipes.rl.async_rollouts import AsyncRollouts, StalenessGovernor
-    from moe_rl.recipes.rl.step import Run
+    from moe_rl.recipes.rl.run import Run
     from moe_rl.reward.registry import get_reward
     from moe_rl.reward.runner import RewardRunner
     from moe_rl.rollout.weight_sync import make_weight_sync

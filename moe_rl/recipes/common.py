@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from moe_rl.drift.metrics import route_stats
 from moe_rl.policy.policy import Policy
-from moe_rl.recipes.rl.batch import Samples
 
 
 class Stopwatch:

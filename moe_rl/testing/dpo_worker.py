@@ -30,7 +30,7 @@ def dpo_layout_worker(layout_name: str, hf_dir: str, pairs: list[PreferencePair]
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
     from moe_rl.recipes.dpo.step import pair_batch, pair_logps, pair_loss
-    from moe_rl.recipes.rl.batch import share_indices
+    from moe_rl.samples import share_indices
 
     layout = ParallelLayout.parse(layout_name)
     policy = Policy(PolicySpec(hf_dir, layout, OptimConfig(), micro_batch_size=micro_batch_size))

@@ -129,7 +129,10 @@ class _ReplaySpy:
             return f"{mode}: the updates did not replay one route row per sample"
         if mode == "r2":
             return "ok" if torch.equal(old.replay, old.free_routes) else "r2: replayed routes are not the recorded ones"
-        engine = self.loop.engine_routes(self.mine)
+        from moe_rl.recipes.rl.replay_health import engine_route_cover
+
+        # the engine's routes stacked [B, T - 1, L, K], in the engine's compact id dtype
+        engine = engine_route_cover(self.mine, max(self.mine.lengths()) - 1).routes
         if engine.dtype != torch.uint8:
             return f"r3: engine routes widened to {engine.dtype}"
         return "ok" if torch.equal(old.replay, engine) else "r3: replayed routes are not the engine's"

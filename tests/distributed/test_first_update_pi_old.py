@@ -31,8 +31,11 @@ def three_updates(hf_dir: str, out_dir: str, layout: str, skip: bool) -> dict:
     from moe_rl.policy.parallel import ParallelLayout
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
-    from moe_rl.recipes.rl.batch import Samples, my_share
-    from moe_rl.recipes.rl.step import Run, minibatch_updates, old_logprobs
+    from moe_rl.samples import Samples
+    from moe_rl.recipes.rl.batch import my_share
+    from moe_rl.recipes.rl.run import Run
+    from moe_rl.recipes.rl.step import minibatch_updates
+    from moe_rl.recipes.rl.old_pass import old_logprobs
     from moe_rl.testing.minibatches import gspo_batch
 
     seqs, plens, adv, _ = gspo_batch()

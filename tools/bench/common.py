@@ -309,7 +309,7 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[Any]], align: str | No
 
 @contextmanager
 def trainer_run(cfg_dict: dict[str, Any], out: str) -> Iterator[Any]:
-    """This rank's `loop.Run` of a config, built as `moe-rl train` builds it (`trainer.build_run`:
+    """This rank's `Run` (moe_rl/recipes/rl/run.py) of a config, built as `moe-rl train` builds it (`trainer.build_run`:
     policy, rollout engine or servers, weight sync); engine and servers are stopped on exit.
     Call on every rank of a `moe_rl.dist.spawn.run_ranks` job."""
     import torch.distributed as dist

@@ -53,7 +53,7 @@ def _samples(n: int, t: int, r: int, layers: int, k: int, experts: int) -> Any:
     import torch
 
     from moe_rl.data.dataset import Prompt
-    from moe_rl.recipes.rl.batch import Samples
+    from moe_rl.samples import Samples
 
     g = torch.Generator().manual_seed(0)
     prompt = Prompt(uid="p", prompt_ids=list(range(t - r)), prompt_text="", answer="")

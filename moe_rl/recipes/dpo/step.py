@@ -31,7 +31,7 @@ from moe_rl.dist.collectives import broadcast_object as broadcast, rank
 from moe_rl.policy.policy import Policy
 from moe_rl.recipes.build import run_tokenizer, initial_model, make_policy
 from moe_rl.recipes.common import Stopwatch, all_keys, probe_volatility
-from moe_rl.recipes.rl.batch import share_indices
+from moe_rl.samples import share_indices
 
 log = logging.getLogger(__name__)
 

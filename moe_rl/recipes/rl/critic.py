@@ -22,7 +22,7 @@ from moe_rl.algo.advantages import compute_gae, length_adaptive_lambda, token_re
 from moe_rl.algo.losses import value_loss
 from moe_rl.drift.metrics import route_stats
 from moe_rl.recipes.common import combine_loss_metrics, mean_metrics
-from moe_rl.recipes.rl.batch import response_mask
+from moe_rl.samples import response_mask
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 def critic_step(run: Any, share: Any, old: Any, step: int) -> dict[str, float]:
     """Values, GAE advantages (written to `share.samples.advantages`, `[B, T - 1]`), critic updates.
 
-    `old`: the policy's old pass (`loop.OldPass`), whose width `[B, T - 1]` the values take.
+    `old`: the policy's old pass (`old_pass.OldPass`), whose width `[B, T - 1]` the values take.
     Returns `critic/...` metrics; `critic/warmup` is 1.0 when the policy must not update.
     """
 

@@ -86,8 +86,8 @@ def test_each_position_keeps_the_routes_of_the_forward_that_first_processed_it(t
 
     # drift by turn compares, for turn t, rows that turn t's own request computed (at turn t's weights):
     # the rows drift_by_turn counts as turn t lie in that request's rows [start, len(context) - 1)
-    from moe_rl.recipes.rl.batch import Samples
-    from moe_rl.recipes.rl.step import route_turns
+    from moe_rl.samples import Samples
+    from moe_rl.recipes.rl.drift_views import route_turns
 
     sample = Samples([prompt], [torch.tensor(list(prompt.prompt_ids) + list(episode.output_ids))],
                      torch.tensor([len(prompt.prompt_ids)]), [torch.zeros(len(episode.output_ids))], None, [""],

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_rl.data.sampler import PromptSampler
-from moe_rl.recipes.rl.batch import Samples
+from moe_rl.samples import Samples
 from moe_rl.recipes.rl.async_rollouts import AsyncRollouts, check_staleness
 
 G = 2  # samples per prompt

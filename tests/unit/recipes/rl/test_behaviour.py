@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.recipes.rl.batch import Samples
-from moe_rl.recipes.rl.step import Run, _loss_fn, loss_extras, old_logprobs
+from moe_rl.samples import Samples
+from moe_rl.recipes.rl.run import Run
+from moe_rl.recipes.rl.step import _loss_fn, loss_extras
+from moe_rl.recipes.rl.old_pass import old_logprobs
 
 PROMPT = 3
 COMPLETIONS = [4, 2, 3]  # completion lengths of the three samples
@@ -181,7 +183,7 @@ class _RoutingPolicy:
 
 
 def test_volatility_by_staleness_compares_the_probe_routes_of_the_last_k_versions():
-    from moe_rl.recipes.rl.step import volatility_by_staleness
+    from moe_rl.recipes.rl.drift_views import volatility_by_staleness
 
     policy = _RoutingPolicy()
     run = _run(policy, "algo.max_staleness=2", "drift.probe_size=2")

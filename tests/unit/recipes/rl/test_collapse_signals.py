@@ -6,7 +6,9 @@ from types import SimpleNamespace
 
 import torch
 
-from moe_rl.recipes.rl.batch import Samples, advantages_and_filters, sampled_entropy
+from moe_rl.samples import Samples
+
+from moe_rl.recipes.rl.batch import advantages_and_filters, sampled_entropy
 
 
 def _samples(logps: list[torch.Tensor], masks: list[torch.Tensor] | None = None) -> Samples:

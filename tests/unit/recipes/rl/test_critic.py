@@ -9,10 +9,10 @@ import torch
 
 from moe_rl.algo.advantages import compute_gae, length_adaptive_lambda, token_rewards
 from moe_rl.config import load_config
-from moe_rl.recipes.rl.batch import response_mask
-from moe_rl.recipes.rl.batch import Samples, Share
+from moe_rl.samples import response_mask
+from moe_rl.samples import Samples, Share
 from moe_rl.recipes.rl.critic import critic_step
-from moe_rl.recipes.rl.step import OldPass
+from moe_rl.recipes.rl.old_pass import OldPass
 
 
 class StandInCritic:

@@ -9,8 +9,8 @@ import torch
 
 from moe_rl.algo import LOSSES, compute_loss
 from moe_rl.data.dataset import Prompt
-from moe_rl.recipes.rl.batch import response_mask
-from moe_rl.recipes.rl.batch import Samples
+from moe_rl.samples import response_mask
+from moe_rl.samples import Samples
 
 DT = torch.float64
 # (prompt length, completion action mask): model turns with environment answers in between
@@ -75,7 +75,7 @@ def test_single_turn_samples_keep_the_whole_completion():
 
 
 def test_position_turns_give_each_token_its_episode_turn():
-    from moe_rl.recipes.rl.step import position_turns
+    from moe_rl.recipes.rl.drift_views import position_turns
 
     # prompt 3, then: env opening [F], turn 0 [T, T], answer [F, F], turn 1 [T], answer [F], turn 2 [T, T]
     s = _samples([(3, [0, 1, 1, 0, 0, 1, 0, 1, 1])])

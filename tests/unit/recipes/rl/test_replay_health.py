@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
-from moe_rl.recipes.rl.batch import Samples, replay_coverage, response_mask
+from moe_rl.samples import Samples, response_mask
+from moe_rl.recipes.rl.batch import replay_coverage
 from moe_rl.recipes.rl.replay_health import LayerOffsetError, ReplayCoverageError, coverage
-from moe_rl.recipes.rl.step import Run, _loss_fn, loss_extras, old_logprobs
+from moe_rl.recipes.rl.run import Run
+from moe_rl.recipes.rl.step import _loss_fn, loss_extras
+from moe_rl.recipes.rl.old_pass import old_logprobs
 
 PROMPT, COMPLETIONS = 3, [8, 6, 9, 7]
 LAYERS, K, E = [1, 2, 3, 4], 2, 4  # HF layer ids of the MoE layers (layer 0 dense), top-2 of 4 experts

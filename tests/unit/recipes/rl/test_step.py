@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_rl.recipes.rl.batch import usable_groups
+from moe_rl.samples import usable_groups
 
 
 @pytest.mark.parametrize("kept,g,unit,expected", [
@@ -21,7 +21,7 @@ def test_usable_groups_keeps_the_most_whole_groups_that_split_evenly(kept, g, un
 def test_share_indices_same_minibatches_either_way_and_balanced_by_tokens(dp, m):
     import random
 
-    from moe_rl.recipes.rl.batch import share_indices
+    from moe_rl.samples import share_indices
 
     rng = random.Random(dp * 10 + m)
     lengths = [rng.randint(16, 1024) for _ in range(32)]
@@ -44,7 +44,9 @@ def _share(shuffle: bool, step: int, dp: int = 2, rank: int = 0) -> list[list[in
 
     import torch
 
-    from moe_rl.recipes.rl.batch import Samples, my_share
+    from moe_rl.samples import Samples
+
+    from moe_rl.recipes.rl.batch import my_share
 
     n = 16
     samples = Samples(prompts=list(range(n)), sequences=[torch.tensor([i, i]) for i in range(n)],
@@ -71,7 +73,7 @@ def test_my_share_shuffles_the_samples_into_minibatches_per_step():
 
 
 def test_share_indices_refuses_uneven_split():
-    from moe_rl.recipes.rl.batch import share_indices
+    from moe_rl.samples import share_indices
 
     with pytest.raises(ValueError, match="2 data-parallel ranks x 2 minibatches.*multiple of 4"):
         share_indices([5] * 6, 2, 0, 2, by_tokens=False)
@@ -81,7 +83,7 @@ def test_share_indices_by_tokens_lowers_the_busiest_rank():
     """Over many batches with lengths 16..1024 the busiest rank holds fewer tokens on average."""
     import random
 
-    from moe_rl.recipes.rl.batch import share_indices
+    from moe_rl.samples import share_indices
 
     rng = random.Random(0)
     busiest = {False: 0, True: 0}
@@ -169,7 +171,7 @@ def _scripted_run(informative: list[int], *overrides: str):
     from moe_rl.config import load_config
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
-    from moe_rl.recipes.rl.step import Run
+    from moe_rl.recipes.rl.run import Run
     from moe_rl.reward.runner import RewardRunner
 
     cfg = load_config(None, ["data.prompts_per_step=4", "rollout.n_samples=4", "algo.num_minibatches=2",
@@ -181,7 +183,8 @@ def _scripted_run(informative: list[int], *overrides: str):
 
 
 def test_dynamic_sampling_refills_until_the_step_has_its_groups():
-    from moe_rl.recipes.rl.batch import advantages_and_filters, dynamic_sampling_rounds, generate, next_prompts, score
+    from moe_rl.recipes.rl.batch import advantages_and_filters, dynamic_sampling_rounds, score
+    from moe_rl.recipes.rl.rollouts import generate, next_prompts
 
     run = _scripted_run([1, 2, 4], "algo.overlong_max_len=2")
     first = generate(run, next_prompts(run), 1)
@@ -198,7 +201,8 @@ def test_dynamic_sampling_refills_until_the_step_has_its_groups():
 
 
 def test_dynamic_sampling_filters_on_task_reward_not_on_shaped_reward():
-    from moe_rl.recipes.rl.batch import dynamic_sampling_rounds, generate, next_prompts, score
+    from moe_rl.recipes.rl.batch import dynamic_sampling_rounds, score
+    from moe_rl.recipes.rl.rollouts import generate, next_prompts
 
     run = _scripted_run([0], "algo.overlong_max_len=2", "algo.dynamic_sampling_max_rounds=1")
     samples = generate(run, next_prompts(run), 1)
@@ -209,7 +213,8 @@ def test_dynamic_sampling_filters_on_task_reward_not_on_shaped_reward():
 
 
 def test_dynamic_sampling_reports_what_is_trained_on():
-    from moe_rl.recipes.rl.batch import dynamic_sampling_rounds, generate, next_prompts, score
+    from moe_rl.recipes.rl.batch import dynamic_sampling_rounds, score
+    from moe_rl.recipes.rl.rollouts import generate, next_prompts
 
     run = _scripted_run([3, 0], "algo.dynamic_sampling_max_rounds=2")
     samples = generate(run, next_prompts(run), 1)
@@ -220,7 +225,8 @@ def test_dynamic_sampling_reports_what_is_trained_on():
 
 
 def test_rewards_get_completion_ids():
-    from moe_rl.recipes.rl.batch import generate, next_prompts, score
+    from moe_rl.recipes.rl.rollouts import generate, next_prompts
+    from moe_rl.recipes.rl.batch import score
 
     run = _scripted_run([4], "algo.dynamic_sampling=false")
     samples = generate(run, next_prompts(run), 1)
@@ -250,15 +256,15 @@ def test_a_stop_token_ends_the_completion_and_is_trained():
     from types import SimpleNamespace
 
     from moe_rl.data.toy import ToyTokenizer
-    from moe_rl.recipes.rl.batch import response_mask
-    from moe_rl.recipes.rl.batch import _samples, staleness_metrics
+    from moe_rl.samples import response_mask
+    from moe_rl.recipes.rl.rollouts import to_samples, staleness_metrics
 
     tok = ToyTokenizer()
     run = SimpleNamespace(dataset=SimpleNamespace(tokenizer=tok), eos_id=tok.eos_token_id)
     prompt = SimpleNamespace(prompt_ids=tok.encode("<bos>123="))
     outputs = [([2], [-2.0], None, ["3"]), ([4, 2], [-1.0, -0.5], None, ["3", "4"]),
                ([4, 5], [-1.0, -3.0], None, ["default", "4"])]  # the engine's per-token weight versions
-    s = _samples(run, [prompt], [outputs])
+    s = to_samples(run, [prompt], [outputs])
     assert s.completion_ids() == [[2], [4, 2], [4, 5]] and s.completions == ["", "1", "12"]
     assert [v.tolist() for v in s.versions] == [[3], [3, 4], [0, 4]]  # "default": the starting weights
     run.weight_version = 5  # per token: 2; 2, 1; 5, 1 versions behind
@@ -274,8 +280,8 @@ def test_each_position_is_lagged_by_the_weights_that_computed_it():
     # first token, position 2 produced token 0, 3 token 1, 4 token 2; the old pass is at version 5
     import torch
 
-    from moe_rl.recipes.rl.batch import Samples
-    from moe_rl.recipes.rl.step import position_lags
+    from moe_rl.samples import Samples
+    from moe_rl.recipes.rl.drift_views import position_lags
 
     s = Samples(prompts=[0, 1], sequences=[torch.arange(6), torch.arange(4)], prompt_lens=torch.tensor([3, 3]),
                 engine_logp=[torch.zeros(3), torch.zeros(1)], routes=None, completions=["", ""],
@@ -289,7 +295,7 @@ def _episodes(*episodes):
     """Samples of multi-turn episodes: (prompt length, completion action mask) each."""
     import torch
 
-    from moe_rl.recipes.rl.batch import Samples
+    from moe_rl.samples import Samples
 
     return Samples(prompts=list(range(len(episodes))), sequences=[torch.arange(p + len(a)) for p, a in episodes],
                    prompt_lens=torch.tensor([p for p, _ in episodes]),
@@ -309,7 +315,7 @@ ROWS_B = [C, C, 0, C, 1, N, N, N, N]   # p0 p1 p2 m0 a | m1, padding
 
 
 def test_route_rows_count_for_the_turn_of_the_token_they_produce_and_context_apart():
-    from moe_rl.recipes.rl.step import CONTEXT, NO_ROW, route_turns
+    from moe_rl.recipes.rl.drift_views import CONTEXT, NO_ROW, route_turns
 
     assert (CONTEXT, NO_ROW) == (C, N)
     s = _episodes(EPISODE_A, EPISODE_B)
@@ -327,8 +333,8 @@ def test_drift_by_turn_counts_each_turns_rows_and_the_context_apart():
 
     import torch
 
-    from moe_rl.recipes.rl.batch import response_mask
-    from moe_rl.recipes.rl.step import drift_by_turn
+    from moe_rl.samples import response_mask
+    from moe_rl.recipes.rl.drift_views import drift_by_turn
 
     s, width = _episodes(EPISODE_A, EPISODE_B), 8
     rows = torch.tensor([ROWS_A[:width], ROWS_B[:width]])

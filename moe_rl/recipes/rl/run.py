@@ -1,0 +1,32 @@
+"""`Run`: everything an RL step needs, built once by the trainer (moe_rl/recipes/build.py) and passed to
+every stage of the step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_rl.config import RunConfig
+from moe_rl.data.dataset import PromptDataset
+from moe_rl.data.sampler import PromptSampler
+from moe_rl.policy.policy import Policy
+from moe_rl.reward.runner import RewardRunner
+
+
+@dataclass
+class Run:
+    """Everything a step needs, built once by the trainer."""
+
+    cfg: RunConfig
+    policy: Policy
+    dataset: PromptDataset
+    sampler: PromptSampler
+    rewards: RewardRunner
+    engine: Any  # RolloutEngine on rank 0, None elsewhere
+    weight_sync: Any
+    eos_id: int
+    rank: int = 0
+    weight_version: int = 0
+    drift_state: dict[str, Any] = field(default_factory=dict)
+    async_rollouts: Any = None  # rank 0's AsyncRollouts when algo.max_staleness >= 1 (recipes/rl/async_rollouts.py)
+    critic: Any = None  # moe_rl.policy.critic.Critic when algo.advantage=gae
+    episodes: Any = None  # rank 0's EpisodeRunner when rollout.env is set (moe_rl/rollout/episodes.py)
