@@ -7,7 +7,7 @@ endpoint level, and `moe-rl serve` decides the same way (`decide`):
 - normal endpoints (`/generate`, `/model_info`, `/server_info`, ...) need the api key
   when one is set;
 - admin endpoints (weight updates, pause / continue, flush, memory release: SGLang's
-  `ADMIN_OPTIONAL` ones, `ADMIN_PATHS` here) need the admin key when one is set (the
+  `ADMIN_OPTIONAL` ones, `ADMIN_PATHS` in moe_rl/rollout/sglang_api.py) need the admin key when one is set (the
   plain key is then refused), else the api key, else nothing.
 
 A wrong or missing key is 401. The launcher makes one pair of keys per run (`RunKeys.new`)
@@ -25,15 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-OPEN_PREFIXES = ("/health", "/ready", "/metrics")
-# SGLang's ADMIN_OPTIONAL endpoints that moe-rl serve has, or that our client calls
-ADMIN_PATHS = frozenset({
-    "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
-    "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed", "/update_weight_version",
-    "/update_weights_from_tensor", "/get_weights_by_name", "/release_memory_occupation",
-    "/resume_memory_occupation", "/flush_cache", "/pause_generation", "/continue_generation",
-    "/abort_request", "/start_profile", "/stop_profile", "/set_internal_state", "/weights_checker",
-})
+from moe_rl.rollout.sglang_api import ADMIN_PATHS, OPEN_PREFIXES  # SGLang's endpoint levels
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 

@@ -49,6 +49,7 @@ from moe_rl.rollout.config import pushes_in_place
 from moe_rl.rollout.engines import engine_kind
 from moe_rl.rollout.processes import (_WILDCARD_HOSTS, _die_with_parent, _group_members, _http_ok,
                                       _wait_port_free, port_is_free, tail)
+from moe_rl.rollout.sglang_api import HEALTH, READINESS
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class ServerSpec:
     host: str
     port: int
     env: Mapping[str, str] = field(default_factory=dict)
-    health_path: str = "/health"
+    health_path: str = HEALTH
 
     @property
     def url(self) -> str:
@@ -246,7 +247,7 @@ def plan_servers(cfg: Any, model_path: str | Path, *, tp_size: int | None = None
         # /readiness, not /health: the router answers /health at once, but refuses
         # /generate (503) until it has registered a healthy worker.
         router = ServerSpec("router", tuple(argv), rhost, base + n, _local_env() if keyed else {},
-                            health_path="/readiness")
+                            health_path=READINESS)
     return servers, router
 
 

@@ -36,7 +36,7 @@ import aiohttp
 
 from moe_rl.rollout.auth import RunKeys
 from moe_rl.rollout.engine import RolloutError
-from moe_rl.rollout.wire import error_text
+from moe_rl.rollout.sglang_api import HEALTH, HEALTH_GENERATE, error_text
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class ServerPool:
         server.last_error = why
         server.next_probe = time.monotonic() + self.probe_interval
 
-    async def _probe(self, server: Server, path: str = "/health_generate") -> bool:
+    async def _probe(self, server: Server, path: str = HEALTH_GENERATE) -> bool:
         """GET `path`; on success bring the server's weights up to date, then mark it healthy.
 
         Failed servers are re-probed with /health_generate, which generates a token: SGLang's
@@ -301,7 +301,7 @@ class ServerPool:
 
     async def _ahealth(self) -> bool:
         self._ensure_session()
-        res = await asyncio.gather(*(self._probe(s, "/health") for s in self._all_servers()))
+        res = await asyncio.gather(*(self._probe(s, HEALTH) for s in self._all_servers()))
         front = res[:len(self._servers)]
         workers = [ok for s, ok in zip(self._all_servers(), res) if s in self._admin]
         return any(front) and (not self._behind_router or any(workers))

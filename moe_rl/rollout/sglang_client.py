@@ -16,7 +16,7 @@ Robustness (health probes, retries with backoff, least-loaded picking): the
 `ServerPool` it is built on (moe_rl/rollout/server_pool.py). A server that recovers
 first proves it is this run's and gets the latest weights when it missed an update.
 
-Request and reply shapes: moe_rl/rollout/wire.py.
+Request bodies and endpoints: moe_rl/rollout/sglang_api.py; replies: moe_rl/rollout/wire.py.
 
 Model info: GET /model_info (its name since sglang 0.5.23), falling back to the older
 /get_model_info on a 404.
@@ -35,7 +35,7 @@ Seeds: a request with `seed` s and n > 1 is sent as n items with `sampling_seed`
 s, s+1, ..., so the samples differ and rerun identically (SGLang applies one
 sampling_seed to all n copies, and honours it only when launched with
 --enable-deterministic-inference): one batched /generate per prompt group
-(`wire.group_payload`), or, behind a router, n requests (sglang-router 0.3.2
+(`sglang_api.group_payload`), or, behind a router, n requests (sglang-router 0.3.2
 re-serialises /generate into its own struct, and we send it only the single form).
 
 Log-probs: SGLang returns log(softmax(logits / T)), the distribution the token was
@@ -53,8 +53,11 @@ from moe_rl.rollout.auth import RunKeys
 from moe_rl.rollout.engine import (GenerateRequest, GenerateResult, RolloutError, WeightsSource, moe_layer_ids,
                                    num_experts_of, topk_of)
 from moe_rl.rollout.server_pool import Retryable, Server, ServerPool, Unreachable
-from moe_rl.rollout.wire import (INITIAL_WEIGHT_VERSION, Geometry, disk_update_payload, generate_payload,
-                                group_payload, in_place_spans, parse_reply, read_hf_config)
+from moe_rl.rollout.sglang_api import (CONTINUE_GENERATION, FLUSH_CACHE, GENERATE, INITIAL_WEIGHT_VERSION,
+                                       MODEL_INFO, MODEL_INFO_OLD, PAUSE_GENERATION, RELEASE_MEMORY, RESUME_MEMORY,
+                                       SERVER_INFO, UPDATE_FROM_DISK, disk_update_payload, generate_payload,
+                                       group_payload)
+from moe_rl.rollout.wire import Geometry, in_place_spans, parse_reply, read_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +133,7 @@ class SGLangClient(ServerPool):
         whatever answers on a dead server's port may be another run's or another model."""
         if self.served_name is None:
             return
-        info = await self._json(server, "GET", "/server_info", timeout=self.probe_timeout)
+        info = await self._json(server, "GET", SERVER_INFO, timeout=self.probe_timeout)
         name = info.get("served_model_name") if isinstance(info, dict) else None
         if name != self.served_name:
             raise RolloutError(f"server {server.url} is not this run's: it serves {name!r}, expected "
@@ -138,7 +141,7 @@ class SGLangClient(ServerPool):
 
     async def _model_info(self, server: Server) -> Any:
         """GET /model_info; /get_model_info (its name before sglang 0.5.23) when that is a 404."""
-        for path in ("/model_info", "/get_model_info"):
+        for path in (MODEL_INFO, MODEL_INFO_OLD):
             status, body = await self._request(server, "GET", path, timeout=self.probe_timeout)
             if status != 404:
                 break
@@ -241,7 +244,7 @@ class SGLangClient(ServerPool):
                 server.inflight += 1
                 try:
                     sent = self._labels[-1]
-                    data = await self._json(server, "POST", "/generate", payload)
+                    data = await self._json(server, "POST", GENERATE, payload)
                     results = parse_reply(server.url, req, data, geo)
                     if self.pushes_in_place and await self._overlap_schedule(server):
                         results = [replace(r, weight_versions=in_place_spans(r.weight_versions, sent, self._labels))
@@ -293,7 +296,7 @@ class SGLangClient(ServerPool):
         """Whether the servers run SGLang's overlap scheduler (its default, unless launched with
         --disable-overlap-schedule): /server_info of the first that answers, read once."""
         if self._overlap is None:
-            info = await self._json(server, "GET", "/server_info", timeout=self.probe_timeout)
+            info = await self._json(server, "GET", SERVER_INFO, timeout=self.probe_timeout)
             self._overlap = not bool(info.get("disable_overlap_schedule", False)) if isinstance(info, dict) else True
         return self._overlap
 
@@ -321,7 +324,7 @@ class SGLangClient(ServerPool):
     async def _update_one(self, server: Server, path: str, version: str | None) -> None:
         await self._check_identity(server)  # never push this run's weights into a stranger
         payload = disk_update_payload(path, version, flush_cache=self.flush_on_update)
-        d = await self._json(server, "POST", "/update_weights_from_disk", payload, ok_statuses=(200, 400))
+        d = await self._json(server, "POST", UPDATE_FROM_DISK, payload, ok_statuses=(200, 400))
         if not isinstance(d, dict) or not d.get("success"):
             msg = d.get("message") if isinstance(d, dict) else d
             raise RolloutError(f"server {server.url} refused the weights in {path!r}: {msg}")
@@ -379,17 +382,17 @@ class SGLangClient(ServerPool):
     # --------------------------------------------------------------- admin calls
 
     def flush_cache(self) -> None:
-        self._run(self._broadcast("POST", "/flush_cache", json_reply=False))
+        self._run(self._broadcast("POST", FLUSH_CACHE, json_reply=False))
 
     def pause_generation(self, mode: str = "abort") -> None:
         """SGLang PauseGenerationReqInput: mode "abort" | "retract" | "in_place". A server that cannot
         be reached (dead, restarting) is taken out of rotation, not waited for: its requests fail
         and are sent again, a restarted server is not paused, and the weight push that follows
         reaches it when its probe answers."""
-        self._run(self._abroadcast_reachable("/pause_generation", {"mode": mode}))
+        self._run(self._abroadcast_reachable(PAUSE_GENERATION, {"mode": mode}))
 
     def continue_generation(self) -> None:
-        self._run(self._abroadcast_reachable("/continue_generation", {}))
+        self._run(self._abroadcast_reachable(CONTINUE_GENERATION, {}))
 
     async def _abroadcast_reachable(self, path: str, payload: Any) -> None:
         """POST `path` to every admin server; those that fail as a server fails (no answer, 5xx) are
@@ -408,7 +411,7 @@ class SGLangClient(ServerPool):
         """Colocated runs: SGLang frees its weights and KV cache (ReleaseMemoryOccupationReqInput)
         so training can use the GPU memory; needs servers started with --enable-memory-saver.
         Marks the servers released: the next `generate` resumes them first."""
-        self._run(self._broadcast("POST", "/release_memory_occupation", {}))
+        self._run(self._broadcast("POST", RELEASE_MEMORY, {}))
         self._released = True
 
     def _lock(self) -> asyncio.Lock:
@@ -419,7 +422,7 @@ class SGLangClient(ServerPool):
     async def _aresume(self) -> None:
         async with self._lock():  # concurrent generate calls resume once
             if self._released:
-                await self._broadcast("POST", "/resume_memory_occupation", {})
+                await self._broadcast("POST", RESUME_MEMORY, {})
                 self._released, self._weights_lost = False, True  # the region is back, its content is not
 
     async def _areload_weights(self) -> None:
@@ -452,7 +455,7 @@ class SGLangClient(ServerPool):
         async def go() -> dict[str, Any]:
             self._ensure_session()
             servers = self._admin
-            res = await asyncio.gather(*(self._json(s, "GET", "/server_info", timeout=self.probe_timeout)
+            res = await asyncio.gather(*(self._json(s, "GET", SERVER_INFO, timeout=self.probe_timeout)
                                          for s in servers), return_exceptions=True)
             return {s.url: r for s, r in zip(servers, res) if not isinstance(r, BaseException)}
         return self._run(go())

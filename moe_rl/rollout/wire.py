@@ -1,4 +1,5 @@
-"""SGLang's native /generate on the wire, as the client sends and reads it.
+"""SGLang's native /generate reply, as the client reads it (the request bodies and the endpoints:
+moe_rl/rollout/sglang_api.py).
 
 Request / response shapes (sglang/srt/managers/io_struct.py `GenerateReqInput`,
 sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
@@ -27,11 +28,6 @@ from moe_rl.rollout.engine import GenerateRequest, GenerateResult, RolloutError,
 from moe_rl.routes import BadRoutes, RouteWireError, decode_b64
 
 
-# SGLang's label of the weights a server starts with (sglang/srt/arg_groups/fields/serving.py
-# `weight_version`): the run's version 0, and the first span of every request alive at the first push.
-INITIAL_WEIGHT_VERSION = "default"
-
-
 @dataclass
 class Geometry:
     """The model's shape as the routed experts need it: layers, top-k, experts, which layers are MoE."""
@@ -40,27 +36,6 @@ class Geometry:
     topk: int
     num_experts: int | None
     moe_layers: list[int]
-
-
-def generate_payload(req: GenerateRequest) -> dict[str, Any]:
-    # SGLang GenerateReqInput (sglang/srt/managers/io_struct.py)
-    body = {"input_ids": list(req.prompt_ids), "sampling_params": req.sampling.to_sglang(),
-            "return_logprob": True, "return_routed_experts": bool(req.return_routed_experts)}
-    if req.return_routed_experts and req.routed_experts_start_len:
-        body["routed_experts_start_len"] = req.routed_experts_start_len  # rows [start, len - 1) only
-    return body
-
-
-def group_payload(req: GenerateRequest) -> dict[str, Any]:
-    """A seeded request's n samples as one batched /generate: the prompt n times, each copy with
-    n=1 and its own `sampling_seed` s, s+1, ... (GenerateReqInput takes a list of input_ids with a
-    list of sampling_params, one per item, and replies with a list in order). One request per
-    prompt group instead of n: each costs the trainer's client a JSON round trip under the GIL."""
-    singles = req.single_samples()
-    body = generate_payload(req)
-    body["input_ids"] = [list(one.prompt_ids) for one in singles]
-    body["sampling_params"] = [one.sampling.to_sglang() for one in singles]
-    return body
 
 
 def parse_reply(url: str, req: GenerateRequest, data: Any, geo: Geometry | None) -> list[GenerateResult]:
@@ -172,29 +147,6 @@ def decode_routes(where: str, b64: Any, rows: int, geo: Geometry) -> np.ndarray:
         raise BadRoutes(f"{where}: routed_experts: {e}") from None
     except RouteWireError as e:
         raise RolloutError(f"{where}: {e}") from None
-
-
-def disk_update_payload(path: str, version: str | None, flush_cache: bool = True) -> dict[str, Any]:
-    # SGLang UpdateWeightFromDiskReqInput (sglang/srt/managers/io_struct.py); flush_cache defaults to true
-    payload: dict[str, Any] = {"model_path": path}
-    if version is not None:
-        payload["weight_version"] = version
-    if not flush_cache:
-        payload["flush_cache"] = False
-    return payload
-
-
-def error_text(body: bytes) -> str:
-    try:
-        d = json.loads(body)
-        if isinstance(d, dict):
-            err = d.get("error", d.get("message", d))
-            if isinstance(err, dict):
-                err = err.get("message", err)
-            return str(err)[:500]
-    except ValueError:
-        pass
-    return body[:500].decode("utf-8", "replace")
 
 
 def read_hf_config(model_path: Any) -> dict[str, Any]:

@@ -33,7 +33,8 @@ from aiohttp import web
 from moe_rl.rollout.engine import GenerateRequest, SamplingParams
 from moe_rl.rollout.launcher import plan_servers, router_command, sglang_server_command
 from moe_rl.rollout.sglang_client import SGLangClient
-from moe_rl.rollout.weight_sync import TensorMeta, bucket_payloads, init_group_payload
+from moe_rl.rollout.sglang_api import bucket_payloads, init_group_payload
+from moe_rl.rollout.weight_sync import TensorMeta
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,9 +15,10 @@ import urllib.request
 import pytest
 
 from moe_rl.config import RolloutConfig
-from moe_rl.rollout.auth import ADMIN_PATHS, decide, read_key_file, redact
+from moe_rl.rollout.auth import decide, read_key_file, redact
 from moe_rl.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from moe_rl.rollout.launcher import RunIdentity, ServerGroup
+from moe_rl.rollout.sglang_api import ADMIN_PATHS
 from moe_rl.rollout.sglang_client import SGLangClient
 
 

@@ -26,6 +26,11 @@ from moe_rl.rollout.server.update_lock import ModelUpdateLock
 from moe_rl.rollout.server.updates import (_begin_weight_update, _destroy_weights_update_group, _end_weight_update,
                                            _init_weights_update_group, _update_weight_version, _weights_checker,
                                            _update_weights_from_distributed, _UpdateGroups)
+from moe_rl.rollout.sglang_api import (ABORT_REQUEST, BEGIN_UPDATE, CONTINUE_GENERATION, DESTROY_GROUP, END_UPDATE,
+                                       FLUSH_CACHE, GENERATE, HEALTH, HEALTH_GENERATE, INIT_GROUP, MODEL_INFO,
+                                       MODEL_INFO_OLD, PAUSE_GENERATION, RELEASE_MEMORY, RESUME_MEMORY, SERVER_INFO,
+                                       SERVER_INFO_OLD, UPDATE_FROM_DISK, UPDATE_FROM_DISTRIBUTED,
+                                       UPDATE_WEIGHT_VERSION, WEIGHTS_CHECKER)
 
 log = logging.getLogger(__name__)
 
@@ -275,34 +280,34 @@ def _memory_handler(path: str, method: str) -> Callable[[web.Request], Any]:
     return handler
 
 
-_release_memory = _memory_handler("/release_memory_occupation", "release_memory_occupation")
+_release_memory = _memory_handler(RELEASE_MEMORY, "release_memory_occupation")
 
 
-_resume_memory = _memory_handler("/resume_memory_occupation", "resume_memory_occupation")
+_resume_memory = _memory_handler(RESUME_MEMORY, "resume_memory_occupation")
 
 
 # (methods, paths, handler): SGLang 0.5.23's native routes this server answers. A deprecated
 # alias sits next to its new name, as SGLang keeps both.
 ROUTES: list[tuple[tuple[str, ...], tuple[str, ...], Callable[[web.Request], Any]]] = [
-    (("POST", "PUT"), ("/generate",), generate),
-    (("POST",), ("/abort_request",), abort_request),
-    (("GET",), ("/health",), _health),
-    (("GET",), ("/health_generate",), _health_generate),
-    (("GET",), ("/model_info", "/get_model_info"), _model_info),
-    (("GET",), ("/server_info", "/get_server_info"), _server_info),
-    (("GET", "POST"), ("/flush_cache",), _flush_cache),
-    (("POST",), ("/pause_generation",), _pause),
-    (("POST",), ("/continue_generation",), _continue),
-    (("POST",), ("/update_weights_from_disk",), _update_weights_from_disk),
-    (("POST",), ("/init_weights_update_group",), _init_weights_update_group),
-    (("POST",), ("/destroy_weights_update_group",), _destroy_weights_update_group),
-    (("POST",), ("/begin_weight_update",), _begin_weight_update),
-    (("POST",), ("/end_weight_update",), _end_weight_update),
-    (("POST",), ("/update_weights_from_distributed",), _update_weights_from_distributed),
-    (("POST",), ("/update_weight_version",), _update_weight_version),
-    (("GET", "POST"), ("/weights_checker",), _weights_checker),
-    (("GET", "POST"), ("/release_memory_occupation",), _release_memory),
-    (("GET", "POST"), ("/resume_memory_occupation",), _resume_memory),
+    (("POST", "PUT"), (GENERATE,), generate),
+    (("POST",), (ABORT_REQUEST,), abort_request),
+    (("GET",), (HEALTH,), _health),
+    (("GET",), (HEALTH_GENERATE,), _health_generate),
+    (("GET",), (MODEL_INFO, MODEL_INFO_OLD), _model_info),
+    (("GET",), (SERVER_INFO, SERVER_INFO_OLD), _server_info),
+    (("GET", "POST"), (FLUSH_CACHE,), _flush_cache),
+    (("POST",), (PAUSE_GENERATION,), _pause),
+    (("POST",), (CONTINUE_GENERATION,), _continue),
+    (("POST",), (UPDATE_FROM_DISK,), _update_weights_from_disk),
+    (("POST",), (INIT_GROUP,), _init_weights_update_group),
+    (("POST",), (DESTROY_GROUP,), _destroy_weights_update_group),
+    (("POST",), (BEGIN_UPDATE,), _begin_weight_update),
+    (("POST",), (END_UPDATE,), _end_weight_update),
+    (("POST",), (UPDATE_FROM_DISTRIBUTED,), _update_weights_from_distributed),
+    (("POST",), (UPDATE_WEIGHT_VERSION,), _update_weight_version),
+    (("GET", "POST"), (WEIGHTS_CHECKER,), _weights_checker),
+    (("GET", "POST"), (RELEASE_MEMORY,), _release_memory),
+    (("GET", "POST"), (RESUME_MEMORY,), _resume_memory),
 ]
 
 

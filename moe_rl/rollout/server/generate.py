@@ -21,6 +21,7 @@ from moe_rl.rollout.server.common import (BATCHER, ENGINE, LIVE, MAX_REQUEST_TOK
                                           BadRequest, _fields, _read_json)
 from moe_rl.rollout.server.live import Hooks, with_hooks
 from moe_rl.rollout.server.protocol import GenerateCall, parse_generate, sample_json
+from moe_rl.rollout.sglang_api import ABORT_REQUEST
 
 
 def check_size(request: web.Request, reqs: list[GenerateRequest]) -> None:
@@ -136,7 +137,7 @@ _ABORT_FIELDS = {"rid": ((str, type(None)), ""), "abort_all": (bool, False)}
 async def abort_request(request: web.Request) -> web.Response:
     """SGLang's /abort_request {rid, abort_all}: the samples end at their next step with finish_reason abort
     (queued ones before they start); 200 with an empty body, also when no such rid is live."""
-    body = _fields(await _read_json(request), "/abort_request", _ABORT_FIELDS)
+    body = _fields(await _read_json(request), ABORT_REQUEST, _ABORT_FIELDS)
     rid, abort_all = body["rid"] or "", body["abort_all"]
     if abort_all or rid:  # an empty rid without abort_all is ignored (it would match every request)
         request.app[LIVE].abort(rid, abort_all)

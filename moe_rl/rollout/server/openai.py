@@ -30,6 +30,7 @@ from aiohttp import web
 from moe_rl.rollout.server.common import ENGINE, RETURN_ROUTES, SERVER_ARGS, BadRequest, _read_json
 from moe_rl.rollout.server.generate import check_size, event, replies, run_call, sample_events, sse
 from moe_rl.rollout.server.protocol import parse_generate
+from moe_rl.rollout.sglang_api import GENERATE
 
 _SAMPLING = ("temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
              "no_stop_trim")
@@ -181,7 +182,7 @@ def chat_prompt(tok: Any, body: dict[str, Any]) -> list[int]:
     """The token ids of `messages` under the tokenizer's chat template (SGLang's Jinja path)."""
     if tok is None or not getattr(tok, "chat_template", None):
         raise BadRequest("this model has no chat template (tokenizer files with one): use /v1/completions or "
-                         "/generate")
+                         f"{GENERATE}")
     cont = bool(body.get("continue_final_message", False))
     text = tok.apply_chat_template(_messages(body), tokenize=False, add_generation_prompt=not cont,
                                    continue_final_message=cont, **(body.get("chat_template_kwargs") or {}))

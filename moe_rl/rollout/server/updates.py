@@ -16,8 +16,10 @@ from moe_rl.rollout.server.common import (_CHECK_FIELDS, _GROUP_NAME_FIELDS, _IN
                                           _VERSION_FIELDS,
                                           ENGINE, GROUPS, UPDATE_EXECUTOR, UPDATE_LOCK, BadRequest, _fields, _is_int,
                                           _outcome, _read_json, refused_flush)
+from moe_rl.rollout.sglang_api import (DESTROY_GROUP, INIT_GROUP, SPARSE_FORMAT, UPDATE_FROM_DISTRIBUTED,
+                                       UPDATE_WEIGHT_VERSION, WEIGHTS_CHECKER)
 from moe_rl.rollout.weight_load import checkpoint_names, served_view
-from moe_rl.rollout.weight_sync import (SPARSE_FORMAT, TensorMeta, new_custom_group, tensor_checksum, unflatten_bucket,
+from moe_rl.rollout.weight_sync import (TensorMeta, new_custom_group, tensor_checksum, unflatten_bucket,
                                         unflatten_sparse)
 from moe_rl.rollout.weight_sync.delta import sparse_bucket_nbytes
 
@@ -143,7 +145,7 @@ class _UpdateGroups:
 
 def _check_update_body(body: dict[str, Any]) -> None:
     """names / dtypes / shapes describe the same tensors; dtypes are torch names; shapes are sizes."""
-    path = "/update_weights_from_distributed"
+    path = UPDATE_FROM_DISTRIBUTED
     names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
     if not names or not len(names) == len(dtypes) == len(shapes):
         raise BadRequest(f"{path}: names, dtypes and shapes must be non-empty lists of one length, got "
@@ -172,7 +174,7 @@ async def _on_update_thread(request: web.Request, fn: Callable[..., Any], *args:
 
 async def _init_weights_update_group(request: web.Request) -> web.Response:
     """Join the trainer's update group as rank `rank_offset`; returns once the group is formed."""
-    body = _fields(await _read_json(request), "/init_weights_update_group", _INIT_GROUP_FIELDS)
+    body = _fields(await _read_json(request), INIT_GROUP, _INIT_GROUP_FIELDS)
     if not 1 <= body["rank_offset"] < body["world_size"]:
         raise BadRequest(f"/init_weights_update_group: rank_offset must be in [1, world_size) (rank 0 is the "
                          f"trainer), got rank_offset={body['rank_offset']}, world_size={body['world_size']}")
@@ -180,7 +182,7 @@ async def _init_weights_update_group(request: web.Request) -> web.Response:
 
 
 async def _destroy_weights_update_group(request: web.Request) -> web.Response:
-    body = _fields(await _read_json(request), "/destroy_weights_update_group", _GROUP_NAME_FIELDS)
+    body = _fields(await _read_json(request), DESTROY_GROUP, _GROUP_NAME_FIELDS)
     return _outcome(*await _on_update_thread(request, request.app[GROUPS].destroy_group, body["group_name"]))
 
 
@@ -202,7 +204,7 @@ async def _end_weight_update(request: web.Request) -> web.Response:
 
 
 async def _update_weights_from_distributed(request: web.Request) -> web.Response:
-    body = _fields(await _read_json(request), "/update_weights_from_distributed", _UPDATE_FIELDS)
+    body = _fields(await _read_json(request), UPDATE_FROM_DISTRIBUTED, _UPDATE_FIELDS)
     _check_update_body(body)
     return _outcome(*await _exclusive_update(request, request.app[GROUPS].update, body))
 
@@ -230,7 +232,7 @@ def weight_checksums(engine: Any, skip: list[str] | None = None) -> dict[str, An
 
 async def _weights_checker(request: web.Request) -> web.Response:
     """Only the "checksum" action (SGLang also snapshots, compares and resets weights, for its own tests)."""
-    body = _fields(await _read_json(request), "/weights_checker", _CHECK_FIELDS)
+    body = _fields(await _read_json(request), WEIGHTS_CHECKER, _CHECK_FIELDS)
     if body["action"] != "checksum":
         return _outcome(False, f"Unsupported action={body['action']!r}: this server computes checksums only")
     engine = request.app[ENGINE]
@@ -239,7 +241,7 @@ async def _weights_checker(request: web.Request) -> web.Response:
 
 
 async def _update_weight_version(request: web.Request) -> web.Response:
-    body = _fields(await _read_json(request), "/update_weight_version", _VERSION_FIELDS)
+    body = _fields(await _read_json(request), UPDATE_WEIGHT_VERSION, _VERSION_FIELDS)
     engine = request.app[ENGINE]
     if body["abort_all_requests"]:  # SGLang aborts the running requests first
         engine.pause_generation("abort")

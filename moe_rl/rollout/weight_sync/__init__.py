@@ -37,17 +37,16 @@ from moe_rl.rollout.weight_sync.disk import DiskSync, list_versions, version_dir
 from moe_rl.rollout.weight_sync.delta import DeltaBase, flatten_sparse, unflatten_sparse
 from moe_rl.rollout.weight_sync.funnel import FunnelSync
 from moe_rl.rollout.weight_sync.nccl import NcclSync, PushStats
-from moe_rl.rollout.weight_sync.sglang_calls import (SPARSE_FORMAT, bucket_payloads, group_rank_offsets,
-                                                     init_group_payload, new_custom_group, update_payload)
+from moe_rl.rollout.weight_sync.sglang_calls import group_rank_offsets, new_custom_group
 from moe_rl.rollout.weight_sync.verify import mismatches, tensor_checksum
 from moe_rl.rollout.weight_sync.tensor import TensorSync
 
 __all__ = ["Bucket", "DeltaBase", "DiskSync", "ExportFn", "FunnelSync", "MegatronWeights", "NamedTensors",
-           "NcclSync", "PolicyWeights", "PushStats", "SPARSE_FORMAT", "TensorMeta", "TensorSync", "WeightSync",
-           "WeightSyncError", "WeightsArg", "bucket_payloads", "collect_to_rank0", "dtype_name", "flatten_bucket",
-           "flatten_sparse", "group_rank_offsets", "init_group_payload", "list_versions", "local_buckets",
+           "NcclSync", "PolicyWeights", "PushStats", "TensorMeta", "TensorSync", "WeightSync",
+           "WeightSyncError", "WeightsArg", "collect_to_rank0", "dtype_name", "flatten_bucket",
+           "flatten_sparse", "group_rank_offsets", "list_versions", "local_buckets",
            "make_weight_sync", "mismatches", "new_custom_group", "plan_buckets", "tensor_checksum",
-           "unflatten_bucket", "unflatten_sparse", "update_payload", "version_dir"]
+           "unflatten_bucket", "unflatten_sparse", "version_dir"]
 
 WeightSync = Union[DiskSync, TensorSync, NcclSync]
 

@@ -23,12 +23,13 @@ import torch.distributed as dist
 from moe_rl.dist.collectives import all_gather_objects, rank
 from moe_rl.dist.devices import compute_device
 from moe_rl.rollout.fused_weights import pair_fused
+from moe_rl.rollout.sglang_api import (BEGIN_UPDATE, DESTROY_GROUP, END_UPDATE, INIT_GROUP, UPDATE_FROM_DISTRIBUTED,
+                                       init_group_payload, reply_error, update_payload)
 from moe_rl.rollout.weight_sync.buckets import Bucket, TensorMeta, check_unique, flatten_bucket, plan_buckets
 from moe_rl.rollout.weight_sync.common import (NamedTensors, WeightsArg, WeightSyncError, _describe, _from_rank0,
                                                _global_rank, _named_tensors)
-from moe_rl.rollout.weight_sync.sglang_calls import (first_error, group_rank_offsets, in_daemon_thread,
-                                                     init_group_payload, leave_stale, new_custom_group, post_json,
-                                                     reply_error, session_call, update_payload)
+from moe_rl.rollout.weight_sync.sglang_calls import (first_error, group_rank_offsets, in_daemon_thread, leave_stale,
+                                                     new_custom_group, post_json, session_call)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class FunnelSync:
         self._leave_stale_group()
         self.group_name = f"{self.group_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         self._remember_group(self.group_name)
-        path = "/init_weights_update_group"
+        path = INIT_GROUP
         futures = [in_daemon_thread(post_json, url, path,
                                      init_group_payload(self.master_address, self.master_port, off,
                                                         self.world_size, self.group_name, self.backend),
@@ -138,7 +139,7 @@ class FunnelSync:
             return
         for url in self.urls:
             try:
-                post_json(url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30.0, self.keys)
+                post_json(url, DESTROY_GROUP, {"group_name": self.group_name}, 30.0, self.keys)
             except WeightSyncError as e:
                 log.warning("%s", e)
         dist.destroy_process_group(self._pg)
@@ -156,14 +157,14 @@ class FunnelSync:
         if self.dtype is not None:
             source = ((n, t.to(self.dtype)) for n, t in source)
         rank0 = rank(self.group) == 0
-        error = self._call_all("/begin_weight_update", {}) if rank0 else None
+        error = self._call_all(BEGIN_UPDATE, {}) if rank0 else None
         count = 0
         for bucket in collect_to_rank0(source, self.bucket_bytes, self.group):
             count += len(bucket.metas)
             if error is None:  # after a failure keep draining: the other ranks are sending
                 error = self._send_bucket(bucket, version)
         if rank0:
-            end_error = self._call_all("/end_weight_update", {})
+            end_error = self._call_all(END_UPDATE, {})
             error = error or end_error
         error = _from_rank0(error, self.group)
         if error:
@@ -175,7 +176,7 @@ class FunnelSync:
         # flush_cache and weight_version go with the last bucket only (see bucket_payloads)
         payload = update_payload(bucket.metas, self.group_name, flush_cache=self.flush_cache and bucket.last,
                                  weight_version=str(version) if bucket.last else None, load_format=self.load_format)
-        path = "/update_weights_from_distributed"
+        path = UPDATE_FROM_DISTRIBUTED
         futures = [in_daemon_thread(post_json, url, path, payload, self.http_timeout, self.keys)
                    for url in self.urls]
         device = compute_device()

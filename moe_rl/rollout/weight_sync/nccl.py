@@ -42,13 +42,15 @@ import torch.distributed as dist
 from moe_rl.dist.collectives import all_errors, all_gather_objects, rank
 from moe_rl.dist.devices import compute_device
 from moe_rl.rollout.fused_weights import fused_key
+from moe_rl.rollout.sglang_api import (BEGIN_UPDATE, DESTROY_GROUP, END_UPDATE, FLUSH_CACHE, INIT_GROUP, MODEL_INFO,
+                                       SERVER_INFO, SPARSE_FORMAT, UPDATE_FROM_DISTRIBUTED, UPDATE_WEIGHT_VERSION,
+                                       WEIGHTS_CHECKER, init_group_payload, reply_error, update_payload)
 from moe_rl.rollout.weight_sync.buckets import TensorMeta, flatten_bucket, local_buckets
 from moe_rl.rollout.weight_sync.common import (WeightsArg, WeightSyncError, _describe, _from_rank0,
                                                _named_tensors, is_source)
 from moe_rl.rollout.weight_sync.delta import DeltaBase, flatten_sparse
-from moe_rl.rollout.weight_sync.sglang_calls import (SPARSE_FORMAT, first_error, in_daemon_thread,
-                                                     init_group_payload, leave_stale, new_custom_group, post_all,
-                                                     post_json, reply_error, session_call, update_payload)
+from moe_rl.rollout.weight_sync.sglang_calls import (first_error, in_daemon_thread, leave_stale, new_custom_group,
+                                                     post_all, post_json, session_call)
 from moe_rl.rollout.weight_sync.verify import mismatches, tensor_checksum
 
 log = logging.getLogger(__name__)
@@ -201,7 +203,7 @@ class NcclSync:
             return f"rank {me}: cannot serve the update groups' rendezvous: {_describe(e)}"
         port, token = self._store.port, secrets.token_hex(4)
         self.group_names = [f"{self.group_prefix}-{os.getpid()}-{token}-r{me}-s{i}" for i in range(len(self.urls))]
-        path = "/init_weights_update_group"
+        path = INIT_GROUP
         inits = [in_daemon_thread(post_json, url, path,
                                   init_group_payload(address, port, 1, 1 + tp, name, self.backend),
                                   self.http_timeout, self.keys)
@@ -244,7 +246,7 @@ class NcclSync:
         """Leave this rank's groups on both sides (best effort); the next push joins new ones, in full."""
         for url, name in zip(self.urls, self.group_names if self._pgs else []):
             try:
-                post_json(url, "/destroy_weights_update_group", {"group_name": name}, 30.0, self.keys)
+                post_json(url, DESTROY_GROUP, {"group_name": name}, 30.0, self.keys)
             except WeightSyncError as e:
                 log.warning("%s", e)
         for pg in self._pgs or []:
@@ -308,7 +310,7 @@ class NcclSync:
         else:
             if not errors:  # every source is done: the servers hold all but the last word
                 errors += [e for e in [self._last_word(self._smallest, version)] if e]
-            end_error = self._call_all("/end_weight_update", {})
+            end_error = self._call_all(END_UPDATE, {})
             errors += [end_error] if end_error else []
         self.stats.push_s = time.perf_counter() - started
         every[0] = vars(self.stats)  # with the last word's message and bytes
@@ -331,7 +333,7 @@ class NcclSync:
             self._held = held.pop() if len(held) == 1 and held <= {"bfloat16", "float16", "float32"} else ""
         full = self.delta is None or not self.delta.valid or self._pushed is None or not all(
             str(self._model_info(url).get("weight_version")) == self._pushed for url in self.urls)
-        error = self._call_all("/begin_weight_update", {})
+        error = self._call_all(BEGIN_UPDATE, {})
         return {"error": error, "full": full, "sparse": bool(self._sparse) and not full, "dtype": self._held}
 
     def _send_share(self, pairs: Iterable[tuple[str, torch.Tensor]], version: int, full: bool, sparse: bool,
@@ -429,7 +431,7 @@ class NcclSync:
         else:
             fmt = self.load_format
             flat = flatten_bucket([p.to(device) for p in bucket.payloads]) if fmt == "flattened_bucket" else None
-        path = "/update_weights_from_distributed"
+        path = UPDATE_FROM_DISTRIBUTED
         futures = [in_daemon_thread(post_json, url, path,
                                     update_payload(bucket.metas, name, flush_cache=False, weight_version=None,
                                                    load_format=fmt, nnz=bucket.nnz),
@@ -458,21 +460,21 @@ class NcclSync:
                 url = self.urls[min(i // per_server, len(self.urls) - 1)]
                 return (f"server {url}: the broadcast of a bucket of {len(metas)} tensors ({metas[0].name}, ...) "
                         f"failed: {_describe(e)}")
-        return first_error(self.urls, "/update_weights_from_distributed", futures)
+        return first_error(self.urls, UPDATE_FROM_DISTRIBUTED, futures)
 
     def _last_word(self, last: tuple[str, torch.Tensor] | None, version: int) -> str | None:
         """Rank 0, after every source finished: the weight version (and the cache flush) in a call that
         comes after every bucket at every server."""
         if last is None or not self._pgs:
-            error = self._call_all("/update_weight_version", {"new_version": str(version),
+            error = self._call_all(UPDATE_WEIGHT_VERSION, {"new_version": str(version),
                                                               "abort_all_requests": False}, session=False)
             if error is None and self.flush_cache:
-                error = self._call_all("/flush_cache", {}, session=False)
+                error = self._call_all(FLUSH_CACHE, {}, session=False)
             return error
         name, t = last
         device = compute_device()
         meta = TensorMeta.of(name, t)
-        path = "/update_weights_from_distributed"
+        path = UPDATE_FROM_DISTRIBUTED
         futures = [in_daemon_thread(post_json, url, path,
                                     update_payload([meta], group, flush_cache=self.flush_cache,
                                                    weight_version=str(version), load_format=self.load_format),
@@ -498,9 +500,9 @@ class NcclSync:
         if rank(self.group) == 0:
             merged = {k: v for per_rank in sent for k, v in per_rank.items()}
             replies = []
-            for url, status, body in post_all(self.urls, "/weights_checker", {"action": "checksum"},
+            for url, status, body in post_all(self.urls, WEIGHTS_CHECKER, {"action": "checksum"},
                                               self.http_timeout, self.keys):
-                err = body if status is None else reply_error(url, "/weights_checker", status, body)
+                err = body if status is None else reply_error(url, WEIGHTS_CHECKER, status, body)
                 if err:
                     problems.append(err)
                 else:
@@ -510,10 +512,10 @@ class NcclSync:
         return problems
 
     def _server_info(self, url: str) -> dict[str, Any]:
-        return self._get(url, "/server_info")
+        return self._get(url, SERVER_INFO)
 
     def _model_info(self, url: str) -> dict[str, Any]:
-        return self._get(url, "/model_info")
+        return self._get(url, MODEL_INFO)
 
     def _get(self, url: str, path: str) -> dict[str, Any]:
         import urllib.request

@@ -1,22 +1,10 @@
-"""The SGLang weight-update calls the update-group syncs make: request bodies, the HTTP POST, and the
-process group a trainer rank forms with servers.
+"""How the update-group syncs call SGLang: the blocking HTTP POST, the calls to every server of a push
+and their first error, the update session (`/begin_weight_update` ... `/end_weight_update`, since
+0.5.23; servers without those endpoints, 404, are updated without them), and the process group a
+trainer rank forms with servers (the bodies and the endpoints: moe_rl/rollout/sglang_api.py).
 
-SGLang payloads (sglang 0.5.23, sglang/srt/managers/io_struct.py):
-`InitWeightsUpdateGroupReqInput{master_address, master_port, rank_offset,
-world_size, group_name, backend}`; server i's TP rank r joins as
-`rank_offset + r`, the trainer is rank 0.
-`UpdateWeightsFromDistributedReqInput{names, dtypes, shapes, group_name,
-flush_cache, abort_all_requests, weight_version, load_format}`; dtypes are torch
-attribute names (`getattr(torch, dtype)`: "bfloat16"). With
-`load_format="flattened_bucket"` one uint8 tensor holding the bucket's tensors
-back to back is broadcast from rank 0, and each tensor's byte offset must be a
-multiple of its element size (sglang/srt/weight_sync/tensor_bucket.py
-`FlattenedTensorBucket.empty`); with `load_format=None` each tensor is broadcast
-on its own, in `names` order. Since 0.5.23 the updates run inside
-`/begin_weight_update` ... `/end_weight_update`; servers without those
-endpoints (404) are updated without them. A server joins any number of groups, by
-name (`ModelRunner._model_update_group` is a dict), and its scheduler runs their
-updates one at a time, in the order they arrive.
+A server joins any number of groups, by name (`ModelRunner._model_update_group` is a dict), and its
+scheduler runs their updates one at a time, in the order they arrive.
 """
 from __future__ import annotations
 
@@ -29,14 +17,10 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from moe_rl.rollout.weight_sync.buckets import TensorMeta
+from moe_rl.rollout.sglang_api import DESTROY_GROUP, END_UPDATE, reply_error
 from moe_rl.rollout.weight_sync.common import WeightSyncError, _describe
 
 log = logging.getLogger(__name__)
-
-# `moe-rl serve`'s sparse update (not SGLang's): per tensor `nnz[i]` changed elements as int32 flat
-# indices then values, or the whole tensor where nnz[i] is -1 (moe_rl/rollout/weight_sync/delta.py).
-SPARSE_FORMAT = "moe_rl_sparse"
 
 
 def group_rank_offsets(server_tp_sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -48,44 +32,6 @@ def group_rank_offsets(server_tp_sizes: Sequence[int]) -> tuple[list[int], int]:
         offsets.append(nxt)
         nxt += int(tp)
     return offsets, nxt
-
-
-def init_group_payload(master_address: str, master_port: int, rank_offset: int, world_size: int,
-                       group_name: str, backend: str = "nccl") -> dict[str, Any]:
-    """Body of POST /init_weights_update_group (InitWeightsUpdateGroupReqInput)."""
-    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-            "world_size": int(world_size), "group_name": group_name, "backend": backend}
-
-
-def update_payload(bucket: Sequence[TensorMeta], group_name: str, *, flush_cache: bool,
-                   weight_version: str | None, load_format: str | None = "flattened_bucket",
-                   nnz: Sequence[int] | None = None) -> dict[str, Any]:
-    """Body of POST /update_weights_from_distributed (UpdateWeightsFromDistributedReqInput) for one bucket;
-    `nnz` only with `moe-rl serve`'s SPARSE_FORMAT."""
-    body: dict[str, Any] = {
-        "names": [m.name for m in bucket],
-        "dtypes": [m.dtype for m in bucket],
-        "shapes": [list(m.shape) for m in bucket],
-        "group_name": group_name,
-        "flush_cache": bool(flush_cache),
-        "abort_all_requests": False,
-        "weight_version": weight_version,
-    }
-    if load_format is not None:
-        body["load_format"] = load_format
-    if nnz is not None:
-        body["nnz"] = [int(n) for n in nnz]
-    return body
-
-
-def bucket_payloads(buckets: Sequence[Sequence[TensorMeta]], group_name: str, version: int | str, *,
-                    flush_cache: bool = True, load_format: str | None = "flattened_bucket") -> list[dict[str, Any]]:
-    """One update body per bucket: only the last one flushes the cache and sets the weight version,
-    so a server never reports the new version while it still holds part of the old weights."""
-    last = len(buckets) - 1
-    return [update_payload(b, group_name, flush_cache=flush_cache and i == last,
-                           weight_version=str(version) if i == last else None, load_format=load_format)
-            for i, b in enumerate(buckets)]
 
 
 def post_json(url: str, path: str, payload: Any, timeout: float, keys: Any = None) -> tuple[int, Any]:
@@ -105,14 +51,6 @@ def post_json(url: str, path: str, payload: Any, timeout: float, keys: Any = Non
         return status, json.loads(raw)
     except ValueError:
         return status, raw.decode("utf-8", "replace")[:500]
-
-
-def reply_error(url: str, path: str, status: int, body: Any) -> str | None:
-    """None when SGLang's reply says success, else a line naming the server and the call."""
-    if status == 200 and (not isinstance(body, dict) or body.get("success", True)):
-        return None
-    msg = body.get("message", body) if isinstance(body, dict) else body
-    return f"server {url} {path} (HTTP {status}): {msg}"
 
 
 def new_custom_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -206,8 +144,7 @@ def leave_stale(urls: Sequence[str], groups: Sequence[str], keys: Any = None) ->
     """Before joining: end an update session and destroy the update `groups` a trainer that died mid-run
     left on the servers (best effort: a server without either says so, and is fine)."""
     for url in urls:
-        for path, body in [("/end_weight_update", {})] + [("/destroy_weights_update_group", {"group_name": g})
-                                                           for g in groups]:
+        for path, body in [(END_UPDATE, {})] + [(DESTROY_GROUP, {"group_name": g}) for g in groups]:
             try:
                 status, reply = post_json(url, path, body, 30.0, keys)
             except WeightSyncError as e:
@@ -215,5 +152,5 @@ def leave_stale(urls: Sequence[str], groups: Sequence[str], keys: Any = None) ->
                 break
             if status == 200 and (not isinstance(reply, dict) or reply.get("success", True)):
                 log.info("server %s: %s, left by an earlier trainer", url,
-                         "closed an open update session" if path == "/end_weight_update"
+                         "closed an open update session" if path == END_UPDATE
                          else f"destroyed update group {body['group_name']}")

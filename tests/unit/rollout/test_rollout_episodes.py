@@ -117,7 +117,7 @@ class Routed(Scripted):
 
 
 def test_each_turn_asks_only_for_the_rows_not_covered_and_they_are_merged_in_order():
-    from moe_rl.rollout.wire import generate_payload
+    from moe_rl.rollout.sglang_api import generate_payload
 
     engine = Routed()
     ep = _one(engine, [Echo(), Echo()], 3, 64)

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_rl.config import RolloutConfig
-from moe_rl.rollout.weight_sync import (DiskSync, NcclSync, TensorMeta, TensorSync, WeightSyncError,
-                                        bucket_payloads, dtype_name, flatten_bucket, group_rank_offsets,
-                                        init_group_payload, list_versions, make_weight_sync, plan_buckets,
-                                        unflatten_bucket, update_payload, version_dir)
+from moe_rl.rollout.sglang_api import bucket_payloads, init_group_payload, update_payload
+from moe_rl.rollout.weight_sync import (DiskSync, NcclSync, TensorMeta, TensorSync, WeightSyncError, dtype_name,
+                                        flatten_bucket, group_rank_offsets, list_versions, make_weight_sync,
+                                        plan_buckets, unflatten_bucket, version_dir)
 from moe_rl.testing import free_port
 
 
