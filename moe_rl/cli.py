@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL post-training for Mixture-of-Experts models on megatron-core, "
                     "with SGLang rollouts, routing replay and expert-drift metrics.",
         epilog="`moe-rl COMMAND --help` explains a command and its options.")
+    parser.add_argument("--markdown", action="store_true",
+                        help=f"print every command's --help as Markdown (`{CLI_REGENERATE}` writes the docs' CLI reference)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_mod, text) in _available().items():
         sub.add_parser(name, help=text, description=text)
@@ -58,6 +60,22 @@ def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     p = argparse.ArgumentParser(prog=f"moe-rl {name}", description=text)
     mod.add_arguments(p)
     return p, mod
+
+
+CLI_REGENERATE = "moe-rl --markdown > docs/reference/cli.md"
+HELP_WIDTH = 100  # the reference's --help text is wrapped at a fixed width, whatever the terminal
+
+
+def markdown_reference() -> str:
+    """Every subcommand's `--help`, as the docs' CLI reference (docs/reference/cli.md): generated, so it
+    cannot drift from the parsers."""
+    parts = ["# CLI reference", "", f"Generated from the parsers by `{CLI_REGENERATE}`; do not edit by hand.", ""]
+    for name, (_mod, text) in SUBCOMMANDS.items():
+        parser, _ = command_parser(name)
+        parser.formatter_class = lambda prog, cls=parser.formatter_class: cls(prog, width=HELP_WIDTH)
+        parts += [f"## moe-rl {name}", "", text[0].upper() + text[1:] + ".", "", "```text",
+                  parser.format_help().rstrip(), "```", ""]
+    return "\n".join(parts)
 
 
 def _one_line(e: BaseException) -> str:
@@ -84,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown_reference(), end="")
+        return 0
     if args.command is None:
         parser.print_help()
         return 2

@@ -4,12 +4,12 @@ The reference is read from the declarations themselves (`moe_rl.configurable`): 
 the field's annotation, the default the dataclass default, the allowed values the field's
 `choice(...)` options (a registry's names for `registry_names`) or its `ranged(...)` bounds,
 and the doc the attribute docstring on the line(s) after the field. So it cannot drift
-from the code, and `docs/config.md` is this module's Markdown output:
+from the code, and `docs/reference/config.md` is this module's Markdown output:
 
     moe-rl config                      # every section with its keys
     moe-rl config algo                 # one section (nested sections included)
     moe-rl config algo.max_staleness   # one key with its whole doc
-    moe-rl config --markdown > docs/config.md
+    moe-rl config --markdown > docs/reference/config.md
 
 An unknown name exits 2 with the nearest valid names (the "did you mean" of `moe_rl.config`).
 """
@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 from moe_rl.config import RunConfig, _field_names, _hints, _unknown_key_message
 
-REGENERATE = "moe-rl config --markdown > docs/config.md"
+REGENERATE = "moe-rl config --markdown > docs/reference/config.md"
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ def _cell(text: str) -> str:
 
 
 def render_markdown() -> str:
-    """The whole reference as Markdown: one table per section (what docs/config.md holds)."""
+    """The whole reference as Markdown: one table per section (what docs/reference/config.md holds)."""
     out = ["# Config reference", "",
            f"Generated from the `RunConfig` dataclass tree (`moe_rl/config.py`) by `{REGENERATE}`;",
            "do not edit by hand. Set a key in the YAML file or as a `key.sub=value` override of",

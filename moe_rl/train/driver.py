@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value",
                    help="config overrides, e.g. algo.loss=sapo train.steps=40")
     p.epilog = ("Config keys: `moe-rl config` lists every key with its type, default, allowed values and doc "
-                "(`moe-rl config algo`, `moe-rl config algo.max_staleness`); the same reference is docs/config.md.")
+                "(`moe-rl config algo`, `moe-rl config algo.max_staleness`); the same reference is docs/reference/config.md.")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
-"""README "Your own task": the worked example (rows in a JSONL file, a reward function in the
-user's own module, the command) runs as the README writes it, with fewer steps."""
+"""docs/guide/your-task.md: the worked example (rows in a JSONL file, a reward function in the user's own
+module, the command) runs as the guide writes it, with fewer steps."""
 from __future__ import annotations
 
 import json
@@ -14,17 +14,17 @@ MARKER = "<!-- tests/e2e/test_e2e_own_task.py runs this block"
 LAST = "  log.run_dir=runs/my-task\n"
 
 
-def _readme_block() -> str:
-    text = (REPO / "README.md").read_text()
-    assert text.count(MARKER) == 1, "the README's own-task example lost its marker"
+def _guide_block() -> str:
+    text = (REPO / "docs" / "guide" / "your-task.md").read_text()
+    assert text.count(MARKER) == 1, "the guide's own-task example lost its marker"
     block = re.search(r"```bash\n(.*?)```", text[text.index(MARKER):], re.S).group(1)
     assert block.count(LAST) == 1, "the example's command no longer ends with its run directory"
     return block
 
 
-def test_the_readmes_own_task_example_runs_as_written(tmp_path):
+def test_the_guides_own_task_example_runs_as_written(tmp_path):
     (tmp_path / "launch").symlink_to(REPO / "launch")  # the example runs from the repository root
-    block = _readme_block().replace(LAST, "  log.run_dir=runs/my-task train.steps=2 train.eval_every=2 "
+    block = _guide_block().replace(LAST, "  log.run_dir=runs/my-task train.steps=2 train.eval_every=2 "
                                           "log.progress=false log.report=false\n")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,

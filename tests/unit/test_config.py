@@ -99,7 +99,7 @@ def test_deepseek_v3_class_configs_fit_the_published_models(name, world, hf):
 @pytest.mark.parametrize("name", ["qwen3_30b_a3b_gspo.yaml", "deepseek_v3_671b_gspo.yaml", "glm45_air_gspo.yaml",
                                   "moonlight_16b_a3b_gspo.yaml"])
 def test_flagship_gspo_configs_are_one_step_off_with_retracting_pushes(name):
-    """Asynchronous RL is the measured faster shape (README: K=1 1.3x the samples/s of K=0); the flagships
+    """Asynchronous RL is the measured faster shape (docs/results/benchmarks.md: K=1 1.3x the samples/s of K=0); the flagships
     ship it: one step off, pushes that retract (exact versions and routes for R3, no stale prefix cache),
     the decoupled-PPO correction."""
     from moe_rl.algo.config import staleness_bound

@@ -1,4 +1,4 @@
-"""`moe-rl config` and docs/config.md: the config reference is generated from the RunConfig tree."""
+"""`moe-rl config` and docs/reference/config.md: the config reference is generated from the RunConfig tree."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ from moe_rl.algo.losses import LOSSES
 from moe_rl.config import LOG_LEVELS, RunConfig
 from moe_rl.config_reference import REGENERATE, lookup, reference, render_markdown, show_default
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
 
 
 def leaf_defaults(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, typing.Any]]:
@@ -36,9 +36,9 @@ def config(argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 def test_docs_config_md_is_what_the_generator_writes():
-    assert DOCS.is_file(), f"docs/config.md is missing; write it with `{REGENERATE}`"
+    assert DOCS.is_file(), f"docs/reference/config.md is missing; write it with `{REGENERATE}`"
     assert DOCS.read_text() == render_markdown(), \
-        f"docs/config.md is out of date with the config dataclasses; regenerate it with `{REGENERATE}`"
+        f"docs/reference/config.md is out of date with the config dataclasses; regenerate it with `{REGENERATE}`"
 
 
 def test_every_leaf_key_appears_exactly_once_with_its_dataclass_default():
@@ -122,4 +122,4 @@ def test_train_help_points_at_the_reference(capsys):
         cli.main(["train", "--help"])
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "moe-rl config" in out and "docs/config.md" in out
+    assert "moe-rl config" in out and "docs/reference/config.md" in out

@@ -56,7 +56,7 @@ busiest_rank_bytes and push_s against model_bytes and ranks, then the same formu
 assumptions at the flagship shapes.
 
     python tools/bench/weight_sync_cost.py                   # the cluster estimate
-    python tools/bench/weight_sync_cost.py --markdown        # README table beside published numbers
+    python tools/bench/weight_sync_cost.py --markdown        # the table of docs/results/benchmarks.md beside published numbers
     python tools/bench/weight_sync_cost.py --json rows.json  # + the fit of measured CPU rows
     python tools/bench/weight_sync_cost.py --delta-fraction 0.01 --bucket-gib 0.5 --concurrent-server-updates
 """
@@ -702,7 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--concurrent-server-updates", action="store_true",
                     help="assume a server takes its sources' updates at once (SGLang takes one at a time)")
     ap.add_argument("--json", help="rows measured on CPU by the scale benchmark: fit them")
-    ap.add_argument("--markdown", action="store_true", help="print the README table")
+    ap.add_argument("--markdown", action="store_true", help="print the Markdown table of docs/results/benchmarks.md")
     args = ap.parse_args(argv)
     if not 0 < args.delta_fraction <= 1:
         ap.error("--delta-fraction must be in (0, 1]")

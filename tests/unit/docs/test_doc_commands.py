@@ -1,6 +1,7 @@
-"""Every `moe-rl` command the README shows parses with the current CLI, and a `moe-rl train` command's
-overrides are keys of the current config (a renamed flag or key fails here, not in a user's terminal).
-The README tells the reader to activate the venv once and then uses bare `moe-rl` / `python`."""
+"""Every `moe-rl` command the README and the manual (docs/) show parses with the current CLI, and a
+`moe-rl train` command's overrides are keys of the current config (a renamed flag or key fails here, not
+in a user's terminal). The README tells the reader to activate the venv once and then uses bare
+`moe-rl` / `python`, as the manual does."""
 from __future__ import annotations
 
 import re
@@ -9,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.cli import SUBCOMMANDS, command_parser
+from moe_rl.cli import SUBCOMMANDS, build_parser, command_parser
 from moe_rl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
+PAGES = [README] + sorted((ROOT / "docs").rglob("*.md"))
 
 
 def _shell_blocks(text: str) -> list[str]:
@@ -52,21 +54,27 @@ def _commands(text: str) -> list[list[str]]:
     return out
 
 
-COMMANDS = _commands(README.read_text())
+README_COMMANDS = _commands(README.read_text())
+COMMANDS = [argv for page in PAGES for argv in _commands(page.read_text())]
 
 
 def test_the_readme_shows_commands_and_says_to_activate_the_venv_first():
     text = README.read_text()
-    assert len(COMMANDS) >= 10
+    assert len(README_COMMANDS) >= 8 and len(COMMANDS) >= 60
     assert "source .venv/bin/activate" in text
-    assert ".venv/bin/moe-rl" not in text and ".venv/bin/python " not in text  # one way of calling, not two
     assert text.index("source .venv/bin/activate") < text.index("moe-rl train")
+    for page in PAGES:  # one way of calling, not two
+        body = page.read_text()
+        assert ".venv/bin/moe-rl" not in body and ".venv/bin/python " not in body, page.relative_to(ROOT)
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(a)[:60] for a in COMMANDS])
-def test_a_readme_command_parses_with_the_current_cli(argv):
+def test_a_documented_command_parses_with_the_current_cli(argv):
     if argv[0] in ("--help", "-h") or argv[-1] in ("--help", "-h"):
         assert argv[0] in SUBCOMMANDS or argv[0].startswith("-")
+        return
+    if argv[0].startswith("-"):  # a top-level option (moe-rl --markdown)
+        build_parser().parse_args(argv)
         return
     assert argv[0] in SUBCOMMANDS, f"moe-rl {argv[0]}: no such subcommand"
     parser, _ = command_parser(argv[0])

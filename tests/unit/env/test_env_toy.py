@@ -91,16 +91,16 @@ def test_registry_takes_module_class_and_names_what_is_wrong(monkeypatch):
         make_env("my_envs:Bad")
 
 
-def test_the_readmes_environment_plays_as_documented():
-    """README "Multi-turn rollouts": the example class, played against the toy tokenizer's ids."""
+def test_the_docs_environment_plays_as_documented():
+    """docs/guide/multi-turn.md: the example class, played against the toy tokenizer's ids."""
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "guide" / "multi-turn.md").read_text()
     marker = "<!-- tests/unit/env/test_env_toy.py plays this class -->"
     code = re.search(r"```python\n(.*?)```", text[text.index(marker):], re.S).group(1)
     space: dict = {}
-    exec(compile(code, "README.md", "exec"), space)  # noqa: S102 - the README's own example
+    exec(compile(code, "multi-turn.md", "exec"), space)  # noqa: S102 - the docs' own example
     env = space["Countdown"](EOS, TOK)
     env.reset(_prompt(1, 1))  # answer 2: say 2, 1, 0
     turns = [env.step(TOK.encode(d) + [EOS]) for d in "210"]
