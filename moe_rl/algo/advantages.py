@@ -100,6 +100,8 @@ def rloo_advantages(rewards: Tensor, *, group_size: int | None = None,
     return (rewards - mean) * size / (size - 1).clamp(min=1)
 
 
+# Group estimators: a sample's advantage from its group's task rewards, on rank 0 before the step is
+# handed out. Their keyword hyperparameters (grpo's `eps`) are the `algo.adv_<name>` config fields.
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo_advantages,
     "drgrpo": drgrpo_advantages,
@@ -192,6 +194,13 @@ def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float =
         next_value = torch.where(step, v[:, t], next_value)
     returns = torch.where(m, adv + v, 0.0)
     return adv, returns
+
+
+
+# Critic estimators: per-token advantages from a learned value model's values, computed after the old
+# pass on each rank's share (moe_rl/recipes/rl/critic.py); choosing one builds the critic.
+CRITIC_ESTIMATORS: dict[str, Callable[..., Tensor]] = {"gae": compute_gae}
+ESTIMATORS = (*ADVANTAGE_ESTIMATORS, *CRITIC_ESTIMATORS)  # every name `algo.advantage` takes
 
 
 def length_adaptive_lambda(lengths: Tensor, alpha: float = 0.05) -> Tensor:

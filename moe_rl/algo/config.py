@@ -7,6 +7,7 @@ module: hence `Any`).
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator
 
@@ -16,7 +17,7 @@ from moe_rl.configurable import choice, ranged, registry_names
 LOSSES = registry_names("moe_rl.algo.losses", "LOSSES")
 AGGREGATIONS = registry_names("moe_rl.algo.aggregation", "AGG_MODES")
 # gae: per-token advantages from the critic (compute_gae), not a group estimator
-ADVANTAGES = registry_names("moe_rl.algo.advantages", "ADVANTAGE_ESTIMATORS", extra=("gae",))
+ADVANTAGES = registry_names("moe_rl.algo.advantages", "ESTIMATORS")
 KL_ESTIMATORS = registry_names("moe_rl.algo.kl", "KL_ESTIMATORS")
 TIS_LEVELS = registry_names("moe_rl.algo.tis", "TIS_LEVELS")
 # route_mask: the shorthand for route masking alone (route_mask_bound), no ratio correction
@@ -276,6 +277,23 @@ def loss_reads(loss: str) -> tuple[str, ...]:
     return tuple(k for k in spec.defaults if k in names)
 
 
+def uses_critic(a: Any) -> bool:
+    """Whether `algo.advantage` is a critic estimator (gae: per-token, from a learned value model that
+    the run then builds and trains) rather than a group one (moe_rl/algo/advantages.py says which)."""
+    return a.advantage in importlib.import_module("moe_rl.algo.advantages").CRITIC_ESTIMATORS
+
+
+def advantage_params(a: Any) -> dict[str, Any]:
+    """`compute_advantages` keywords of a group estimator: its keyword hyperparameters that have an
+    `algo.adv_<name>` field (grpo's eps: algo.adv_eps); an estimator without them gets its defaults."""
+    if uses_critic(a):
+        return {}
+    fn = importlib.import_module("moe_rl.algo.advantages").ADVANTAGE_ESTIMATORS[a.advantage]
+    names = {f.name for f in fields(AlgoConfig)}
+    return {p.name: getattr(a, f"adv_{p.name}") for p in inspect.signature(fn).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and f"adv_{p.name}" in names}
+
+
 def check_algo(cfg: Any) -> Iterator[str]:
     a = cfg.algo
     yield from check_route_mask(cfg)
@@ -284,6 +302,12 @@ def check_algo(cfg: Any) -> Iterator[str]:
         if f.name in _OBJECTIVE_KEYS and f.name not in reads and getattr(a, f.name) != f.default:
             yield (f"algo.{f.name}: the {a.loss} objective does not read it (it reads "
                    f"{', '.join(reads) or 'none of them'}); unset it, or choose an objective that reads it")
+    if a.advantage in ADVANTAGES:  # else the field check names the unknown estimator
+        adv_reads = [f"adv_{k}" for k in advantage_params(a)]
+        for f in fields(AlgoConfig):  # the same for the advantage estimator's keys
+            if f.name.startswith("adv_") and f.name not in adv_reads and getattr(a, f.name) != f.default:
+                yield (f"algo.{f.name}: the {a.advantage} advantage estimator does not read it (it reads "
+                       f"{', '.join(adv_reads) or 'none of them'}); unset it, or choose an estimator that reads it")
     if replay_mode(a) == "r3" and not cfg.rollout.return_routed_experts:
         yield (f"algo.replay: {a.replay!r} chooses 'r3' here, which replays the rollout engine's routes and requires "
                "rollout.return_routed_experts=true")
@@ -315,7 +339,7 @@ def check_critic(cfg: Any) -> Iterator[str]:
         yield f"algo.lam: {a.lam!r} must be a number in [0, 1] or 'adaptive'"
     elif not isinstance(a.lam, str) and not 0.0 <= a.lam <= 1.0:
         yield f"algo.lam: {a.lam} must be in [0, 1] (or 'adaptive')"
-    if a.advantage != "gae":
+    if not uses_critic(a):
         return
     if c.warmup_steps >= cfg.train.steps:
         yield (f"critic.warmup_steps: {c.warmup_steps} must be < train.steps={cfg.train.steps}, "

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_rl.algo.config import staleness_bound
+from moe_rl.algo.config import staleness_bound, uses_critic
 from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
 from moe_rl.data.toy import ToyTokenizer, save_toy_tokenizer
 from moe_rl.dist.collectives import barrier, broadcast_object, init_control_group
@@ -58,7 +58,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
                 if cfg.algo.auto_staleness else None)
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
-              critic=build_critic(cfg, policy.spec) if cfg.algo.advantage == "gae" else None,
+              critic=build_critic(cfg, policy.spec) if uses_critic(cfg.algo) else None,
               async_rollouts=AsyncRollouts(depth, governor) if depth and rank == 0 else None,
               episodes=episode_runner(cfg, dataset.tokenizer, policy.hf_config, eos) if rank == 0 else None)
     eval_set = load_dataset(cfg.data.eval, run_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,

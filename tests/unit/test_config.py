@@ -576,3 +576,22 @@ def test_each_objective_reads_the_keys_its_function_declares_and_a_key_it_ignore
         {"eps_low": 0.001, "dual_clip": 3}  # eps_high unset: the objective's own default
     assert {k: loss_params(load_config(cfg, ["algo.loss=sapo"]).algo)[k] for k in ("tau_pos", "tau_neg")} == \
         {"tau_pos": 1.0, "tau_neg": 1.05}
+
+
+def test_the_advantage_estimator_is_the_registrys_and_reads_the_keys_its_function_declares():
+    """`algo.advantage` names an estimator of moe_rl/algo/advantages.py: a group one (from rewards) or a critic
+    one (gae: the run builds a critic); a group estimator reads the `algo.adv_<name>` fields of its keyword
+    hyperparameters, and one set for an estimator that ignores it is a config error."""
+    from moe_rl.algo.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, ESTIMATORS
+    from moe_rl.algo.config import advantage_params, uses_critic
+
+    cfg = "launch/configs/tiny_cpu.yaml"
+    assert set(ESTIMATORS) == set(ADVANTAGE_ESTIMATORS) | set(CRITIC_ESTIMATORS) and "gae" in CRITIC_ESTIMATORS
+    grpo = load_config(cfg, ["algo.advantage=grpo", "algo.adv_eps=0.01"]).algo
+    assert advantage_params(grpo) == {"eps": 0.01} and not uses_critic(grpo)
+    assert advantage_params(load_config(cfg, ["algo.advantage=rloo"]).algo) == {}
+    assert uses_critic(load_config(cfg, ["algo.advantage=gae"]).algo)
+    with pytest.raises(ConfigError, match=r"algo.adv_eps: the rloo advantage estimator does not read it"):
+        load_config(cfg, ["algo.advantage=rloo", "algo.adv_eps=0.1"])
+    with pytest.raises(ConfigError, match=r"algo.advantage: .*'ppo'"):
+        load_config(cfg, ["algo.advantage=ppo"])

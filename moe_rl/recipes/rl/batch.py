@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from moe_rl.algo.advantages import compute_advantages
-from moe_rl.algo.config import replay_mode, staleness_bound
+from moe_rl.algo.config import advantage_params, replay_mode, staleness_bound, uses_critic
 from moe_rl.algo.filters import dynamic_sampling, shape_overlong_rewards
 from moe_rl.data.dataset import PromptDataset
 from moe_rl.dist.collectives import broadcast_object, share_out
@@ -104,10 +104,9 @@ def advantages_and_filters(run: Any, samples: Samples | None) -> tuple[Samples |
         rewards = shape_overlong_rewards(rewards, lengths, max_len=a.overlong_max_len,
                                          cache_len=a.overlong_cache_len)
     samples.rewards = rewards
-    if a.advantage == "gae":  # per-token advantages come from the critic, after the old pass
+    if uses_critic(a):  # per-token advantages come from the critic, after the old pass
         return samples, {}
-    samples.advantages = compute_advantages(a.advantage, rewards, group_size=g, eps=a.adv_eps) \
-        if a.advantage == "grpo" else compute_advantages(a.advantage, rewards, group_size=g)
+    samples.advantages = compute_advantages(a.advantage, rewards, group_size=g, **advantage_params(a))
     groups = rewards.reshape(-1, g)
     uniform = (groups == groups[:, :1]).all(1).float().mean()  # groups that teach nothing: advantages 0
     return samples, {"adv/abs_mean": float(samples.advantages.abs().mean()), "adv/uniform_groups": float(uniform)}
