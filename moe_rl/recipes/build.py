@@ -27,6 +27,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     from moe_rl.data.dataset import load_dataset
     from moe_rl.data.sampler import PromptSampler
     from moe_rl.recipes.rl.async_rollouts import AsyncRollouts, StalenessGovernor
+    from moe_rl.recipes.rl.rollouts import SyncRollouts
     from moe_rl.recipes.rl.run import Run
     from moe_rl.reward.registry import get_reward
     from moe_rl.reward.runner import RewardRunner
@@ -59,7 +60,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
               critic=build_critic(cfg, policy.spec) if uses_critic(cfg.algo) else None,
-              async_rollouts=AsyncRollouts(depth, governor) if depth and rank == 0 else None,
+              rollouts=AsyncRollouts(depth, governor) if depth and rank == 0 else SyncRollouts(),
               episodes=episode_runner(cfg, dataset.tokenizer, policy.hf_config, eos) if rank == 0 else None)
     eval_set = load_dataset(cfg.data.eval, run_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                             cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None

@@ -64,8 +64,7 @@ def async_replay_worker(cfg_dict: dict[str, Any], run_dir: str, steps: int) -> d
             metrics.append(loop.rl_step(run, step))
     finally:
         loop.old_logprobs = real_old
-        if run.async_rollouts is not None:
-            run.async_rollouts.close()
+        run.rollouts.close()
         engine.close()
     model = copy.deepcopy(engine.model).eval()
     retract = cfg.rollout.inflight_update == "retract"

@@ -33,6 +33,7 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
     from moe_rl.config import RunConfig
     from moe_rl.recipes.build import build_run, inflight_client_args
     from moe_rl.recipes.rl.async_rollouts import AsyncRollouts
+    from moe_rl.recipes.rl.rollouts import SyncRollouts
     from moe_rl.recipes.rl.step import rl_step
 
     cfg = RunConfig.from_dict(cfg_dict)
@@ -59,7 +60,7 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
         # One-step off-policy overlap: the next rollout runs while this step trains.
         run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, max_staleness=1, tis_cap=2.0))
         if rank == 0:
-            run.async_rollouts = AsyncRollouts(1)
+            run.rollouts = AsyncRollouts(1)
         for step in range(len(combos) + 1, len(combos) + 4):
             out.append({"loss": cfg.algo.loss, "replay": cfg.algo.replay, "overlap": True,
                         "metrics": rl_step(run, step), "weight_change": float("nan")})
@@ -72,10 +73,10 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
             out.append({"loss": cfg.algo.loss, "replay": cfg.algo.replay, "overlap": True, "in_place": True,
                         "metrics": rl_step(run, step), "weight_change": float("nan")})
         run.cfg = dataclasses.replace(run.cfg, rollout=cfg.rollout)
-        if run.async_rollouts is not None:  # synchronous again: the batch asked for ahead is not used
-            run.async_rollouts.reset(run.sampler)
-            run.async_rollouts.close()
-            run.async_rollouts = None
+        if isinstance(run.rollouts, AsyncRollouts):  # synchronous again: the batch asked for ahead is not used
+            run.rollouts.reset(run.sampler)
+            run.rollouts.close()
+            run.rollouts = SyncRollouts()
         if run.engine is not None:  # pushes flush again; the in-place ones left prefixes of older weights cached
             for key, value in inflight_client_args(run.cfg).items():
                 setattr(run.engine, key, value)

@@ -25,7 +25,9 @@ import operator
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+from moe_rl.recipes.rl.rollouts import next_prompts, request, to_samples
 
 log = logging.getLogger(__name__)
 
@@ -59,33 +61,37 @@ class StalenessGovernor:
 
 
 class AsyncRollouts:
-    """Rank 0's batches in flight, oldest first (`depth` = K of them between steps; `bound`, the
-    configured K, stays the staleness allowed when a governor lowers `depth`)."""
+    """The asynchronous source of a step's samples (the synchronous one is rollouts.SyncRollouts;
+    both `take(run, step)`): rank 0's batches in flight, oldest first (`depth` = K of them between
+    steps; `bound`, the configured K, stays the staleness allowed when a governor lowers `depth`).
 
-    def __init__(self, depth: int, governor: StalenessGovernor | None = None) -> None:
+    `request(run, prompts, step, greedy)` asks the engine (in a worker thread), `samples_of(run,
+    prompts, payload)` makes Samples of its answer, `draw(run)` draws a batch: the engine's, by
+    default (rollouts.py)."""
+
+    def __init__(self, depth: int, governor: StalenessGovernor | None = None, *,
+                 request: Callable[..., Any] = request, samples_of: Callable[..., Any] = to_samples,
+                 draw: Callable[[Any], list[Any]] = next_prompts) -> None:
         if depth < 1:
             raise ValueError(f"asynchronous rollouts need algo.max_staleness >= 1, got {depth}")
         self.depth = self.bound = depth
         self.governor = governor
+        self.request, self.samples_of, self.draw = request, samples_of, draw
         self.asked: deque[_Ask] = deque()
         self.current: _Ask | None = None  # the batch of the step in progress (until the next take)
         self._pool = ThreadPoolExecutor(max_workers=depth + 1, thread_name_prefix="async-rollouts")
 
-    def take(self, run: Any, step: int, request: Any, samples_of: Any, next_prompts: Any
-             ) -> tuple[Any, int, dict[str, float]]:
-        """Step `step`'s samples, how many versions behind they were asked for, and the drop metrics.
-
-        `request(run, prompts, step)` asks the engine (in a worker thread), `samples_of(run,
-        prompts, payload)` makes Samples of its answer, `next_prompts(run)` draws a batch."""
+    def take(self, run: Any, step: int) -> tuple[Any, int, dict[str, float]]:
+        """Step `step`'s samples, how many versions behind they were asked for, and the drop metrics."""
         if not self.asked:  # the first step, or after a resume or a failed step: nothing in flight
-            self._ask(run, step, request, next_prompts)
+            self._ask(run, step)
         head = self.current = self.asked.popleft()
         if head.step != step:
             raise RuntimeError(f"internal: the asynchronous rollouts hold step {head.step}'s batch at step {step}")
         while len(self.asked) < self.depth:  # keep K steps of work on the servers while this one trains
-            self._ask(run, step + len(self.asked) + 1, request, next_prompts)
-        samples = samples_of(run, head.prompts, head.future.result())
-        samples, dropped = self._fresh(run, samples, head, request, samples_of)
+            self._ask(run, step + len(self.asked) + 1)
+        samples = self.samples_of(run, head.prompts, head.future.result())
+        samples, dropped = self._fresh(run, samples, head)
         return samples, run.weight_version - head.version, {"rollout/dropped_stale_groups": float(dropped),
                                                             "rollout/staleness_bound": float(self.depth)}
 
@@ -99,13 +105,13 @@ class AsyncRollouts:
                     "row: the updates move the policy too far for samples that stale)", self.depth + 1,
                     self.depth, step, self.governor.kl, self.governor.steps)
 
-    def _ask(self, run: Any, step: int, request: Any, next_prompts: Any) -> None:
+    def _ask(self, run: Any, step: int) -> None:
         before = copy.deepcopy(run.sampler.state_dict())
-        prompts = next_prompts(run)
-        future = self._pool.submit(request, run, prompts, step, False)
+        prompts = self.draw(run)
+        future = self._pool.submit(self.request, run, prompts, step, False)
         self.asked.append(_Ask(step, prompts, future, run.weight_version, before))
 
-    def _fresh(self, run: Any, samples: Any, head: _Ask, request: Any, samples_of: Any) -> tuple[Any, int]:
+    def _fresh(self, run: Any, samples: Any, head: _Ask) -> tuple[Any, int]:
         """`samples` with every group that has a token more than K versions old generated again."""
         if samples.versions is None:
             return samples, 0
@@ -115,8 +121,8 @@ class AsyncRollouts:
                         for v in samples.versions[i * g:(i + 1) * g])]
         if not stale:
             return samples, 0
-        again = samples_of(run, [head.prompts[i] for i in stale],
-                           request(run, [head.prompts[i] for i in stale], head.step, False))
+        again = self.samples_of(run, [head.prompts[i] for i in stale],
+                                self.request(run, [head.prompts[i] for i in stale], head.step, False))
         redo = {i: k for k, i in enumerate(stale)}  # group i of the batch -> group k of `again`
         group = lambda s, j: s.select(list(range(j * g, (j + 1) * g)))  # noqa: E731
         groups = [group(again, redo[i]) if i in redo else group(samples, i) for i in range(len(head.prompts))]
@@ -143,12 +149,6 @@ class AsyncRollouts:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def observe_staleness(run: Any, step: int, metrics: dict[str, Any]) -> None:
-    """Rank 0, asynchronous runs: hand the step's metrics to the governor of its asynchronous rollouts."""
-    if run.async_rollouts is not None:
-        run.async_rollouts.observe(step, metrics)
 
 
 def check_staleness(metrics: dict[str, float], bound: int) -> None:

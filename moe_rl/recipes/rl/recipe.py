@@ -43,7 +43,7 @@ class RLRecipe(Recipe):
     def state_dict(self) -> dict[str, Any]:
         r = self.run
         state = super().state_dict() | {"rewards": r.rewards.state_dict()}
-        ahead = r.async_rollouts.sampler_state() if r.async_rollouts is not None else None
+        ahead = r.rollouts.sampler_state()
         if ahead is not None:  # batches asked for but not trained: a resumed run asks for them again
             state["sampler"] = ahead
         return state
@@ -61,13 +61,11 @@ class RLRecipe(Recipe):
     def undo_draws(self, before: dict[str, Any]) -> None:
         super().undo_draws(before)
         self.run.rewards.load_state_dict(before["rewards"])
-        if self.run.async_rollouts is not None:  # the failed step's batch and those after it are asked for again
-            self.run.async_rollouts.reset(self.run.sampler)
+        self.run.rollouts.reset(self.run.sampler)  # asynchronous: the failed step's batch and those after it again
 
     def close(self) -> None:
         r = self.run
-        if r.async_rollouts is not None:
-            r.async_rollouts.close()
+        r.rollouts.close()
         if r.weight_sync is not None:
             r.weight_sync.close()  # leave the nccl update group before its servers stop
         if r.engine is not None:

@@ -1,10 +1,12 @@
 """The step's samples from the rollout engine (rank 0 alone talks to it): the prompts drawn, the
 requests asked, the engine's answers made `Samples` (moe_rl/samples.py).
 
-Two sources give a step its samples, chosen once when the run is built: the synchronous one
-(`generate`: ask now, wait, train on-policy) and the asynchronous one (`algo.max_staleness` = K >= 1:
-`run.async_rollouts`, moe_rl/recipes/rl/async_rollouts.py, keeps the next K steps generating while
-this one trains). `rollout` takes the step's batch from whichever the run has.
+Two sources give a step its samples, chosen once when the run is built (`run.rollouts`): the
+synchronous one (`SyncRollouts`: ask now, wait, train on-policy) and the asynchronous one
+(`algo.max_staleness` = K >= 1: `AsyncRollouts`, moe_rl/recipes/rl/async_rollouts.py, keeps the
+next K steps generating while this one trains). Both `take(run, step)` the step's batch, hear
+the step's metrics (`observe`), `drain` what is in flight, give the data order to save
+(`sampler_state`), `reset` after a failed step and `close`.
 """
 from __future__ import annotations
 
@@ -29,19 +31,41 @@ def sampling_params(run: Any, seed: int | None, greedy: bool = False) -> Samplin
                           n=1 if greedy else r.n_samples, seed=seed)
 
 
+class SyncRollouts:
+    """The synchronous source: each step asks for its batch and waits for it (on-policy), so
+    nothing is ever in flight between steps."""
+
+    depth = 0
+
+    def take(self, run: Any, step: int) -> tuple[Samples, int, dict[str, float]]:
+        return generate(run, next_prompts(run), step), 0, {}
+
+    def observe(self, step: int, metrics: dict[str, Any]) -> None:
+        """Nothing to adjust: K is 0."""
+
+    def drain(self) -> None:
+        """Nothing in flight."""
+
+    def sampler_state(self) -> dict[str, Any] | None:
+        return None  # no batch drawn ahead: the sampler's own state is the one to save
+
+    def reset(self, sampler: Any) -> None:
+        """Nothing drawn ahead to forget."""
+
+    def close(self) -> None:
+        """No threads."""
+
+
 def rollout(run: Any, step: int) -> tuple[Samples, int, dict[str, float]]:
     """The step's samples, how many weight versions behind the trainer they were asked for, and
     the asynchronous rollouts' metrics.
 
     With `algo.max_staleness` = K >= 1 the engine generates the next K steps' samples while
-    this step trains (rank 0's `run.async_rollouts`, moe_rl/recipes/rl/async_rollouts.py), so a step
+    this step trains (rank 0's `run.rollouts` is an AsyncRollouts), so a step
     trains on samples from weights up to K updates old; the trainer's recomputed old log-probs
     and the truncated IS correction (`algo.tis_cap`) account for the difference.
     """
-    if run.async_rollouts is None:
-        samples, staleness, metrics = generate(run, next_prompts(run), step), 0, {}
-    else:
-        samples, staleness, metrics = run.async_rollouts.take(run, step, request, to_samples, next_prompts)
+    samples, staleness, metrics = run.rollouts.take(run, step)
     take = getattr(run.engine, "take_stale_resamples", None)  # SGLang servers: samples from other weights
     if take is not None:
         metrics["rollout/stale_resamples"] = float(take())
@@ -133,5 +157,4 @@ def staleness_metrics(run: Any, samples: Samples) -> dict[str, float]:
 
 def wait_for_prefetch(run: Any) -> None:
     """Let the rollouts asked for ahead (algo.max_staleness) finish before the engine is used otherwise."""
-    if run.async_rollouts is not None:
-        run.async_rollouts.drain()
+    run.rollouts.drain()

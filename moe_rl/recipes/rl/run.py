@@ -9,6 +9,7 @@ from moe_rl.config import RunConfig
 from moe_rl.data.dataset import PromptDataset
 from moe_rl.data.sampler import PromptSampler
 from moe_rl.policy.policy import Policy
+from moe_rl.recipes.rl.rollouts import SyncRollouts
 from moe_rl.reward.runner import RewardRunner
 
 
@@ -27,6 +28,7 @@ class Run:
     rank: int = 0
     weight_version: int = 0
     drift_state: dict[str, Any] = field(default_factory=dict)
-    async_rollouts: Any = None  # rank 0's AsyncRollouts when algo.max_staleness >= 1 (recipes/rl/async_rollouts.py)
+    rollouts: Any = field(default_factory=SyncRollouts)  # the step's source of samples: SyncRollouts, or
+    # rank 0's AsyncRollouts when algo.max_staleness >= 1 (recipes/rl/async_rollouts.py)
     critic: Any = None  # moe_rl.policy.critic.Critic when algo.advantage=gae
     episodes: Any = None  # rank 0's EpisodeRunner when rollout.env is set (moe_rl/rollout/episodes.py)

@@ -22,7 +22,6 @@ from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.losses import compute_loss, ntp_loss
 from moe_rl.policy.compat import native
 from moe_rl.recipes.common import Stopwatch, combine_loss_metrics, mean_metrics
-from moe_rl.recipes.rl.async_rollouts import observe_staleness
 from moe_rl.recipes.rl.batch import rollout_batch
 from moe_rl.recipes.rl.critic import critic_step
 from moe_rl.recipes.rl.drift_views import PerUpdateVolatility, measure_drift
@@ -49,7 +48,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         if metrics["critic/warmup"]:                              # value pretraining: the policy waits
             return metrics | clock.metrics()
     metrics |= minibatch_updates(run, share, old)                 # loss -> backward -> optimizer step
-    observe_staleness(run, step, metrics)                         # algo.auto_staleness: K lowered if they moved too far
+    run.rollouts.observe(step, metrics)                           # algo.auto_staleness: K lowered if they moved too far
     clock.lap("updates")
     run.weight_version += 1
     metrics |= sync_weights(run)                                  # rollout/weight_sync/

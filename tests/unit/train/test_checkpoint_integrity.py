@@ -10,6 +10,7 @@ import torch
 
 from moe_rl.config import load_config
 from moe_rl.recipes import RLRecipe
+from moe_rl.recipes.rl.rollouts import SyncRollouts
 from moe_rl.train.checkpoint import intact_checkpoint, resume, save_checkpoint
 
 
@@ -38,7 +39,7 @@ class _State:
 def _run(value: float):
     return RLRecipe(SimpleNamespace(policy=_State(value), sampler=_State(value), rewards=_State(value), critic=None, rank=0,
                            weight_version=int(value), drift_state={}, engine=None,
-                           cfg=load_config(None), weight_sync=SimpleNamespace(sync=lambda *a: None), async_rollouts=None))
+                           cfg=load_config(None), weight_sync=SimpleNamespace(sync=lambda *a: None), rollouts=SyncRollouts()))
 
 
 def _two_checkpoints(tmp_path):

@@ -39,11 +39,15 @@ def _samples_of(run, prompts, payload):
                    [torch.zeros(2) for _ in owners], None, [""] * len(owners), versions=versions)
 
 
+def _pipe(k, governor=None):
+    return AsyncRollouts(k, governor, request=_request, samples_of=_samples_of, draw=_next_prompts)
+
+
 def _train(run, pipe, steps, start=1):
     """Run `steps` steps; each one's prompts and lag. A step's update lands on the servers at once."""
     out = []
     for step in range(start, start + steps):
-        samples, lag, metrics = pipe.take(run, step, _request, _samples_of, _next_prompts)
+        samples, lag, metrics = pipe.take(run, step)
         pipe.drain()  # deterministic: every batch asked for is generated before the push
         out.append((samples.prompts[::G], lag, metrics["rollout/dropped_stale_groups"]))
         run.weight_version += 1
@@ -55,7 +59,7 @@ def _train(run, pipe, steps, start=1):
 def test_the_prompts_are_the_synchronous_runs_and_at_most_k_versions_old(k):
     sync = PromptSampler(40, 4, seed=0)
     want = [sync.next_batch() for _ in range(9)]
-    run, pipe = _run(), AsyncRollouts(k)
+    run, pipe = _run(), _pipe(k)
     got = _train(run, pipe, 9)
     assert [p for p, _, _ in got] == want
     assert [lag for _, lag, _ in got] == [min(s, k) for s in range(9)]  # K behind once the pipeline is full
@@ -63,29 +67,29 @@ def test_the_prompts_are_the_synchronous_runs_and_at_most_k_versions_old(k):
 
 
 def test_a_checkpoint_resumes_at_the_first_batch_not_trained():
-    run, pipe = _run(), AsyncRollouts(3)
+    run, pipe = _run(), _pipe(3)
     done = _train(run, pipe, 4)
     saved = pipe.sampler_state()  # what RLRecipe.state_dict saves as the data order
     rest = _train(run, pipe, 3, start=5)
     again = _run()
     again.sampler.load_state_dict(saved)
-    resumed = _train(again, AsyncRollouts(3), 3, start=5)
+    resumed = _train(again, _pipe(3), 3, start=5)
     assert [p for p, _, _ in resumed] == [p for p, _, _ in rest]  # no batch skipped, none twice
     assert len({tuple(p) for p, _, _ in done + rest}) == 7
 
 
 def test_a_failed_step_asks_for_its_batch_again():
-    run, pipe = _run(), AsyncRollouts(2)
+    run, pipe = _run(), _pipe(2)
     _train(run, pipe, 2)
     nxt = pipe.asked[0].prompts
-    pipe.take(run, 3, _request, _samples_of, _next_prompts)  # step 3 starts ... and fails
+    pipe.take(run, 3)  # step 3 starts ... and fails
     pipe.reset(run.sampler)                                  # (RLRecipe.undo_draws)
     retried = _train(run, pipe, 1, start=3)
     assert retried[0][0] == nxt
 
 
 def test_a_group_from_weights_more_than_k_versions_old_is_generated_again():
-    run, pipe = _run(), AsyncRollouts(1)
+    run, pipe = _run(), _pipe(1)
     _train(run, pipe, 3)
     victim = pipe.asked[0].prompts[1]
     run.lag_of = lambda p: 5 if p == victim else 0  # one server far behind, for one prompt's request
@@ -95,7 +99,7 @@ def test_a_group_from_weights_more_than_k_versions_old_is_generated_again():
     head.future = Future()
     head.future.set_result(_request(run, head.prompts, head.step, False))
     run.lag_of = None  # generated again from current weights
-    samples, lag, metrics = pipe.take(run, 4, _request, _samples_of, _next_prompts)
+    samples, lag, metrics = pipe.take(run, 4)
     assert metrics["rollout/dropped_stale_groups"] == 1.0 and samples.prompts[::G] == head.prompts
     assert int(torch.cat(samples.versions).min()) >= run.weight_version - 1
     pipe.close()
@@ -115,11 +119,11 @@ def test_the_governor_lowers_k_after_steps_of_high_kl_and_the_prompts_keep_the_s
 
     sync = PromptSampler(40, 4, seed=0)
     want = [sync.next_batch() for _ in range(9)]
-    run, pipe = _run(), AsyncRollouts(2, StalenessGovernor(kl=0.15, steps=2))
+    run, pipe = _run(), _pipe(2, StalenessGovernor(kl=0.15, steps=2))
     kl = {1: 0.01, 2: 0.3, 3: 0.01, 4: 0.3, 5: 0.4, 6: 0.2, 7: 0.5, 8: 0.9, 9: 0.9}
     got, bounds = [], []
     for step in range(1, 10):
-        samples, lag, metrics = pipe.take(run, step, _request, _samples_of, _next_prompts)
+        samples, lag, metrics = pipe.take(run, step)
         pipe.drain()
         got.append((samples.prompts[::G], lag))
         bounds.append(metrics["rollout/staleness_bound"])
