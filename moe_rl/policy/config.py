@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from moe_rl.configurable import choice, ranged
+from moe_rl.policy.families.registry import BY_NAME, TINY_FAMILIES, family_of
 
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -49,7 +50,7 @@ class TinyModel:
     """Top-k experts per token; 2 so routes can partly change between updates."""
     init_std: float = ranged(0.02, gt=0.0)
     """Std of the random initial weights (HF's default): a near-uniform first policy that explores."""
-    family: str = choice("qwen3_moe", ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next"))
+    family: str = choice("qwen3_moe", TINY_FAMILIES)
     """HF architecture of the fresh model: Qwen3-MoE; Qwen2-MoE (q/k/v biases, a gated shared expert
     as wide as a routed one, head width hidden / heads); Mixtral (no QK-norm, top-k probabilities
     renormalised, `moe_intermediate_size` its experts' `intermediate_size`); or GLM-4.5 (the first
@@ -183,10 +184,10 @@ def _has_linear_attention(model: ModelConfig) -> bool:
     """Whether `model.hf_path`'s config.json (when on this machine) is a gated delta net model (Qwen3-Next,
     Qwen3.5-MoE), or the fresh tiny model is one."""
     if model.hf_path is None:
-        return model.tiny.family == "qwen3_next"
-    raw = _hf_config_json(model) or {}
-    return bool({"Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"} & set(raw.get("architectures") or [])) or \
-        raw.get("model_type") in ("qwen3_next", "qwen3_5_moe_text")
+        family = BY_NAME.get(model.tiny.family)
+    else:
+        family = family_of(_hf_config_json(model) or {})
+    return family is not None and family.linear_attention
 
 
 def _divides(key: str, size: int, shape: dict[str, tuple[int, str]], dim: str,

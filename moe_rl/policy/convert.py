@@ -12,7 +12,8 @@ Rank 0 then names the files `model-0000i-of-0000N.safetensors` and writes
 with per-expert tensor names that transformers and SGLang load.
 
 Written by hand because no maintained library maps megatron-core's local and
-transformer-engine parameter names to HF Qwen3-MoE for arbitrary layouts
+transformer-engine parameter names to HF for arbitrary layouts (each family's names
+are in `families/<name>.py`; the slicing and gathering by them is here)
 (megatron-bridge targets NeMo's stack and is not a dependency here).
 """
 from __future__ import annotations
@@ -22,16 +23,18 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe_rl.policy.model import MoEArch
+from moe_rl.policy.arch import MoEArch
+from moe_rl.policy.families.family import Shard
+from moe_rl.policy.families.registry import WEIGHT_MAPS
 
 
 class ConversionError(ValueError):
@@ -68,188 +71,11 @@ class HFCheckpoint:
         return self._handles[file].get_tensor(name)
 
 
-# ---------------------------------------------------------------- the weight map
-
-@dataclass(frozen=True)
-class Shard:
-    """How one megatron parameter relates to HF tensors.
-
-    hf: HF tensor names that make up the full (unsharded) megatron tensor.
-    kind: `copy` (one tensor), `qkv` (q, k, v interleaved per query group),
-          `glu` (gate and up stacked, each split separately), `qgkv` (gated attention: HF's q_proj
-          holds [q_h | gate_h] per head; megatron per query group [q heads | gate heads | k | v]),
-          `gdn_in` (the gated delta net's in_proj: Qwen3-Next's in_proj_qkvz / in_proj_ba grouped per
-          key head, or Qwen3.5-MoE's in_proj_qkv, _z, _b, _a; megatron's [q | k | v | z | b | a], each
-          part split over TP), `gdn_conv` (its conv:
-          [q | k | v] channels in both, each part split over TP).
-    dim: the dimension split across `group` (None = replicated).
-    group: `tp` or `etp`.
-    """
-
-    hf: tuple[str, ...]
-    kind: str = "copy"
-    dim: int | None = None
-    group: str = "tp"
-
+# ---------------------------------------------------------------- the weight map (each family's: families/)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
-
-
-def qwen3_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
-    """Map a megatron name (layer-relative part, global layer and expert ids) to HF. None = skip."""
-    p = f"model.layers.{layer}." if layer is not None else ""
-    if layer is None:
-        return {
-            "embedding.word_embeddings.weight": Shard(("model.embed_tokens.weight",), dim=0),
-            "decoder.final_layernorm.weight": Shard(("model.norm.weight",)),
-            "output_layer.weight": Shard(("model.embed_tokens.weight" if arch.tie_word_embeddings
-                                          else "lm_head.weight",), dim=0),
-        }.get(name)
-    if expert is not None:
-        fc = name
-        if fc == "linear_fc1":
-            return Shard((f"{p}mlp.experts.{expert}.gate_proj.weight", f"{p}mlp.experts.{expert}.up_proj.weight"),
-                         kind="glu", dim=0, group="etp")
-        return Shard((f"{p}mlp.experts.{expert}.down_proj.weight",), dim=1, group="etp")
-    return {
-        "input_layernorm.weight": Shard((f"{p}input_layernorm.weight",)),
-        "self_attention.linear_qkv.layer_norm_weight": Shard((f"{p}input_layernorm.weight",)),
-        "self_attention.linear_qkv.weight": Shard((f"{p}self_attn.q_proj.weight", f"{p}self_attn.k_proj.weight",
-                                                   f"{p}self_attn.v_proj.weight"), kind="qkv", dim=0),
-        "self_attention.linear_proj.weight": Shard((f"{p}self_attn.o_proj.weight",), dim=1),
-        "self_attention.q_layernorm.weight": Shard((f"{p}self_attn.q_norm.weight",)),
-        "self_attention.k_layernorm.weight": Shard((f"{p}self_attn.k_norm.weight",)),
-        "pre_mlp_layernorm.weight": Shard((f"{p}post_attention_layernorm.weight",)),
-        "mlp.linear_fc1.layer_norm_weight": Shard((f"{p}post_attention_layernorm.weight",)),
-        "mlp.router.weight": Shard((f"{p}mlp.gate.weight",)),
-        "mlp.linear_fc1.weight": Shard((f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"), kind="glu", dim=0),
-        "mlp.linear_fc2.weight": Shard((f"{p}mlp.down_proj.weight",), dim=1),
-    }.get(name)
-
-
-# Mixtral's checkpoints name the MoE block `block_sparse_moe` and its experts' gate, down and up
-# projections w1, w2, w3 (what SGLang's mixtral.py `load_weights` reads too); the rest is Qwen3-MoE's.
-_MIXTRAL_NAMES = (("mlp.gate.weight", "block_sparse_moe.gate.weight"), (".gate_proj.", ".w1."),
-                  (".down_proj.", ".w2."), (".up_proj.", ".w3."), ("mlp.experts.", "block_sparse_moe.experts."))
-
-
-def mixtral_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
-    shard = qwen3_moe_shard(name, layer, expert, arch)
-    if shard is None or not (expert is not None or name == "mlp.router.weight"):
-        return shard
-    names = []
-    for hf in shard.hf:
-        for old, new in _MIXTRAL_NAMES:
-            hf = hf.replace(old, new)
-        names.append(hf)
-    return replace(shard, hf=tuple(names))
-
-
-def _qkv_bias(p: str) -> dict[str, Shard]:
-    """Biases on q/k/v (Qwen2-MoE, GLM-4.5), fused as their weights are."""
-    return {"self_attention.linear_qkv.bias": Shard((f"{p}self_attn.q_proj.bias", f"{p}self_attn.k_proj.bias",
-                                                     f"{p}self_attn.v_proj.bias"), kind="qkv", dim=0)}
-
-
-def _shared_experts(p: str, hf: str) -> dict[str, Shard]:
-    """Always-on shared experts, HF's `mlp.<hf>.{gate,up,down}_proj`."""
-    return {"mlp.shared_experts.linear_fc1.weight": Shard((f"{p}mlp.{hf}.gate_proj.weight", f"{p}mlp.{hf}.up_proj.weight"),
-                                                          kind="glu", dim=0),
-            "mlp.shared_experts.linear_fc2.weight": Shard((f"{p}mlp.{hf}.down_proj.weight",), dim=1)}
-
-
-def _plus(extra: Callable[[str], dict[str, Shard]]) -> Callable[[str, int | None, int | None, MoEArch], Shard | None]:
-    """Qwen3-MoE's map with the layer tensors `extra(HF layer prefix)` names added."""
-    def shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
-        found = extra(f"model.layers.{layer}.").get(name) if layer is not None and expert is None else None
-        return found or qwen3_moe_shard(name, layer, expert, arch)
-    return shard
-
-
-# Qwen2-MoE: q/k/v biases and a shared expert behind a sigmoid gate (`mlp.shared_expert*`).
-qwen2_moe_shard = _plus(lambda p: _qkv_bias(p) | _shared_experts(p, "shared_expert") | {
-    "mlp.shared_experts.gate_weight": Shard((f"{p}mlp.shared_expert_gate.weight",))})
-# GLM-4.5: q/k/v biases, ungated shared experts (`mlp.shared_experts.*`, DeepSeek's names) and the
-# router's selection bias (`mlp.gate.e_score_correction_bias`, megatron's buffer `mlp.router.expert_bias`).
-glm4_moe_shard = _plus(lambda p: _qkv_bias(p) | _shared_experts(p, "shared_experts") | {
-    "mlp.router.expert_bias": Shard((f"{p}mlp.gate.e_score_correction_bias",))})
-
-
-def deepseek_v3_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
-    """GLM-4.5's MoE names (shared experts, the router's selection bias) with multi-latent attention.
-    Each HF tensor is one megatron tensor: `kv_a_proj_with_mqa`'s rows are [latent; RoPE] in both,
-    `kv_b_proj`'s per head [k; v], `q_b_proj`'s per head [no-RoPE; RoPE]. The down projections are
-    column-parallel in the local spec (split by rows, gathered inside MLA) and replicated in
-    transformer-engine's, whose up projections also hold the latents' norms."""
-    from moe_rl.policy.model import use_transformer_engine
-
-    if layer is None or expert is not None:
-        return glm4_moe_shard(name, layer, expert, arch)
-    a = f"model.layers.{layer}.self_attn."
-    down = None if use_transformer_engine() else 0
-    attention = {
-        "self_attention.linear_q_down_proj.weight": Shard((f"{a}q_a_proj.weight",), dim=down),
-        "self_attention.q_layernorm.weight": Shard((f"{a}q_a_layernorm.weight",)),
-        "self_attention.linear_q_up_proj.layer_norm_weight": Shard((f"{a}q_a_layernorm.weight",)),
-        "self_attention.linear_q_up_proj.weight": Shard((f"{a}q_b_proj.weight",), dim=0),
-        "self_attention.linear_q_proj.weight": Shard((f"{a}q_proj.weight",), dim=0),  # q_lora_rank None
-        "self_attention.linear_kv_down_proj.weight": Shard((f"{a}kv_a_proj_with_mqa.weight",), dim=down),
-        "self_attention.kv_layernorm.weight": Shard((f"{a}kv_a_layernorm.weight",)),
-        "self_attention.linear_kv_up_proj.layer_norm_weight": Shard((f"{a}kv_a_layernorm.weight",)),
-        "self_attention.linear_kv_up_proj.weight": Shard((f"{a}kv_b_proj.weight",), dim=0),
-    }
-    if name in attention:
-        return attention[name]
-    return glm4_moe_shard(name, layer, expert, arch)
-
-
-def qwen3_next_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
-    """Qwen3-Next: Qwen2-MoE's gated shared expert, gated full attention with QK-norm (`qgkv`), and
-    on linear-attention layers the gated delta net (`linear_attn.*`). Its RMSNorm weights are HF's w
-    as they are: megatron's norms are zero-centred (1 + w), as HF's; the delta net's output norm
-    scales by w in both."""
-    if layer is None or expert is not None:
-        return qwen2_moe_shard(name, layer, expert, arch)
-    p = f"model.layers.{layer}."
-    a, la = f"{p}self_attn.", f"{p}linear_attn."
-    found = {
-        "self_attention.linear_qkv.weight": Shard((f"{a}q_proj.weight", f"{a}k_proj.weight", f"{a}v_proj.weight"),
-                                                  kind="qgkv", dim=0),
-        "self_attention.in_proj.weight": Shard((f"{la}in_proj_qkvz.weight", f"{la}in_proj_ba.weight"),
-                                               kind="gdn_in", dim=0),
-        "self_attention.in_proj.layer_norm_weight": Shard((f"{p}input_layernorm.weight",)),
-        "self_attention.conv1d.weight": Shard((f"{la}conv1d.weight",), kind="gdn_conv", dim=0),
-        "self_attention.dt_bias": Shard((f"{la}dt_bias",), dim=0),
-        "self_attention.A_log": Shard((f"{la}A_log",), dim=0),
-        "self_attention.out_norm.weight": Shard((f"{la}norm.weight",)),
-        "self_attention.out_proj.weight": Shard((f"{la}out_proj.weight",), dim=1),
-    }.get(name)
-    return found or qwen2_moe_shard(name, layer, expert, arch)
-
-
-def qwen3_5_moe_shard(name: str, layer: int | None, expert: int | None, arch: MoEArch) -> Shard | None:
-    """Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, which saves `model.layers.*`): Qwen3-Next's map but for the
-    delta net's input projections, stored apart: in_proj_qkv ([q | k | v], each key- or value-head
-    major, the conv's channel order too), in_proj_z (per value head), in_proj_b and in_proj_a (one row
-    per value head); their concatenation is megatron's in_proj as it is."""
-    if name == "self_attention.in_proj.weight" and expert is None:
-        la = f"model.layers.{layer}.linear_attn."
-        return Shard(tuple(f"{la}in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")), kind="gdn_in", dim=0)
-    return qwen3_next_shard(name, layer, expert, arch)
-
-
-# HF family -> weight map. New families add their map here and a reader in arch.py.
-WEIGHT_MAPS: dict[str, Callable[[str, int | None, int | None, MoEArch], Shard | None]] = {
-    "qwen3_moe": qwen3_moe_shard,
-    "mixtral": mixtral_shard,
-    "qwen2_moe": qwen2_moe_shard,
-    "glm4_moe": glm4_moe_shard,
-    "deepseek_v3": deepseek_v3_shard,
-    "qwen3_next": qwen3_next_shard,
-    "qwen3_5_moe": qwen3_5_moe_shard,
-}
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ def packed_format(chunks: list[Any]) -> str:
     transformer-engine runs THD (varlen) attention only in fp16/bf16 (its unfused
     fp32 attention has no THD path), so fp32 models under TE cannot pack.
     """
-    from moe_rl.policy.model import use_transformer_engine
+    from moe_rl.policy.perf import use_transformer_engine
 
     if not use_transformer_engine():
         return "mask"

@@ -1,4 +1,4 @@
-"""Build a megatron-core `GPTModel` for a HF MoE architecture (`MoEArch`, read in `arch.py`).
+"""Build a megatron-core `GPTModel` for a HF MoE architecture (`MoEArch`, read by its family in `families/`).
 
 `MoEArch` becomes a megatron `TransformerConfig` for a given `ParallelLayout`. On GPU the
 transformer-engine layer spec and the alltoall dispatcher are used; on CPU the local spec with a
@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.dist.devices import compute_device
-# The architecture's reading lives in arch.py; its names are also reachable from here.
-from moe_rl.policy.arch import ARCHITECTURES, MoEArch, UnsupportedModel, arch_from_hf_dict, read_hf_config
+from moe_rl.policy.arch import MoEArch, UnsupportedModel
 from moe_rl.policy.compat import gated_delta_net_without_fla, mla_without_te
+# A family's reading lives in families/; its names are also reachable from here.
+from moe_rl.policy.families.registry import ARCHITECTURES, arch_from_hf_dict, read_hf_config
 from moe_rl.policy.packing import use_position_ids_for_rope
 from moe_rl.policy.parallel import ParallelLayout
-from moe_rl.policy.perf import PerfSettings
+from moe_rl.policy.perf import PerfSettings, use_transformer_engine
 
 __all__ = ["ARCHITECTURES", "MoEArch", "UnsupportedModel", "arch_from_hf_dict", "build_model", "layer_offset",
            "layer_spec", "read_hf_config", "transformer_config", "use_transformer_engine"]
@@ -66,17 +67,6 @@ class PlainRMSNorm(SequenceParallelRMSNorm):
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def use_transformer_engine() -> bool:
-    """TE spec only on GPU and only when transformer-engine imports."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def transformer_config(arch: MoEArch, layout: ParallelLayout, dtype: str = "fp32",

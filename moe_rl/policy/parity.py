@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.policy.arch import read_hf_config
+from moe_rl.policy.families.registry import read_hf_config
 from moe_rl.policy.parallel import LayoutError, ParallelLayout
 
 DEFAULT_LAYOUTS = "tp2,pp2,ep2,tp2-ep2,tp2-pp2,pp2-vpp2,dp2"

@@ -143,3 +143,14 @@ def resolve(req: PerfRequest, *, distributed_optimizer: bool, moe: bool = True,
         if missing:
             raise ValueError(f"model.moe_router_fusion=true needs {missing}; set it to false")
     return PerfSettings(**out, moe_router_fusion=bool(req.moe_router_fusion) and moe)
+
+
+def use_transformer_engine() -> bool:
+    """TE spec only on GPU and only when transformer-engine imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True

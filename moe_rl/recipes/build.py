@@ -155,7 +155,8 @@ def initial_model(cfg: RunConfig, out: Path, rank: int, dataset: Any) -> Path:
         return Path(cfg.model.hf_path)
     path = out / "init_model"
     if rank == 0 and not (path / "config.json").is_file():
-        from moe_rl.policy.tiny import TinyMoEConfig, make_tiny
+        from moe_rl.policy.families.registry import make_tiny
+        from moe_rl.policy.tiny import TinyMoEConfig
 
         tok = dataset.tokenizer
         shape = asdict(cfg.model.tiny)

@@ -11,13 +11,11 @@ from typing import Any
 
 import torch
 
+from moe_rl.policy.families.registry import engine_name
 from moe_rl.rollout.flat import joined
 from moe_rl.rollout.fused_weights import partner, split_pairs
 
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# Mixtral's checkpoint names (pushes send them, as SGLang's mixtral loader reads them) as transformers' modules
-_MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
-_MIXTRAL_RE = re.compile(r"\.block_sparse_moe\.|\.w[123]\.")
 
 Plan = list[tuple[torch.Tensor, torch.Tensor, str]]  # (the served view written, the value, its name)
 
@@ -135,7 +133,7 @@ def apply_plan(plan: Plan) -> None:
 
 def resolve(name: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, tuple]:
     """The served tensor (and index into it) that a pushed tensor named `name` writes."""
-    name = _MIXTRAL_RE.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], name)  # other families' names pass
+    name = engine_name(name)  # a family's checkpoint names as transformers' modules (Mixtral's differ)
     if name in state:
         return state[name], ()
     m = _EXPERT_RE.match(name)

@@ -93,7 +93,7 @@ def test_each_family_is_read_as_itself():
 
 def test_sigmoid_routers_megatron_cannot_match_are_refused_by_name():
     from moe_rl.policy.model import UnsupportedModel, arch_from_hf_dict
-    from moe_rl.policy.tiny import TINY_GLM4_MOE
+    from moe_rl.policy.families.glm4_moe import TINY as TINY_GLM4_MOE
 
     base = {**TINY_GLM4_MOE, "architectures": ["Glm4MoeForCausalLM"]}
     with pytest.raises(UnsupportedModel, match="norm_topk_prob=false"):
@@ -103,7 +103,7 @@ def test_sigmoid_routers_megatron_cannot_match_are_refused_by_name():
     assert arch_from_hf_dict({**base, "n_group": 3, "topk_group": 1, "num_experts_per_tok": 2}).router_groups == (3, 1)
     with pytest.raises(UnsupportedModel, match="supported: .*DeepseekV3ForCausalLM, Glm4MoeForCausalLM"):
         arch_from_hf_dict({**base, "architectures": ["Glm4ForCausalLM"]})
-    from moe_rl.policy.tiny import TINY_DEEPSEEK_V3
+    from moe_rl.policy.families.deepseek_v3 import TINY as TINY_DEEPSEEK_V3
 
     ds = {**TINY_DEEPSEEK_V3, "architectures": ["DeepseekV3ForCausalLM"]}
     with pytest.raises(UnsupportedModel, match="rope_interleave=false"):
@@ -322,7 +322,7 @@ def test_qwen3_next_is_read_as_itself_and_what_megatron_cannot_match_is_refused_
     from moe_rl.config import ConfigError, load_config
     from moe_rl.policy.model import UnsupportedModel, arch_from_hf_dict, read_hf_config
     from moe_rl.policy.parallel import LayoutError, ParallelLayout
-    from moe_rl.policy.tiny import TINY_QWEN3_NEXT
+    from moe_rl.policy.families.qwen3_next import TINY as TINY_QWEN3_NEXT
 
     arch = read_hf_config(qwen3_next)
     la = arch.linear_attention
@@ -350,7 +350,8 @@ def test_qwen3_next_is_read_as_itself_and_what_megatron_cannot_match_is_refused_
                        match=r"model.tiny.family=qwen3_next .*set parallel.max_tokens_per_microbatch=null"):
         load_config(demo, ["model.tiny.family=qwen3_next"])
     assert load_config(demo, ["model.tiny.family=qwen3_next", "parallel.max_tokens_per_microbatch=null"])
-    from moe_rl.policy.tiny import TinyMoEConfig, tiny_hf_config
+    from moe_rl.policy.families.registry import tiny_hf_config
+    from moe_rl.policy.tiny import TinyMoEConfig
 
     tiny = arch_from_hf_dict(tiny_hf_config("qwen3_next", TinyMoEConfig()).to_dict())  # the fresh model's shape
     assert (tiny.family, tiny.linear_attention.layers, tiny.linear_attention.value_heads) == ("qwen3_next", (0, 2), 4)
@@ -416,7 +417,7 @@ def test_qwen3_5_moe_is_read_as_itself_its_rope_is_plain_at_text_positions_and_r
 
     from moe_rl.config import ConfigError, load_config
     from moe_rl.policy.model import UnsupportedModel, arch_from_hf_dict, read_hf_config
-    from moe_rl.policy.tiny import TINY_QWEN3_5_MOE
+    from moe_rl.policy.families.qwen3_5_moe import TINY as TINY_QWEN3_5_MOE
 
     arch = read_hf_config(qwen3_5_moe)
     la = arch.linear_attention

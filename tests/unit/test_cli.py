@@ -52,7 +52,7 @@ def test_input_a_command_cannot_take_is_one_line_and_exit_2(tmp_path, capfd, arg
     """Every subcommand, as `moe-rl train` does: what it cannot take is one line naming it on stderr, exit
     status 2, no traceback (check-parity printed 20 lines of one for an unsupported model, serve for a
     missing model directory, drift and report exited 1)."""
-    from moe_rl.policy.tiny import make_tiny_deepseek_v3
+    from moe_rl.testing import make_tiny_deepseek_v3
 
     paths = {"MISSING": str(tmp_path / "missing"), "OUT": str(tmp_path / "out")}
     if "UNSUPPORTED" in argv:

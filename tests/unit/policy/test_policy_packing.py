@@ -83,13 +83,13 @@ def test_packed_format_refuses_fp32_under_transformer_engine(monkeypatch):
 
     import pytest
 
-    import moe_rl.policy.model as model
+    import moe_rl.policy.perf as perf
     from moe_rl.policy.forward import packed_format
 
     chunk = lambda dtype: types.SimpleNamespace(config=types.SimpleNamespace(params_dtype=dtype))  # noqa: E731
-    monkeypatch.setattr(model, "use_transformer_engine", lambda: False)
+    monkeypatch.setattr(perf, "use_transformer_engine", lambda: False)
     assert packed_format([chunk(torch.float32)]) == "mask"
-    monkeypatch.setattr(model, "use_transformer_engine", lambda: True)
+    monkeypatch.setattr(perf, "use_transformer_engine", lambda: True)
     assert packed_format([chunk(torch.bfloat16)]) == "thd"
     with pytest.raises(ValueError, match="need model.dtype bf16 or fp16.*max_tokens_per_microbatch=null"):
         packed_format([chunk(torch.float32)])

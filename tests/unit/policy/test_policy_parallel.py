@@ -148,7 +148,7 @@ def test_check_parity_refuses_bad_arguments_in_one_line(tiny_hf_dir, tmp_path, c
     import argparse
 
     from moe_rl.policy.parity import add_arguments, run
-    from moe_rl.policy.tiny import make_tiny_deepseek_v3
+    from moe_rl.testing import make_tiny_deepseek_v3
 
     if "UNSUPPORTED" in args:
         bad = make_tiny_deepseek_v3(tmp_path / "dsv3", n_group=2, topk_group=1, num_experts_per_tok=4)

@@ -215,7 +215,8 @@ def test_the_offset_check_on_a_tiny_model_with_a_dense_first_layer(family):
     from transformers import AutoModelForCausalLM
 
     from moe_rl.drift.routes import hf_routes
-    from moe_rl.policy.tiny import TinyMoEConfig, tiny_hf_config
+    from moe_rl.policy.families.registry import tiny_hf_config
+    from moe_rl.policy.tiny import TinyMoEConfig
     from moe_rl.recipes.rl.replay_health import check_layer_offset
 
     torch.manual_seed(0)
