@@ -42,13 +42,9 @@ class TinyMoEConfig:
     pad_token_id: int = 0
 
     def to_hf(self) -> Any:
-        from transformers import Qwen3MoeConfig
-
         kw = dict(self.__dict__)
         theta = kw.pop("rope_theta")
-        cfg = Qwen3MoeConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
-        cfg.architectures = [qwen3_moe.FAMILY.architecture]
-        return cfg
+        return qwen3_moe.hf_config(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
 
 
 def make_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, config: TinyMoEConfig | None = None,
@@ -58,16 +54,7 @@ def make_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, config: TinyMoEConfi
     `init_std` is larger than HF's default (0.02) so that router logits are far apart
     and top-k choices are not decided by float rounding noise.
     """
-    from transformers import Qwen3MoeForCausalLM
-
-    cfg = (config or TinyMoEConfig()).to_hf()
-    cfg.initializer_range = init_std
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    return out
+    return save_tiny((config or TinyMoEConfig()).to_hf(), out_dir, seed, init_std)
 
 
 def save_tiny(cfg: Any, out_dir: str | Path, seed: int, init_std: float, perturb: tuple[str, ...] = ()) -> Path:

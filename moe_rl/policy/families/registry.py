@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moe_rl.policy.arch import MoEArch, UnsupportedModel
 from moe_rl.policy.families import deepseek_v3, glm4_moe, mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
@@ -15,7 +15,8 @@ from moe_rl.policy.families.family import Family, WeightMap
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (qwen3_moe, qwen2_moe, mixtral, glm4_moe, deepseek_v3,
                                                           qwen3_next, qwen3_5_moe))
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
-ARCHITECTURES: dict[str, Any] = {f.architecture: f.read for f in FAMILIES}  # HF architectures[0] -> reader
+_BY_ARCHITECTURE: dict[str, Family] = {f.architecture: f for f in FAMILIES}
+ARCHITECTURES: dict[str, Callable[[dict[str, Any]], MoEArch]] = {a: f.read for a, f in _BY_ARCHITECTURE.items()}
 WEIGHT_MAPS: dict[str, WeightMap] = {f.name: f.weight_map for f in FAMILIES}
 TINY_FAMILIES: tuple[str, ...] = tuple(f.name for f in FAMILIES if f.tiny is not None)  # model.tiny.family
 
@@ -36,8 +37,7 @@ MODEL_TYPES: dict[str, str] = {t: f.architecture for f in FAMILIES for t in f.mo
 
 def family_of(cfg: dict[str, Any]) -> Family | None:
     """The family a HF config.json (a dict) names (`architectures`, else `model_type`), None for none read here."""
-    name = _architecture(cfg)
-    return next((f for f in FAMILIES if f.architecture == name), None)
+    return _BY_ARCHITECTURE.get(_architecture(cfg))
 
 
 def _architecture(cfg: dict[str, Any]) -> str:
@@ -86,10 +86,8 @@ def tiny_hf_config(family: str, config: Any) -> Any:
 
 def make_tiny(family: str, out_dir: str | Path, seed: int, config: Any, init_std: float) -> Path:
     """A fresh tiny model of `family` with `config`'s shape (`tiny_hf_config`), saved to `out_dir`."""
-    from moe_rl.policy.tiny import make_tiny_qwen3_moe, save_tiny
+    from moe_rl.policy.tiny import save_tiny
 
-    if family == qwen3_moe.FAMILY.name:  # the demo's model, built as it always was (same draws)
-        return make_tiny_qwen3_moe(out_dir, seed=seed, config=config, init_std=init_std)
     return save_tiny(tiny_hf_config(family, config), out_dir, seed, init_std)  # nothing perturbed, as ever
 
 
@@ -100,6 +98,8 @@ def make_example(family: str, out_dir: str | Path, seed: int = 0, init_std: floa
     from moe_rl.policy.tiny import save_tiny
 
     f = BY_NAME[family]
+    if not f.example:  # Qwen3-MoE's test model is the demo's shape: moe_rl.policy.tiny.make_tiny_qwen3_moe
+        raise ValueError(f"{family} has no example shape of its own: build it from TinyMoEConfig with make_tiny")
     return save_tiny(f.hf_config(**(f.example | overrides)), out_dir, seed,
                      f.init_std if init_std is None else init_std, f.perturb)
 

@@ -35,8 +35,6 @@ class SyncRollouts:
     """The synchronous source: each step asks for its batch and waits for it (on-policy), so
     nothing is ever in flight between steps."""
 
-    depth = 0
-
     def take(self, run: Any, step: int) -> tuple[Samples, int, dict[str, float]]:
         return generate(run, next_prompts(run), step), 0, {}
 

@@ -58,3 +58,11 @@ def test_no_product_module_outside_its_file_spells_a_familys_architecture():
             if isinstance(node, ast.Constant) and node.value in names and rel != f"policy/families/{names[node.value]}.py":
                 found.append(f"{rel}:{node.lineno} {node.value}")
     assert not found, f"a family's architecture spelled outside its file: {found}"
+
+
+def test_a_family_without_an_example_shape_is_refused_rather_than_built_at_hf_defaults(tmp_path):
+    from moe_rl.policy.families.registry import make_example
+
+    with pytest.raises(ValueError, match="qwen3_moe has no example shape of its own"):
+        make_example("qwen3_moe", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
