@@ -10,10 +10,13 @@ The optimizer state follows the model's sharding:
 - plain optimizer (FP32Optimizer / Float16OptimizerWithFloat16Params, chained for MoE):
   megatron's own `sharded_state_dict`; exp_avg / exp_avg_sq (and fp32 main params in bf16)
   have the shape of their model parameter; the Adam step is saved once as `common_step`.
-- DistributedOptimizer: sharding type `fully_reshardable` (gathered over DP at save time into
-  model-param-shaped tensors, sliced back to the local DP range at load time). The default
-  of megatron-core 0.16.1, `fully_sharded_model_space`, raises ("ShardedTensor.flattened_range
-  is not supported"), and `dp_reshardable` / `dp_zero_gather_scatter` only reshard along DP.
+- DistributedOptimizer: megatron's `fully_reshardable` keys (model-param-shaped tensors), each
+  data-parallel rank writing and reading only its own range of them (`optim_shards`): host memory
+  is the rank's own optimizer state, not its model shard's gathered over DP as megatron's own
+  `fully_reshardable` does (`gathered=True` keeps that path: the benchmark's baseline; both load
+  each other's checkpoints). The default of megatron-core 0.16.1, `fully_sharded_model_space`,
+  raises ("ShardedTensor.flattened_range is not supported"), and `dp_reshardable` /
+  `dp_zero_gather_scatter` only reshard along DP.
 
 CPU + gloo: needs `moe_rl.policy.compat` active (it is once the Policy is built): megatron's
 save path calls `torch.cuda.synchronize()` / `torch.cuda.current_device()` / `Tensor.cuda()`.
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.dist.orphans import die_with_this_process
+from moe_rl.policy.optim_shards import own_ranges
 from moe_rl.policy.train_step import init_empty_adam_state, sub_optimizers, sync_params, unshare_adam_steps
 
 SHARDING_TYPE = "fully_reshardable"
@@ -127,13 +131,31 @@ def _default_common_step(loaded_optimizer: Any, optimizer: Any) -> None:
             state["common_step"] = torch.tensor(0.0, dtype=torch.float32)
 
 
-def sharded_state_dict(policy: Any, is_loading: bool) -> dict[str, Any]:
-    """Model chunks (`model{i}`, bare GPTModels) + optimizer (+ scheduler, a common entry, on save)."""
+def _model_state(policy: Any) -> dict[str, Any]:
     md = _metadata()
-    model = {f"model{i}": chunk.sharded_state_dict(metadata=md) for i, chunk in enumerate(policy.chunks)}
+    return {f"model{i}": chunk.sharded_state_dict(metadata=md) for i, chunk in enumerate(policy.chunks)}
+
+
+@contextmanager
+def _optimizer_ranges(policy: Any, gathered: bool) -> Iterator[None]:
+    """Each DP rank's own range of the distributed optimizer's state (megatron's gather over DP when
+    `gathered`), for the optimizer's sharded_state_dict and load_state_dict run inside."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = [o for o in sub_optimizers(policy.opt.optimizer) if isinstance(o, DistributedOptimizer)]
+    if gathered or not subs:
+        yield
+        return
+    with own_ranges(subs, lambda: _model_state(policy)):
+        yield
+
+
+def sharded_state_dict(policy: Any, is_loading: bool, gathered: bool = False) -> dict[str, Any]:
+    """Model chunks (`model{i}`, bare GPTModels) + optimizer (+ scheduler, a common entry, on save)."""
+    model = _model_state(policy)
     ensure_optimizer_state(policy.opt.optimizer)
-    with _collect_only_without_automatic_gc():
-        optim = policy.opt.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=md)
+    with _collect_only_without_automatic_gc(), _optimizer_ranges(policy, gathered):
+        optim = policy.opt.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=_metadata())
     state = {**model, "optimizer": optim}
     if not is_loading:
         state["scheduler"] = policy.opt.scheduler.state_dict()
@@ -188,42 +210,54 @@ def _allow_child_processes(async_save: bool) -> None:
     filesystem_async._results_queue = _async_results
 
 
-def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False) -> Any:
+def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False, gathered: bool = False) -> Any:
     """Save the policy's model, optimizer and scheduler to `ckpt_dir` (collective; a directory every
     rank sees). Returns None, or with `async_save` megatron's AsyncRequest: schedule it on
-    `AsyncSaves` and wait for `done` on every rank before the checkpoint is relied on."""
-    from megatron.core import dist_checkpointing
+    `AsyncSaves` and wait for `done` on every rank before the checkpoint is relied on. `gathered`:
+    the distributed optimizer's state gathered over DP first, as megatron does (the baseline)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     sync_params(policy.opt.chunks)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+    if not gathered:
+        # the weights' replicas over DP are written by all DP ranks, each its part (megatron's own
+        # balancing), not all by DP rank 0: the writer stages (copies) what a rank writes, so DP rank 0
+        # would hold its whole model shard's weights beside its optimizer range
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
     _allow_child_processes(async_save)
     if dist.get_rank() == 0:  # megatron's save lists the directory on rank 0: it must exist
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = sharded_state_dict(policy, is_loading=False)
+    state = sharded_state_dict(policy, is_loading=False, gathered=gathered)
     # megatron forks its writers here: a rank killed mid-save takes them with it (moe_rl/dist/orphans.py)
     with die_with_this_process():
         return dist_checkpointing.save(
-            state, str(ckpt_dir), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+            state, str(ckpt_dir), sharded_strategy=strategy,
             async_sharded_save=async_save,
             content_metadata={"format": FORMAT, "distrib_optim_sharding_type": SHARDING_TYPE,
+                              "distrib_optim_ranges": "gathered" if gathered else "own",
                               "singleton_local_shards": SINGLETON_LOCAL_SHARDS})
 
 
-def load_sharded(policy: Any, ckpt_dir: str | Path) -> None:
+def load_sharded(policy: Any, ckpt_dir: str | Path, *, gathered: bool = False) -> None:
     """Load `save_sharded`'s directory into the policy, whatever layout and world size saved it
-    (with the same optimizer kind: train.distributed_optimizer as when it was saved)."""
+    (with the same optimizer kind: train.distributed_optimizer as when it was saved), each DP rank
+    reading its own range of the optimizer state (`gathered`: megatron's zero-filled model-shard
+    buffers on every rank first, the baseline)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-    state = sharded_state_dict(policy, is_loading=True)
+    state = sharded_state_dict(policy, is_loading=True, gathered=gathered)
     loaded = dist_checkpointing.load(state, str(ckpt_dir), sharded_strategy=TorchDistLoadShardedStrategy(),
                                      strict="raise_all")
     with torch.no_grad():  # fp32 DistributedOptimizer main params are views of the model's parameters
         for i, chunk in enumerate(policy.chunks):
             chunk.load_state_dict(loaded[f"model{i}"], strict=True)
         _default_common_step(loaded["optimizer"], policy.opt.optimizer)
-        with _skip_step_in_param_state_copy(policy.opt.optimizer):
+        with _skip_step_in_param_state_copy(policy.opt.optimizer), _optimizer_ranges(policy, gathered):
             policy.opt.optimizer.load_state_dict(loaded["optimizer"])
     _fix_steps_after_load(policy.opt.optimizer)
     policy.opt.scheduler.load_state_dict(loaded["scheduler"])
@@ -235,8 +269,7 @@ def load_sharded_weights(policy: Any, ckpt_dir: str | Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-    md = _metadata()
-    state = {f"model{i}": chunk.sharded_state_dict(metadata=md) for i, chunk in enumerate(policy.chunks)}
+    state = _model_state(policy)
     loaded = dist_checkpointing.load(state, str(ckpt_dir), sharded_strategy=TorchDistLoadShardedStrategy(),
                                      strict="raise_unexpected")
     with torch.no_grad():

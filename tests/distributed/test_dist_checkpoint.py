@@ -11,12 +11,14 @@ one, so the comparison would catch a load that did nothing.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from moe_rl.policy.dist_ckpt import load_sharded, save_sharded
 from moe_rl.policy.parity import sample_sequences
 from moe_rl.testing import run_ranks
 
@@ -222,3 +224,77 @@ def test_export_writes_the_trained_weights_and_transformers_gives_the_trainers_l
             with torch.no_grad():
                 lp = torch.log_softmax(model(seq.view(1, -1)).logits[0].float(), -1)[:-1].gather(1, seq[1:].view(-1, 1))
             torch.testing.assert_close(lp.view(-1), logp[rank][i, : seq.numel() - 1], rtol=0, atol=1e-5)
+
+
+# ---- each data-parallel rank writes and reads only its own range of the optimizer state
+
+@contextmanager
+def _no_dp_gather():
+    """megatron's gather of the model shard's optimizer state over DP (`fully_reshardable` in
+    megatron-core's own form) raises while this runs."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def refuse(*a, **k):
+        raise AssertionError("the optimizer state was gathered over DP")
+
+    kept = DistributedOptimizer.get_parameter_state_dp_zero
+    DistributedOptimizer.get_parameter_state_dp_zero = refuse
+    try:
+        yield
+    finally:
+        DistributedOptimizer.get_parameter_state_dp_zero = kept
+
+
+def _save_both(hf_dir: str, own: str, gathered: str, batch: list[torch.Tensor]) -> dict:
+    policy = _policy("tp2-dp2", hf_dir)
+    policy.update(batch[policy.dp_rank::policy.dp_size], {}, lambda logp, mb: (-(logp.float() * mb.loss_mask).sum() / 100.0, {}))
+    view = _hf_view(policy)
+    with _no_dp_gather():
+        policy.save_sharded(own)
+    save_sharded(policy, gathered, gathered=True)
+    return {"view": view}
+
+
+def _load_both(layout: str, hf_dir: str, own: str, gathered: str) -> dict:
+    """The own-range checkpoint through the own-range loader (no gather), then, over a perturbed
+    state, the gathered one through it too; and the own-range checkpoint through megatron's loader."""
+    from moe_rl.policy.train_step import sub_optimizers
+
+    policy = _policy(layout, hf_dir)
+    fresh = {n: t.clone() for n, t in policy.hf_tensors()}
+    with _no_dp_gather():
+        policy.load_sharded(own)
+    views = {"own": _hf_view(policy)}
+    with torch.no_grad():  # so that the next loads have every number to restore
+        for opt in sub_optimizers(policy.opt.optimizer):
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    p.add_(1.0)
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        opt.optimizer.state[p][k].add_(1.0)
+    with _no_dp_gather():
+        policy.load_sharded(gathered)
+    views["gathered"] = _hf_view(policy)
+    load_sharded(policy, own, gathered=True)
+    views["megatron_loader"] = _hf_view(policy)
+    return {"fresh": fresh, "views": views}
+
+
+@pytest.mark.parametrize("layout,world", [("ep2", 2)])
+def test_each_dp_rank_saves_and_loads_its_own_range_exactly_and_both_formats_read_each_other(
+        tiny_hf_dir, tmp_path, layout, world):
+    # saved under tp2 x dp2 (the GLU halves split by TP: megatron's factories; experts on a
+    # prepended axis, DP-sharded) without any rank gathering the optimizer over DP; loaded under
+    # EP2 (dense dp2, experts edp1) without a gather, every weight, moment and fp32 main param exact
+    own, gathered = str(tmp_path / "own"), str(tmp_path / "gathered")
+    batch = sample_sequences(64, num=4, max_len=10, seed=0)
+    want = _merged(run_ranks(_save_both, 4, str(tiny_hf_dir), own, gathered, batch, timeout=300), "view")
+    results = run_ranks(_load_both, world, layout, str(tiny_hf_dir), own, gathered, timeout=300)
+    fresh = {n: t for r in results for n, t in r["fresh"].items()}
+    assert any(not torch.equal(fresh[n], want["weights"][n]) for n in want["weights"])
+    for how in ("own", "gathered", "megatron_loader"):
+        got = _merged([{"view": r["views"][how]} for r in results], "view")
+        for part in ("weights", *STATES):
+            assert set(got[part]) == set(want[part]), (how, part)
+            unequal = [n for n in want[part] if not torch.equal(got[part][n], want[part][n])]
+            assert not unequal, f"{how} {part}: {unequal[:5]}"
