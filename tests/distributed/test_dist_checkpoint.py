@@ -289,6 +289,9 @@ def test_each_dp_rank_saves_and_loads_its_own_range_exactly_and_both_formats_rea
     own, gathered = str(tmp_path / "own"), str(tmp_path / "gathered")
     batch = sample_sequences(64, num=4, max_len=10, seed=0)
     want = _merged(run_ranks(_save_both, 4, str(tiny_hf_dir), own, gathered, batch, timeout=300), "view")
+    from megatron.core.dist_checkpointing import load_content_metadata
+
+    assert [load_content_metadata(d)["distrib_optim_ranges"] for d in (own, gathered)] == ["own", "gathered"]
     results = run_ranks(_load_both, world, layout, str(tiny_hf_dir), own, gathered, timeout=300)
     fresh = {n: t for r in results for n, t in r["fresh"].items()}
     assert any(not torch.equal(fresh[n], want["weights"][n]) for n in want["weights"])

@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
+import weight_sync_cost as inv
 from common import Shape
 
 LAYOUT = "ep2-dp2"
@@ -97,7 +98,8 @@ def _rank(path: str, hf_dir: str, ckpt: str) -> dict[str, Any]:
             before = _reset_peak()
             run()
             out[f"{phase}_growth_mb"] = _peak_mb() - before
-            out[f"{phase}_writer_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+            if phase == "save":  # the largest finished child's peak, over the process's life: the save's writers
+                out["save_writer_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
             dist.barrier()
     return out
 
@@ -118,7 +120,7 @@ def bench_rows(sizes: tuple[Shape, ...] = SIZES) -> list[dict[str, Any]]:
                                      "peak_rss_growth_mb": round(r[f"{phase}_growth_mb"], 1),
                                      "own_optimizer_shard_mb": round(r["own_optimizer_shard_mb"], 1),
                                      "model_shard_optimizer_mb": round(r["model_shard_optimizer_mb"], 1),
-                                     "writer_peak_rss_mb": round(r[f"{phase}_writer_mb"], 1)})
+                                     "writer_peak_rss_mb": round(r["save_writer_mb"], 1) if phase == "save" else None})
     return rows
 
 
@@ -136,7 +138,50 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {params / 1e6:.1f}M | {phase} | {path} | {top['peak_rss_growth_mb']:.1f} | "
                      f"{top['own_optimizer_shard_mb']:.1f} | {top['model_shard_optimizer_mb']:.1f} | "
                      f"{top['peak_rss_growth_mb'] / top['own_optimizer_shard_mb']:.2f} | "
-                     f"{top['writer_peak_rss_mb']:.1f} |")
+                     f"{'-' if top['writer_peak_rss_mb'] is None else format(top['writer_peak_rss_mb'], '.1f')} |")
+    return "\n".join(lines)
+
+
+def _shard_params(fs: inv.Flagship) -> tuple[float, float]:
+    """(model shard, own range) parameters of the busiest rank of a flagship layout for each: a stage's dense
+    tensors over TP (split ones) or whole (norms), its experts over EP x ETP; the own range of each
+    over its data-parallel group (dense: world / (tp pp), experts: world / (pp ep etp))."""
+    lay, n = fs.layout, fs.config["num_hidden_layers"]
+    stage = lay.stage_of_layer(n)
+    dp, edp = lay.world // (lay.tp * lay.pp), lay.world // (lay.pp * lay.ep * lay.etp)
+    dense, experts = [0.0] * lay.pp, [0.0] * lay.pp
+    for t in fs.tensors:
+        s = 0 if t.layer < 0 else lay.pp - 1 if t.layer >= n else stage[t.layer]
+        if t.expert is None:
+            dense[s] += t.numel / (lay.tp if t.split else 1)
+        else:
+            experts[s] += t.numel / (lay.ep * lay.etp)
+    return (max(d + e for d, e in zip(dense, experts)),        # each the busiest stage of its own
+            max(d / dp + e / edp for d, e in zip(dense, experts)))  # (the first, dense, stage vs an MoE one)
+
+
+def flagship_table(rows: list[dict[str, Any]]) -> str:
+    """The measured growth per optimizer byte (today: over the model shard's; new: over the own
+    range's), largest over models and ranks, times the flagship layouts' bytes: an estimate."""
+    def ratio(path: str, phase: str, over: str) -> float:
+        return max(r["peak_rss_growth_mb"] / r[over] for r in rows if (r["path"], r["phase"]) == (path, phase))
+
+    fit = {(path, phase): ratio(path, phase, "model_shard_optimizer_mb" if path == "today" else "own_optimizer_shard_mb")
+           for path in PATHS for phase in ("save", "load")}
+    lines = ["Estimate (not measured): host memory growth of the busiest trainer rank at the shipped flagship "
+             "layouts, the measured growth per fp32 optimizer byte above times 12 bytes per parameter of the rank's "
+             f"model shard (today: x {fit['today', 'save']:.2f} save, x {fit['today', 'load']:.2f} load) or of its "
+             f"own range (new: x {fit['new', 'save']:.2f} save, x {fit['new', 'load']:.2f} load).", "",
+             "| model, layout | model shard fp32 state GB | own range GB | today save / load GB | new save / load GB |",
+             "|---|---:|---:|---:|---:|"]
+    a = inv.Assumptions()
+    for name in inv.FLAGSHIPS:
+        fs = inv.flagship(inv.CONFIGS / name, a, 0.03)
+        shard, own = (12 * x / 1e9 for x in _shard_params(fs))
+        lay = fs.layout
+        lines.append(f"| {lay.model}, tp{lay.tp} pp{lay.pp} ep{lay.ep} ({lay.world} GPUs) | {shard:,.1f} | {own:,.1f} | "
+                     f"{fit['today', 'save'] * shard:,.1f} / {fit['today', 'load'] * shard:,.1f} | "
+                     f"{fit['new', 'save'] * own:,.1f} / {fit['new', 'load'] * own:,.1f} |")
     return "\n".join(lines)
 
 
@@ -149,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
     print(format_table(rows))
+    print()
+    print(flagship_table(rows))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import async_rl
+import ckpt_memory
 import dpo_step
 import experts
 import critic
@@ -99,6 +100,8 @@ def sections() -> list[Section]:
         ("handoff", "Bytes per trainer rank per step: the step's samples and routes, before and now",
          lambda q: handoff_bytes.format_table(handoff_bytes.bench_rows(16, 256, 128), 16, 256, 128) if q
          else handoff_bytes.format_table(handoff_bytes.bench_rows())),
+        ("ckpt_memory", "Checkpoint host memory per rank with the distributed optimizer: megatron's gather vs each "
+         "rank's own range", _ckpt_memory),
     ]
     out.append(("dpo", "DPO step vs the RL update: tokens/s on the same tokens and layout",
                 lambda q: dpo_step.format_table(dpo_step.bench_rows(rounds=2, worlds=(1,)) if q
@@ -114,6 +117,11 @@ def sections() -> list[Section]:
     out.append(("trl_extended", "Generations to reward against TRL on many prompts, 2-token answers, 4 updates "
                 "per generation, lr 1e-3 and 3e-3 (TRL optional)", lambda q: _trl("extended", q)))
     return out
+
+
+def _ckpt_memory(quick: bool) -> str:
+    rows = ckpt_memory.bench_rows(ckpt_memory.SIZES[:1] if quick else ckpt_memory.SIZES)
+    return ckpt_memory.format_table(rows) + "\n\n" + ckpt_memory.flagship_table(rows)
 
 
 def _weight_sync_scale(quick: bool) -> str:
