@@ -8,7 +8,7 @@ MoE run:
   own shape, under layout-free keys, as a plain optimizer's), so any layout loads it, but it gets
   there by gathering every DP rank's shard of the *whole model shard* into host memory on every rank
   (`get_parameter_state_dp_zero`, fp32 x 3), at every save and, as zero-filled buffers, at every
-  load: about 61 GB per rank on Qwen3-30B-A3B with EP8.
+  load (tools/bench/ckpt_memory.py measures it and estimates it at the flagship layouts).
 
 This module keeps `fully_reshardable`'s keys and global shapes and drops the gather. A DP rank owns
 one contiguous range of each parameter's flattened (TP/EP-local) tensor; such a range is a union of

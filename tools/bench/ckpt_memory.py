@@ -44,19 +44,6 @@ PATHS = ("today", "new")
 MB = 1 << 20
 
 
-def _reset_peak() -> float:
-    """Resident MiB now, with the peak (VmHWM) set back to it."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return common.rss_mb()
-
-
-def _peak_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return float(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _optimizer_mb(policy: Any) -> tuple[float, float]:
     """(this rank's own fp32 optimizer state, its model shard's), MiB: 3 fp32 values per element."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -95,9 +82,9 @@ def _rank(path: str, hf_dir: str, ckpt: str) -> dict[str, Any]:
                            ("load", lambda: load_sharded(policy, ckpt, gathered=gathered))):
             gc.collect()
             dist.barrier()
-            before = _reset_peak()
-            run()
-            out[f"{phase}_growth_mb"] = _peak_mb() - before
+            with common.PeakAbove() as peak:
+                run()
+            out[f"{phase}_growth_mb"] = peak.mb
             if phase == "save":  # the largest finished child's peak, over the process's life: the save's writers
                 out["save_writer_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
             dist.barrier()
