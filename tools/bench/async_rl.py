@@ -40,6 +40,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
 
@@ -112,19 +114,24 @@ LEARNED = 0.8  # the success rate a run must reach (its 3-step running mean)
 
 
 def learn_overrides(k: int, seed: int, a: argparse.Namespace, run_dir: Path) -> list[str]:
-    return [f"algo.max_staleness={k}", f"rollout.inflight_update={a.inflight if k else 'wait'}",
-            "train.world_size=1", "parallel.ep=1", "rollout.num_servers=1",
+    common = [f"algo.max_staleness={k}", f"rollout.inflight_update={a.inflight if k else 'wait'}",
+              f"train.steps={a.steps}", f"model.seed={seed}", f"data.shuffle_seed={seed}", "train.eval_every=0",
+              "train.save_every=0", "drift.enabled=false", "log.progress=false", "log.tensorboard=false",
+              "log.report=false", f"log.run_dir={run_dir}", *a.set]
+    if a.demo:  # the demo config as a user runs it (its layout, task, batch, lr): only K and the seed change
+        return common
+    return [*common, "train.world_size=1", "parallel.ep=1", "rollout.num_servers=1",
             f"data.train={a.task}", f"data.eval={a.task}-eval", f"data.prompts_per_step={a.prompts}",
             f"rollout.n_samples={a.samples}", f"rollout.max_new_tokens={a.new_tokens}",
-            f"algo.num_minibatches={a.minibatches}", f"train.lr={a.lr}", f"train.steps={a.steps}",
-            f"model.seed={seed}", f"data.shuffle_seed={seed}", "train.eval_every=0", "train.save_every=0",
-            "drift.enabled=false", "log.progress=false", "log.tensorboard=false", "log.report=false",
-            f"log.run_dir={run_dir}", *a.set]
+            f"algo.num_minibatches={a.minibatches}", f"train.lr={a.lr}"]
 
 
 def learn_one(k: int, seed: int, a: argparse.Namespace) -> dict[str, Any]:
     """One whole run; what it learned, from its metrics."""
     rows = _train(f"K={k} seed {seed}", lambda run_dir: learn_overrides(k, seed, a, run_dir))
+    if a.demo:
+        demo = yaml.safe_load(CONFIG.read_text())
+        return learned(k, seed, rows, demo["data"]["prompts_per_step"] * demo["rollout"]["n_samples"])
     return learned(k, seed, rows, a.prompts * a.samples)
 
 
@@ -149,10 +156,22 @@ def learned(k: int, seed: int, rows: list[dict[str, Any]], samples_per_step: int
 
 def learn(a: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
     jobs = [(k, seed) for seed in range(a.seeds) for k in a.ks]  # each seed's Ks side by side
+    done: list[dict[str, Any]] = []
+
+    def one(k: int, seed: int) -> dict[str, Any]:
+        row = learn_one(k, seed, a)
+        done.append(row)
+        if a.json:  # the runs so far, so a failed run late in a long sweep loses nothing before it
+            Path(a.json).write_text(json.dumps({"rows": done}, indent=1))
+        return row
+
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
-        rows = list(pool.map(lambda ks: learn_one(*ks, a), jobs))
-    lines = [f"`{a.task}`, {a.prompts} prompts x {a.samples} samples of up to {a.new_tokens} tokens, "
-             f"{a.minibatches} updates per step, lr {a.lr}, {a.steps} steps, seeds 0-{a.seeds - 1}"
+        rows = list(pool.map(lambda ks: one(*ks), jobs))
+    shape = ("the demo config as it is (`launch/configs/tiny_cpu.yaml`: its layout, task, batch and lr)"
+             if a.demo else None)
+    shape = shape or (f"`{a.task}`, {a.prompts} prompts x {a.samples} samples of up to {a.new_tokens} tokens, "
+                      f"{a.minibatches} updates per step, lr {a.lr}")
+    lines = [f"{shape}, {a.steps} steps, seeds 0-{a.seeds - 1}"
              + (f", {' '.join(a.set)}" if a.set else "") + f"; {a.jobs} run(s) at a time.", "",
              "| K | steps to 0.8: median [IQR] | missed | collapsed (alarm) | final success (median) | samples/s |",
              "|---:|---:|---:|---:|---:|---:|"]
@@ -183,13 +202,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=32, help="--learn: data.prompts_per_step")
     p.add_argument("--samples", type=int, default=8, help="--learn: rollout.n_samples")
     p.add_argument("--minibatches", type=int, default=4, help="--learn: algo.num_minibatches")
+    p.add_argument("--demo", action="store_true",
+                   help="--learn: the demo config's own layout, task, batch and lr (--task/--lr/--prompts/... ignored)")
     p.add_argument("--set", action="append", default=[], help="--learn: one more override key=value (repeatable)")
     p.add_argument("--jobs", type=int, default=1, help="--learn: runs at a time")
     p.add_argument("--json", help="--learn: also write the per-run rows here")
     a = p.parse_args(argv)
     if a.learn:
         if a.steps == 12:  # the throughput mode's default is too short to learn anything
-            a.steps = 80
+            a.steps = yaml.safe_load(CONFIG.read_text())["train"]["steps"] if a.demo else 80
         table, rows = learn(a)
         print(table)
         if a.json:
