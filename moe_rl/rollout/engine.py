@@ -27,7 +27,7 @@ from typing import Any, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
-from moe_rl.routes import BadRoutes, check as check_routes
+from moe_rl.routes import BadRoutes, Geometry, check as check_routes
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -280,6 +280,10 @@ class GenerateResult:
     turns: int = 1
     # the position of routed_experts' first row (a request's routed_experts_start_len; 0: all of them)
     routes_start: int = 0
+    # the model's route shape as the engine knows it: routed_experts must have its MoE layers and top-k
+    # and ids below its expert count, and messages name its layers (None: only negative ids are refused;
+    # the replay's own check refuses the rest against the policy's)
+    route_geometry: Geometry | None = None
     # SGLang's meta_info["cached_tokens"]: prompt tokens whose KV (and routes) came from the prefix cache
     cached_tokens: int = 0
     # the stop string that ended the sample (finish_reason "stop" on text); None: a token or not stopped
@@ -314,8 +318,12 @@ class GenerateResult:
             if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != want:
                 raise ValueError(f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
                                  f"[{want}, num_moe_layers, topk] (len(prompt + output) - 1 - start rows)")
-            try:  # every engine's rows, the in-process ones' too (the range needs num_experts: routes.compact)
-                check_routes(np.asarray(self.routed_experts))
+            try:  # every engine's rows, once: where they arrive in this process (moe_rl/routes.py `check`)
+                g, rows = self.route_geometry, np.asarray(self.routed_experts)
+                if g is None:
+                    check_routes(rows)
+                else:
+                    check_routes(rows, g.num_experts, layers=len(g.moe_layers), topk=g.topk, layer_names=g.moe_layers)
             except BadRoutes as e:
                 raise BadRoutes(f"{self.server or 'rollout engine'}: routed_experts: {e}") from None
 

@@ -55,6 +55,7 @@ class _Episode:
     action: list[bool] = field(default_factory=list)
     versions: list[str | None] = field(default_factory=list)
     routes: list[np.ndarray] | None = field(default_factory=list)  # row chunks; None once a turn gave none
+    route_geometry: Any = None  # the engine's (moe_rl.routes.Geometry): the episode's rows checked as its turns'
     reward: float = 0.0
     turns: int = 0
     finish: str = "stop"
@@ -129,6 +130,7 @@ class EpisodeRunner:
                 ep.routes = None  # an engine without routes: the episode has none
             else:  # the rows past what the earlier turns have (an engine may return every row)
                 ep.routes.append(res.routed_experts[self._covered(ep) - res.routes_start:])
+                ep.route_geometry = res.route_geometry
         out = list(res.output_ids)
         versions = res.token_versions() or [None] * len(out)
         ep.append(out, res.output_logprobs.tolist(), True, versions)
@@ -164,4 +166,5 @@ class EpisodeRunner:
         return GenerateResult(prompt_ids=list(ep.prompt_ids), output_ids=ep.ids,
                               output_logprobs=np.asarray(ep.logp, dtype=np.float32), finish_reason=ep.finish,
                               routed_experts=routes, weight_versions=versions, action_mask=tuple(ep.action),
+                              route_geometry=ep.route_geometry if routes is not None else None,
                               reward=ep.reward, turns=ep.turns)

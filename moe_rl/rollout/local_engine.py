@@ -41,7 +41,7 @@ from moe_rl.rollout.prefix_cache import PrefixCache, PrefixHit
 from moe_rl.rollout.route_recorder import make_recorder
 from moe_rl.rollout.sampler import ids_logprobs, prompt_logprobs, sample, top_logprobs
 from moe_rl.rollout.weight_load import apply_plan, apply_sparse, check_checkpoint, plan_sparse, plan_tensors
-from moe_rl.routes import compact as compact_routes
+from moe_rl.routes import Geometry, compact as compact_routes
 
 PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's default size: 1 GiB of keys and values
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -253,6 +253,8 @@ class LocalEngine:
                               weight_version=row.versions[-1] if row.versions else self.weight_version,
                               weight_versions=version_spans(row.versions, self.weight_version),
                               num_retractions=row.retractions, cached_tokens=row.cached, matched_stop=row.matched,
+                              route_geometry=None if got is None else Geometry(
+                                  self.num_hidden_layers, self.topk, self.num_experts, self.moe_layer_ids),
                               input_logprobs=row.in_lps, input_top_logprobs=row.in_top,
                               input_token_ids_logprobs=row.in_ids,
                               output_top_logprobs=None if row.out_top is None else list(row.out_top),

@@ -57,7 +57,8 @@ from moe_rl.rollout.sglang_api import (CONTINUE_GENERATION, FLUSH_CACHE, GENERAT
                                        MODEL_INFO, MODEL_INFO_OLD, PAUSE_GENERATION, RELEASE_MEMORY, RESUME_MEMORY,
                                        SERVER_INFO, UPDATE_FROM_DISK, disk_update_payload, generate_payload,
                                        group_payload)
-from moe_rl.rollout.wire import Geometry, in_place_spans, parse_reply, read_hf_config
+from moe_rl.rollout.wire import in_place_spans, parse_reply, read_hf_config
+from moe_rl.routes import Geometry
 
 log = logging.getLogger(__name__)
 

@@ -11,31 +11,21 @@ sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`): we POST
 "routed_experts": base64(int32 [len(prompt+output)-1, num_hidden_layers, topk])}}.
 The routes are decoded as `extract_routed_experts_from_meta_info` does
 (sglang/srt/state_capturer/routed_experts.py: frombuffer int32), shape-checked,
-restricted to the MoE layers, checked row by row (ids in range, no id repeated within a top-k, no
-padding rows) and stored in the smallest integer dtype: moe_rl/routes.py `decode_b64`. A malformed
-payload is a `RolloutError`, rows no router produced are `BadRoutes`, each naming the server and the sample.
+restricted to the MoE layers and stored in the smallest integer dtype once the ids fit it
+(moe_rl/routes.py `decode_b64`), then checked row by row, once, as the `GenerateResult` is made (no id
+repeated within a top-k, no padding rows). A malformed payload is a `RolloutError`, rows no router
+produced are `BadRoutes`, each naming the server.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moe_rl.rollout.engine import GenerateRequest, GenerateResult, RolloutError, check_version_spans
-from moe_rl.routes import BadRoutes, RouteWireError, decode_b64
-
-
-@dataclass
-class Geometry:
-    """The model's shape as the routed experts need it: layers, top-k, experts, which layers are MoE."""
-
-    num_layers: int
-    topk: int
-    num_experts: int | None
-    moe_layers: list[int]
+from moe_rl.routes import BadRoutes, Geometry, RouteWireError, decode_b64
 
 
 def parse_reply(url: str, req: GenerateRequest, data: Any, geo: Geometry | None) -> list[GenerateResult]:
@@ -83,7 +73,8 @@ def parse_reply(url: str, req: GenerateRequest, data: Any, geo: Geometry | None)
                                   routed_experts=routes, weight_version=None if wv is None else str(wv),
                                   server=url, weight_versions=parse_version_spans(where, meta, T),
                                   num_retractions=int(meta.get("num_retractions") or 0),
-                                  routes_start=req.routed_experts_start_len if routes is not None else 0))
+                                  routes_start=req.routed_experts_start_len if routes is not None else 0,
+                                  route_geometry=geo if routes is not None else None))
     return out
 
 
@@ -136,8 +127,9 @@ def in_place_spans(spans: tuple[tuple[str, int, int], ...] | None, sent: str, la
 
 
 def decode_routes(where: str, b64: Any, rows: int, geo: Geometry) -> np.ndarray:
-    """A reply's `routed_experts` as compact checked routes (moe_rl/routes.py `decode_b64`): a malformed payload
-    is the server's RolloutError, rows no router produced its BadRoutes, both naming `where`."""
+    """A reply's `routed_experts` as compact routes (moe_rl/routes.py `decode_b64`): a malformed payload is the
+    server's RolloutError, an id that does not fit its BadRoutes, both naming `where` (the router's rules run
+    once, on the `GenerateResult`)."""
     if not isinstance(b64, str):
         raise RolloutError(f"{where}: meta_info.routed_experts is missing (launch SGLang with "
                            f"--enable-return-routed-experts)")

@@ -12,8 +12,11 @@ import torch
 from moe_rl import routes
 from moe_rl.drift.metrics import DriftShapeError, expert_load, route_stats
 from moe_rl.policy.replay import ReplayError, check_routes
-from moe_rl.rollout.engine import GenerateResult, RolloutError
-from moe_rl.rollout.wire import Geometry, decode_routes
+from moe_rl.recipes.rl.replay_health import coverage
+from moe_rl.rollout.engine import GenerateRequest, GenerateResult, RolloutError, SamplingParams
+from moe_rl.rollout.wire import decode_routes, parse_reply
+from moe_rl.routes import Geometry
+from moe_rl.samples import Samples
 
 
 def _routes(rows: int, layers: int, k: int, experts: int, seed: int = 0) -> np.ndarray:
@@ -71,7 +74,7 @@ def test_one_id_in_every_layer_is_refused_only_where_chance_cannot_explain_it():
     routes.check(rows, 16)
     rows[4] = 0
     with pytest.raises(routes.BadRoutes, match="row 4 names expert 0 in all 9 MoE layers"):
-        routes.compact(rows, 16)
+        routes.check(rows, 16)
     few = _routes(6, 4, 1, 8, seed=2)  # top-1, 8 experts, 4 layers: 1 token in 512 routes so by chance
     few[2] = 5
     assert routes.compact(few, 8).dtype == np.uint8
@@ -136,3 +139,54 @@ def test_engine_drift_and_replay_refuse_by_the_same_rule():
     check_routes(padded.view(2, 2, 2, 2), torch.tensor([3, 2]), arch)
     with pytest.raises(DriftShapeError, match="repeats an expert id"):
         route_stats(padded, r)
+
+
+def test_repeated_ids_against_a_set_per_row_for_every_top_k():
+    """The pairwise rule (K <= 16) and the sorting one (K > 16) mark exactly the rows whose top-k holds an id
+    twice, on numpy and torch, in every dtype a route comes in."""
+    g = np.random.default_rng(7)
+    for k in (1, 2, 3, 8, 16, 17, 24):
+        ids = np.stack([g.permutation(64)[:k] for _ in range(300)]).reshape(100, 3, k)
+        dup = g.random((100, 3)) < 0.3
+        if k > 1:
+            ids[dup, -1] = ids[dup, 0]
+        want = np.array([[len(set(r.tolist())) < k for r in row] for row in ids])
+        for dt in (np.uint8, np.int16, np.int64):
+            np.testing.assert_array_equal(routes.repeated_ids(ids.astype(dt)), want, err_msg=f"k={k} {dt}")
+        np.testing.assert_array_equal(routes.repeated_ids(torch.from_numpy(ids)).numpy(), want, err_msg=f"k={k}")
+        assert k == 1 or want.any() and not want.all()
+
+
+def test_an_engine_result_refuses_ids_past_the_expert_count_it_was_given():
+    """The engine's geometry reaches the one check: an id past it is refused where the sample arrives, not
+    left for R3's coverage to count (what it did before)."""
+    rows = _routes(4, 2, 2, 8).astype(np.uint8)
+    geo = Geometry(num_layers=3, topk=2, num_experts=8, moe_layers=[1, 2])
+    GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", rows, route_geometry=geo)
+    rows[2, 1, 0] = 8
+    with pytest.raises(routes.BadRoutes, match=r"sglang-0: routed_experts: expert id 8 out of range \[0, 8\) "
+                                               r"\(first at row 2, layer 2"):
+        GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", rows, server="sglang-0", route_geometry=geo)
+    GenerateResult([1, 2, 3], [4, 5], np.zeros(2), "stop", rows)  # count unknown: the replay refuses it
+
+
+def test_a_samples_routes_are_checked_once_from_the_reply_to_r3s_coverage(monkeypatch):
+    """The distinct-ids rule (the costly one) runs once per reply, when its `GenerateResult` is made: not in the
+    decode as well, nor again in R3's coverage (three times before)."""
+    calls = []
+    rule = routes.repeated_ids
+    monkeypatch.setattr(routes, "repeated_ids", lambda x: calls.append(x.shape) or rule(x))
+    geo = Geometry(num_layers=3, topk=2, num_experts=8, moe_layers=[0, 1, 2])
+    prompt, out = [1, 2, 3], [4, 5]
+    rows = _routes(len(prompt) + len(out) - 1, 3, 2, 8, seed=3)
+    reply = {"output_ids": out, "meta_info": {"finish_reason": {"type": "stop"}, "routed_experts": _b64(rows),
+                                              "output_token_logprobs": [[-0.5, t, None] for t in out]}}
+    req = GenerateRequest(prompt_ids=prompt, sampling=SamplingParams(n=1), return_routed_experts=True)
+    (res,) = parse_reply("server A", req, reply, geo)
+    np.testing.assert_array_equal(res.routed_experts, rows)
+    samples = Samples([None], [torch.tensor(prompt + out)], torch.tensor([3]), [torch.zeros(2)],
+                      [torch.as_tensor(res.routed_experts)], [""])
+    got = coverage(samples, torch.tensor([[False, False, True, True]]), [0, 1, 2], min_coverage=1.0)
+    assert got["replay/coverage"] == 1.0
+    assert calls == [(4, 3, 2)]
+    assert res.route_geometry is geo  # the server's geometry reached the check

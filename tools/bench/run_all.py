@@ -38,6 +38,7 @@ import losses
 import memory
 import overhead
 import replay
+import route_intake
 import rollout
 import scaling
 import step_options
@@ -102,6 +103,8 @@ def sections() -> list[Section]:
          else handoff_bytes.format_table(handoff_bytes.bench_rows())),
         ("ckpt_memory", "Checkpoint host memory per rank with the distributed optimizer: megatron's gather vs each "
          "rank's own range", _ckpt_memory),
+        ("route_intake", "R3's routes where they arrive: bytes, seconds and peak memory per SGLang reply and per "
+         "step on the receiving process", lambda q: route_intake.format_table(route_intake.bench_rows(quick=q))),
     ]
     out.append(("dpo", "DPO step vs the RL update: tokens/s on the same tokens and layout",
                 lambda q: dpo_step.format_table(dpo_step.bench_rows(rounds=2, worlds=(1,)) if q

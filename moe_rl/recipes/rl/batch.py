@@ -126,7 +126,7 @@ def replay_coverage(run: Any, samples: Samples) -> dict[str, float]:
     if replay_mode(run.cfg.algo) != "r3":
         return {}
     arch, width = run.policy.arch, max(samples.lengths()) - 1
-    return coverage(samples, response_mask(samples, width).bool(), list(arch.moe_layers), arch.num_moe_experts,
+    return coverage(samples, response_mask(samples, width).bool(), list(arch.moe_layers),
                     run.cfg.algo.replay_min_coverage)
 
 

@@ -3,9 +3,9 @@ the engine's MoE layers are the trainer's (the layer-offset check), and the rout
 
 Where a token can lack an engine route: a sample whose response carried no routes (an aborted
 request), rows shorter than the sample (a `routed_experts_start_len` past the prompt's start, a
-multi-turn episode whose turns did not cover every position), a row no router produced (ids
-repeated within a top-k, out of range: the rows the rollout engine checks refuse, counted here
-again for samples that did not pass those checks). The coverage counts what the replay really
+multi-turn episode whose turns did not cover every position). A row no router produced never gets
+here: it was refused where it arrived (`moe_rl.routes.check`), so the rows present are counted, not
+checked again. The coverage counts what the replay really
 uses: `engine_route_cover` builds both the replayed tensor and the mask of positions holding an
 engine route, and positions without one replay the trainer's own routes, never padding.
 """
@@ -19,7 +19,6 @@ import torch
 from moe_rl.algo.config import replay_mode, route_mask_bound
 from moe_rl.algo.route_mask import route_mask
 from moe_rl.drift.metrics import all_reduce_counts, route_stats
-from moe_rl.routes import out_of_range, repeated_ids
 
 # The layer-offset check. Measured on the tiny models (qwen3_moe, mixtral: 5 MoE layers; glm4_moe,
 # deepseek_v3: a dense first layer; 4 experts, top-2; two seeds; 384 tokens): a layer's routes
@@ -57,19 +56,18 @@ class EngineRoutes:
         return self.routed.unsqueeze(-1) & ~self.covered
 
 
-def sample_cover(routes: torch.Tensor | None, routed: int, num_layers: int, num_experts: int | None) -> torch.Tensor:
-    """`[routed, L]` bool: which of a sample's `routed` positions hold, per layer, an engine route some
-    router could have produced (a row the engine returned, ids distinct and in range)."""
+def sample_cover(routes: torch.Tensor | None, routed: int, num_layers: int) -> torch.Tensor:
+    """`[routed, L]` bool: which of a sample's `routed` positions hold, per layer, an engine route: the rows
+    the engine returned. Every row there passed `moe_rl.routes.check` where it arrived (a result with rows a
+    router cannot produce stops the run, `BadRoutes`), so none is counted again; an id past the policy's
+    experts from an engine that did not know their count is refused by the replay's check."""
     out = torch.zeros((routed, num_layers), dtype=torch.bool)
-    if routes is None:
-        return out
-    ids = routes[:routed].numpy()
-    # the rules the rollout engine refuses rows by (moe_rl/routes.py check)
-    out[:ids.shape[0]] = torch.from_numpy(~(repeated_ids(ids) | out_of_range(ids, num_experts)))
+    if routes is not None:
+        out[:min(routes.shape[0], routed)] = True
     return out
 
 
-def engine_route_cover(samples: Any, width: int, num_experts: int | None = None) -> EngineRoutes:
+def engine_route_cover(samples: Any, width: int) -> EngineRoutes:
     """The engine's routes of `samples` stacked to `[B, width, L, K]`, and where they exist."""
     if samples.routes is None or all(r is None for r in samples.routes):
         raise ValueError("algo.replay=r3 and the route mask need routed experts from the rollout engine; "
@@ -83,7 +81,7 @@ def engine_route_cover(samples: Any, width: int, num_experts: int | None = None)
         if r is not None:
             rows = min(r.shape[0], routed)
             routes[i, :rows] = r[:rows]
-        covered[i, :routed] = sample_cover(r, routed, L, num_experts)
+        covered[i, :routed] = sample_cover(r, routed, L)
     return EngineRoutes(routes, covered, routed_positions(samples, width))
 
 
@@ -92,8 +90,7 @@ def routed_positions(samples: Any, width: int) -> torch.Tensor:
     return torch.arange(width).view(1, -1) < (torch.tensor(samples.lengths()) - 1).view(-1, 1)
 
 
-def coverage(samples: Any, response: torch.Tensor, layer_ids: list[int], num_experts: int | None,
-             min_coverage: float) -> dict[str, float]:
+def coverage(samples: Any, response: torch.Tensor, layer_ids: list[int], min_coverage: float) -> dict[str, float]:
     """`replay/coverage` (response tokens, the least over layers), `replay/coverage_prompt` (the other
     routed tokens: prompt and environment context) and `replay/coverage/layer_XX` (response tokens)
     of an R3 step; ReplayCoverageError when either share is below `min_coverage`, naming the samples
@@ -102,7 +99,7 @@ def coverage(samples: Any, response: torch.Tensor, layer_ids: list[int], num_exp
     L = len(layer_ids)
     hits, totals, missing = torch.zeros(2, L, dtype=torch.float64), torch.zeros(2), []
     for i, (r, n) in enumerate(zip(samples.routes or [None] * len(samples), samples.lengths())):
-        cover = sample_cover(r, n - 1, L, num_experts)            # [n - 1, L]
+        cover = sample_cover(r, n - 1, L)                         # [n - 1, L]
         resp = response[i, :n - 1]
         for k, where in enumerate((resp, ~resp)):
             hits[k] += cover[where].sum(0)

@@ -80,13 +80,13 @@ def _near(routes: torch.Tensor, share: float, seed: int) -> torch.Tensor:
 
 def test_coverage_counts_the_engine_routes_per_layer_and_names_the_samples_without():
     engine = _near(FREE, 0.05, 1)
-    engine[3, 4, 1] = torch.tensor([2, 2])  # a padding-like row in layer 2 (HF id) of sample 3, position 4
     full = [PROMPT + n - 1 for n in COMPLETIONS]
     rows = [full[0], None, full[2] - 3, full[3]]  # sample 1 aborted (no routes); sample 2 three rows short
     mine = _samples(engine, rows)
     response = response_mask(mine, WIDTH).bool()
-    got = coverage(mine, response, LAYERS, E, min_coverage=0.0)
-    # the loop: a (token, layer) is covered when the sample has that row and its ids are distinct and in range
+    got = coverage(mine, response, LAYERS, min_coverage=0.0)
+    # the loop: a (token, layer) is covered when the sample has that row (every row there passed
+    # moe_rl.routes.check where it arrived: test_routes.py)
     for name, where in (("replay/coverage", lambda i, t: bool(response[i, t])),
                         ("replay/coverage_prompt", lambda i, t: t < PROMPT - 1)):
         per_layer = []
@@ -96,18 +96,15 @@ def test_coverage_counts_the_engine_routes_per_layer_and_names_the_samples_witho
                 for t in range(PROMPT + n - 1):
                     if where(i, t):
                         total += 1
-                        ids = engine[i, t, j].tolist()
-                        hit += rows[i] is not None and t < rows[i] and len(set(ids)) == K and max(ids) < E
+                        hit += rows[i] is not None and t < rows[i]
             per_layer.append(hit / total)
         assert got[name] == pytest.approx(min(per_layer)), name
         if name == "replay/coverage":
             for lid, v in zip(LAYERS, per_layer):
                 assert got[f"replay/coverage/layer_{lid:02d}"] == pytest.approx(v)
-    assert got["replay/coverage/layer_01"] > got["replay/coverage/layer_02"]  # the padding row counts against layer 2
-    with pytest.raises(ReplayCoverageError, match=r"3 of 4 samples .*sample 1: 6 of 6 response and 2 of 2 prompt "
-                                                  r"tokens, layers \[1, 2, 3, 4\]; sample 2: 3 of 9 response.*"
-                                                  r"sample 3: 1 of 7 response and 0 of 2 prompt tokens, layers \[2\]"):
-        coverage(mine, response, LAYERS, E, min_coverage=1.0)
+    with pytest.raises(ReplayCoverageError, match=r"2 of 4 samples .*sample 1: 6 of 6 response and 2 of 2 prompt "
+                                                  r"tokens, layers \[1, 2, 3, 4\]; sample 2: 3 of 9 response"):
+        coverage(mine, response, LAYERS, min_coverage=1.0)
     # rank 0 of the step: under R3 only, from the run's config
     assert replay_coverage(_run(_Policy(), "algo.replay=r2"), mine) == {}
     with pytest.raises(ReplayCoverageError, match="algo.replay_min_coverage=1.0"):
