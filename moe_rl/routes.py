@@ -6,8 +6,7 @@ lives here, used by the rollout engine, `moe-rl serve`, drift and replay alike:
   (`route_dtype`, `route_np_dtype`, `record_dtype`);
 - its rules: `check` refuses routes no router produced (shape, integer ids, ids in range, distinct
   top-k ids, one id across every layer where chance cannot explain it) with `BadRoutes` naming the
-  first bad row and layer; `out_of_range` and `repeated_ids` mark the rows the rules refuse, for
-  counting them rather than refusing (R3's coverage);
+  first bad row and layer; `repeated_ids` marks the rows whose top-k repeats an id;
 - its wire form: SGLang's `meta_info.routed_experts`, base64 of int32 `[rows, num_hidden_layers, K]`
   with every layer present (dense ones zero), to and from the compact `[rows, MoE layers, K]`
   (`encode_b64`, `decode_b64`);
@@ -28,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-__all__ = ["BadRoutes", "Geometry", "RouteWireError", "check", "compact", "decode_b64", "encode_b64", "out_of_range",
+__all__ = ["BadRoutes", "Geometry", "RouteWireError", "check", "compact", "decode_b64", "encode_b64",
            "record_dtype", "repeated_ids", "route_dtype", "route_np_dtype"]
 
 
@@ -89,15 +88,6 @@ def record_dtype(num_experts: int) -> torch.dtype:
 # rows (all zeros) match the rule on every such model.
 ALL_ONE_ID_MIN_LAYERS = 4
 ALL_ONE_ID_MAX_CHANCE = 1e-9
-
-
-def out_of_range(routes: Any, num_experts: int | None) -> Any:
-    """`[rows, L]` bool: the token's top-k in that layer names an id outside [0, num_experts) (only
-    negative ids when the expert count is unknown)."""
-    bad = routes < 0
-    if num_experts is not None:
-        bad = bad | (routes >= num_experts)
-    return bad.any(-1)
 
 
 def repeated_ids(routes: Any) -> Any:
