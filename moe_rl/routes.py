@@ -97,7 +97,7 @@ def repeated_ids(routes: Any) -> Any:
         ordered = routes.sort(dim=-1).values if torch.is_tensor(routes) else np.sort(routes, axis=-1)
         return (ordered[..., 1:] == ordered[..., :-1]).any(-1)
     # pairwise over the K columns: whole-array comparisons, 3x faster than sorting K <= 8 ids per row
-    repeat = routes[..., 0] != routes[..., 0]
+    repeat = routes[..., 0] != routes[..., 0]  # all False, numpy or torch as the routes are
     for i in range(1, k):
         for j in range(i):
             repeat |= routes[..., i] == routes[..., j]

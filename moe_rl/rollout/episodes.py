@@ -40,6 +40,7 @@ import numpy as np
 from moe_rl.data.dataset import Prompt
 from moe_rl.env.base import Environment, Turn
 from moe_rl.rollout.engine import GenerateRequest, GenerateResult
+from moe_rl.routes import Geometry
 
 TURN_SEED_STRIDE = 7_919  # a turn's seed: the episode's seed + turn * stride (no two turns share one)
 
@@ -55,7 +56,7 @@ class _Episode:
     action: list[bool] = field(default_factory=list)
     versions: list[str | None] = field(default_factory=list)
     routes: list[np.ndarray] | None = field(default_factory=list)  # row chunks; None once a turn gave none
-    route_geometry: Any = None  # the engine's (moe_rl.routes.Geometry): the episode's rows checked as its turns'
+    route_geometry: Geometry | None = None  # the engine's: the episode's rows are checked as its turns' were
     reward: float = 0.0
     turns: int = 0
     finish: str = "stop"

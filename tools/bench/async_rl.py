@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -129,9 +130,6 @@ def learn_overrides(k: int, seed: int, a: argparse.Namespace, run_dir: Path) -> 
 def learn_one(k: int, seed: int, a: argparse.Namespace) -> dict[str, Any]:
     """One whole run; what it learned, from its metrics."""
     rows = _train(f"K={k} seed {seed}", lambda run_dir: learn_overrides(k, seed, a, run_dir))
-    if a.demo:
-        demo = yaml.safe_load(CONFIG.read_text())
-        return learned(k, seed, rows, demo["data"]["prompts_per_step"] * demo["rollout"]["n_samples"])
     return learned(k, seed, rows, a.prompts * a.samples)
 
 
@@ -157,20 +155,23 @@ def learned(k: int, seed: int, rows: list[dict[str, Any]], samples_per_step: int
 def learn(a: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
     jobs = [(k, seed) for seed in range(a.seeds) for k in a.ks]  # each seed's Ks side by side
     done: list[dict[str, Any]] = []
+    lock = threading.Lock()  # --jobs runs finish on several threads
 
     def one(k: int, seed: int) -> dict[str, Any]:
         row = learn_one(k, seed, a)
-        done.append(row)
-        if a.json:  # the runs so far, so a failed run late in a long sweep loses nothing before it
-            Path(a.json).write_text(json.dumps({"rows": done}, indent=1))
+        with lock:
+            done.append(row)
+            if a.json:  # the runs so far, so a failed run late in a long sweep loses nothing before it
+                Path(a.json).write_text(json.dumps({"rows": done}, indent=1))
         return row
 
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
         rows = list(pool.map(lambda ks: one(*ks), jobs))
-    shape = ("the demo config as it is (`launch/configs/tiny_cpu.yaml`: its layout, task, batch and lr)"
-             if a.demo else None)
-    shape = shape or (f"`{a.task}`, {a.prompts} prompts x {a.samples} samples of up to {a.new_tokens} tokens, "
-                      f"{a.minibatches} updates per step, lr {a.lr}")
+    if a.demo:
+        shape = "the demo config as it is (`launch/configs/tiny_cpu.yaml`: its layout, task, batch and lr)"
+    else:
+        shape = (f"`{a.task}`, {a.prompts} prompts x {a.samples} samples of up to {a.new_tokens} tokens, "
+                 f"{a.minibatches} updates per step, lr {a.lr}")
     lines = [f"{shape}, {a.steps} steps, seeds 0-{a.seeds - 1}"
              + (f", {' '.join(a.set)}" if a.set else "") + f"; {a.jobs} run(s) at a time.", "",
              "| K | steps to 0.8: median [IQR] | missed | collapsed (alarm) | final success (median) | samples/s |",
@@ -209,8 +210,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", help="--learn: also write the per-run rows here")
     a = p.parse_args(argv)
     if a.learn:
-        if a.steps == 12:  # the throughput mode's default is too short to learn anything
-            a.steps = yaml.safe_load(CONFIG.read_text())["train"]["steps"] if a.demo else 80
+        if a.demo:  # the demo's own batch (for samples/s) and, unless given, its steps
+            demo = yaml.safe_load(CONFIG.read_text())
+            a.prompts, a.samples = demo["data"]["prompts_per_step"], demo["rollout"]["n_samples"]
+            a.steps = demo["train"]["steps"] if a.steps == 12 else a.steps
+        elif a.steps == 12:  # the throughput mode's default is too short to learn anything
+            a.steps = 80
         table, rows = learn(a)
         print(table)
         if a.json:

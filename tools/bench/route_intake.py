@@ -23,6 +23,7 @@ answers, for the growth. Per step: the flagship's 512 samples, all received by t
 from __future__ import annotations
 
 import argparse
+import base64
 import inspect
 import json
 import os
@@ -46,8 +47,6 @@ GEOMETRY = {"qwen3-30b-a3b": (48, list(range(48)), 8, 128), "deepseek-v3": (61, 
 
 def reply_body(geometry: str, answer: int, seed: int = 0) -> bytes:
     """One sample's /generate reply as SGLang writes it (the real field names and encodings)."""
-    import base64
-
     hidden, moe, k, experts = GEOMETRY[geometry]
     rows = PROMPT + answer - 1
     g = np.random.default_rng(seed)
@@ -168,9 +167,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         for r in (r for r in rows if r["code"] == code and r["answer"] == max(x["answer"] for x in rows)):
             step.append([code, r["geometry"], f"{SAMPLES_PER_STEP * r['reply_bytes'] / 1e9:.2f}",
                          f"{SAMPLES_PER_STEP * r['total_s']:.1f}"])
-    fits = [f"- `{code}`: seconds per reply = {a:.4f} + {b * 1e6:.2f}e-6 x rows (48 MoE layers, top-8); at the "
-            f"flagship's {PROMPT + ANSWER - 1} rows x {SAMPLES_PER_STEP} samples: {SAMPLES_PER_STEP * (a + b * (PROMPT + ANSWER - 1)):.1f} s per step"
-            for code in dict.fromkeys(r["code"] for r in rows) for a, b in [fit(rows, code)]]
+    fits, flagship_rows = [], PROMPT + ANSWER - 1
+    for code in dict.fromkeys(r["code"] for r in rows):
+        a, b = fit(rows, code)
+        fits.append(f"- `{code}`: seconds per reply = {a:.4f} + {b * 1e6:.2f}e-6 x rows (48 MoE layers, top-8); at "
+                    f"the flagship's {flagship_rows} rows x {SAMPLES_PER_STEP} samples: "
+                    f"{SAMPLES_PER_STEP * (a + b * flagship_rows):.1f} s per step")
     return (per_reply + "\n\nPer step on the receiving process (trainer rank 0 receives all "
             f"{SAMPLES_PER_STEP} samples today), every answer at {max(r['answer'] for r in rows)} tokens:\n\n"
             + md_table(["code", "geometry", "GB in per step", "seconds per step"], step) + "\n\n" + "\n".join(fits))
