@@ -14,6 +14,7 @@ Without `init_control_group` (tests that drive a single step, tools) the default
 """
 from __future__ import annotations
 
+import pickle
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -26,6 +27,7 @@ _control: Any = None  # the control group once made
 _timeout = timedelta(minutes=30)  # its timeout, for the groups share_out makes beside it
 _layout: dict[tuple[int, ...], Any] = {}  # share_out's gloo group of each model-parallel group, once made
 _heads: list[tuple[int, int]] = []        # (key, first rank) of every model-parallel group
+_head_group: list[Any] = []               # a gloo group of those first ranks, once made (None: one group)
 
 
 def init_control_group(timeout_s: float) -> Any:
@@ -44,6 +46,7 @@ def destroy_control_group() -> None:
     _control = None
     _layout.clear()
     _heads.clear()
+    _head_group.clear()
 
 
 def control_group() -> Any:
@@ -98,6 +101,66 @@ def scatter_objects(per_rank: Sequence[Any] | None, group: Any = None) -> Any:
     return out[0]
 
 
+def _learn_groups(key: int, peers: tuple[int, ...]) -> None:
+    """First call (collective): every model-parallel group's key and ranks, a gloo group for each and
+    one of their first ranks (the heads), made in the same order everywhere."""
+    if _heads:
+        return
+    seen = all_gather_objects((key, peers))
+    for k, ranks in sorted(set(seen), key=lambda kr: kr[1]):
+        _heads.append((k, ranks[0]))
+        _layout[ranks] = dist.new_group(list(ranks), backend="gloo", timeout=_timeout) if len(ranks) > 1 else None
+    firsts = [head for _, head in _heads]
+    _head_group.append(dist.new_group(firsts, backend="gloo", timeout=_timeout) if len(firsts) > 1 else None)
+
+
+def heads(key: int, peers: Sequence[int]) -> tuple[list[tuple[int, int]], Any]:
+    """(key, world rank) of the first rank of every model-parallel group, in rank order, and a gloo
+    group of those ranks (None when there is one); collective over all ranks on the first call.
+    `key`, `peers`: this rank's group key (its data-parallel rank) and its group's world ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [(key, 0)], None
+    _learn_groups(key, tuple(sorted(int(r) for r in peers)))
+    return list(_heads), _head_group[0]
+
+
+def to_peers(obj: Any, peers: Sequence[int]) -> Any:
+    """The first of `peers`' `obj` on every rank of `peers` (its model-parallel group, made by
+    `heads`/`share_out`); the first rank keeps its object as it is (not a copy)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    ranks = tuple(sorted(int(r) for r in peers))
+    group = _layout[ranks]
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=ranks[0], group=group)
+    return obj if dist.get_rank() == ranks[0] else box[0]
+
+
+def exchange(outgoing: dict[int, Any], group: Any) -> dict[int, Any]:
+    """Point to point among the ranks of `group`: `outgoing[r]` goes to its rank r (group ranks), and
+    what each rank sent this one comes back by sender (collective over `group`; a rank that sends
+    nothing to r leaves r out). Only the pickled bytes of each pair travel, once: a rank receives
+    what is addressed to it, not everybody's (an all-gather would give every rank the whole step)."""
+    if world_size(group) == 1:
+        return {0: outgoing[0]} if 0 in outgoing else {}
+    me, n = rank(group), world_size(group)
+    payload = {r: torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+               for r, obj in outgoing.items() if r != me}
+    sizes = all_gather_objects([int(payload[r].numel()) if r in payload else -1 for r in range(n)], group)
+    inbox = {r: torch.empty(sizes[r][me], dtype=torch.uint8) for r in range(n) if r != me and sizes[r][me] >= 0}
+    glob = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
+    works = [dist.isend(t, dst=glob(r), group=group) for r, t in payload.items()]
+    works += [dist.irecv(t, src=glob(r), group=group) for r, t in inbox.items()]
+    for w in works:
+        w.wait()
+    out = {r: pickle.loads(t.numpy().tobytes()) for r, t in inbox.items()}
+    if me in outgoing:
+        out[me] = outgoing[me]
+    return out
+
+
 def share_out(per_key: dict[int, Any] | None, key: int, peers: Sequence[int]) -> Any:
     """Rank 0's `per_key[key]` on every rank whose key is `key` (collective over all ranks).
 
@@ -112,12 +175,7 @@ def share_out(per_key: dict[int, Any] | None, key: int, peers: Sequence[int]) ->
         assert per_key is not None
         return per_key[key]
     me, peers = dist.get_rank(), tuple(sorted(int(r) for r in peers))
-    if not _heads:  # first call: learn every group, make a gloo group for each (same order everywhere)
-        seen = all_gather_objects((key, peers))
-        for k, ranks in sorted(set(seen), key=lambda kr: kr[1]):
-            _heads.append((k, ranks[0]))
-            group = dist.new_group(list(ranks), backend="gloo", timeout=_timeout) if len(ranks) > 1 else None
-            _layout[ranks] = group
+    _learn_groups(key, peers)
     control = _control
     if me == 0:
         assert per_key is not None
@@ -131,12 +189,7 @@ def share_out(per_key: dict[int, Any] | None, key: int, peers: Sequence[int]) ->
         mine = box[0]
     else:
         mine = None
-    group = _layout[peers]
-    if group is not None:
-        box = [mine]
-        dist.broadcast_object_list(box, src=peers[0], group=group)
-        mine = box[0] if me != 0 else mine
-    return mine
+    return to_peers(mine, peers)
 
 
 def barrier() -> None:

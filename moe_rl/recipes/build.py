@@ -49,22 +49,41 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
         eos = policy.hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     sampler = PromptSampler(len(dataset), cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed)
-    engine, servers = (start_engine(cfg, hf_dir, policy, launched) if rank == 0 else (None, None))
+    engine, servers, reach = (start_engine(cfg, hf_dir, policy, launched) if rank == 0 else (None, None, None))
     # every rank that owns tensors talks to the servers (nccl): each needs the run's admin key
     keys = broadcast_object(getattr(engine, "keys", None))
+    intake = sample_intake(cfg, policy, rank)
+    if cfg.rollout.intake == "heads":  # each data-parallel head a client of the servers for its own groups
+        reach = broadcast_object(reach)
+        if intake.is_head and rank != 0:
+            engine = sglang_client(cfg, policy, hf_dir, reach, heads=len(intake.heads))
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=keys,
                             **(update_group(cfg, servers, out) if weight_sync_kind(cfg.rollout).update_group else {}))
     depth = staleness_bound(cfg.algo)
     governor = (StalenessGovernor(cfg.algo.auto_staleness_kl, cfg.algo.auto_staleness_steps)
                 if cfg.algo.auto_staleness else None)
+    receives = engine is not None  # this rank asks the servers for samples (rank 0, or a head)
+    asks = {"draw": intake.draw, "request": intake.request} if cfg.rollout.intake == "heads" else {}
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
               critic=build_critic(cfg, policy.spec) if uses_critic(cfg.algo) else None,
-              rollouts=AsyncRollouts(depth, governor) if depth and rank == 0 else SyncRollouts(),
-              episodes=episode_runner(cfg, dataset.tokenizer, policy.hf_config, eos) if rank == 0 else None)
+              rollouts=AsyncRollouts(depth, governor, **asks) if depth and receives else SyncRollouts(**asks),
+              episodes=episode_runner(cfg, dataset.tokenizer, policy.hf_config, eos) if receives else None,
+              intake=intake)
     eval_set = load_dataset(cfg.data.eval, run_tokenizer(cfg), cfg.data.prompt_key, cfg.data.answer_key,
                             cfg.data.max_prompt_len) if cfg.data.eval and cfg.train.eval_every else None
     return {"run": run, "eval": eval_set, "servers": servers}
+
+
+def sample_intake(cfg: RunConfig, policy: Any, rank: int) -> Any:
+    """Who receives the step's samples (`rollout.intake`), made on every rank (heads: collective)."""
+    if cfg.rollout.intake == "heads":
+        from moe_rl.recipes.rl.heads import HeadsIntake
+
+        return HeadsIntake(rank, policy.dp_rank, policy.model_parallel_ranks, cfg.data.prompts_per_step)
+    from moe_rl.recipes.rl.batch import RankZeroIntake
+
+    return RankZeroIntake()
 
 
 def episode_runner(cfg: RunConfig, tokenizer: Any, hf_config: dict[str, Any], eos_id: int | None) -> Any:
@@ -246,30 +265,38 @@ def launch_servers(cfg: RunConfig, hf_dir: Path, out: Path) -> tuple[Any, Any] |
     return servers, identity
 
 
-def start_engine(cfg: RunConfig, hf_dir: Path, policy: Any, launched: tuple[Any, Any] | None) -> tuple[Any, Any]:
+def start_engine(cfg: RunConfig, hf_dir: Path, policy: Any, launched: tuple[Any, Any] | None
+                 ) -> tuple[Any, Any, dict[str, Any] | None]:
     """Rank 0: connect to `rollout.urls`, or to the servers `launch_servers` started once they are
-    healthy; (client, server group or None)."""
+    healthy; (client, server group or None, how to reach the servers: `sglang_client`'s `reach`)."""
     from moe_rl.rollout.auth import read_key_file
-    from moe_rl.rollout.sglang_client import SGLangClient
 
     if not engine_kind(cfg.rollout).runs_as_servers:  # rollout.engine=inprocess: the engine runs in this process
         from moe_rl.rollout.inprocess import inprocess_engine
 
-        return inprocess_engine(cfg, hf_dir), None
-    arch = policy.arch
+        return inprocess_engine(cfg, hf_dir), None, None
     servers = None
     r = cfg.rollout
-    urls, admin = list(r.urls), list(r.admin_urls) or None
-    keys, served_name = (read_key_file(r.api_key_file) if r.api_key_file else None), r.served_model_name
+    reach = {"urls": list(r.urls), "admin": list(r.admin_urls) or None, "served_name": r.served_model_name,
+             "keys": read_key_file(r.api_key_file) if r.api_key_file else None}
     if launched is not None:  # launched here
         servers, identity = launched
         servers.wait_healthy(timeout=r.timeout_s)
         servers.watch()
-        urls, admin, keys, served_name = servers.urls, servers.admin_urls, identity.keys, identity.run_id
-    client = SGLangClient(urls, admin_urls=admin, max_concurrency=cfg.rollout.concurrency,
-                          keys=keys, served_name=served_name, no_server_timeout=r.timeout_s,
-                          request_timeout=cfg.rollout.timeout_s, max_attempts=cfg.rollout.retries + 1,
-                          num_layers=arch.num_layers, topk=arch.moe_router_topk,
-                          num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers),
-                          initial_weights=hf_dir, **inflight_client_args(cfg))
-    return client, servers
+        reach = {"urls": servers.urls, "admin": servers.admin_urls, "keys": identity.keys,
+                 "served_name": identity.run_id}
+    return sglang_client(cfg, policy, hf_dir, reach), servers, reach
+
+
+def sglang_client(cfg: RunConfig, policy: Any, hf_dir: Path, reach: dict[str, Any], heads: int = 1) -> Any:
+    """A client of the rollout servers at `reach` (urls, admin urls, keys, served name); `heads`: the
+    clients that share `rollout.concurrency` (rollout.intake=heads: one per data-parallel head)."""
+    from moe_rl.rollout.sglang_client import SGLangClient
+
+    arch, r = policy.arch, cfg.rollout
+    return SGLangClient(reach["urls"], admin_urls=reach["admin"], max_concurrency=-(-r.concurrency // heads),
+                        keys=reach["keys"], served_name=reach["served_name"], no_server_timeout=r.timeout_s,
+                        request_timeout=r.timeout_s, max_attempts=r.retries + 1,
+                        num_layers=arch.num_layers, topk=arch.moe_router_topk,
+                        num_experts=arch.num_moe_experts, moe_layer_ids=list(arch.moe_layers),
+                        initial_weights=hf_dir, **inflight_client_args(cfg))

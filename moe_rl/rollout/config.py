@@ -121,6 +121,13 @@ class RolloutConfig:
     included); last = the last turn's alone (the outcome, e.g. the answer without a tool-call bonus)."""
     concurrency: int = ranged(64, ge=1)
     """Requests in flight across all servers; bounds client memory and server queueing."""
+    intake: str = choice("rank0", ("rank0", "heads"))
+    """Which trainer ranks receive the step's samples from the servers. rank0 = trainer rank 0 receives,
+    scores and plans the whole step and hands each data-parallel rank its share; heads = rank 0 draws
+    the prompt groups and each data-parallel head (the first rank of each model-parallel group) asks
+    for, receives and scores its own, so a step's bytes arrive spread over the heads (the same samples
+    either way; `rollout.concurrency` is split over the heads). Needs servers (engine local or
+    sglang) and rollout.colocated=false."""
     timeout_s: float = ranged(120.0, gt=0.0)
     """Per-request HTTP timeout in seconds."""
     retries: int = ranged(3, ge=0)
@@ -212,6 +219,10 @@ def check_rollout(cfg: Any) -> Iterator[str]:
         yield (f"rollout.colocated: true is not allowed with algo.max_staleness={k} (or algo.off_policy_overlap="
                "true): colocated servers release their GPU memory while the trainer trains, so they cannot "
                "generate meanwhile; set algo.max_staleness=0")
+    if r.intake == "heads" and (r.colocated or not engine_kind(r).runs_as_servers):
+        yield (f"rollout.intake: 'heads' needs rollout servers the heads can reach, not "
+               f"{'colocated ones (released by rank 0 after its rollout)' if r.colocated else 'an in-process engine'}"
+               "; set rollout.intake=rank0")
     if r.router and r.urls:
         yield ("rollout.router: true starts a router in front of launched servers; rollout.urls is set (servers "
                "already run): put the router's URL in rollout.urls and its workers in rollout.admin_urls")

@@ -28,23 +28,31 @@ class _Failure:
     """Rank 0's exception on its way through a hand-off: the others get its description (an
     exception may not pickle), rank 0 keeps the exception itself."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, rank: int = 0) -> None:
         self.error: BaseException | None = error
-        self.text = f"rank 0 failed: {type(error).__name__}: {error}"
+        self.text = f"rank {rank} failed: {type(error).__name__}: {error}"
 
     def __getstate__(self) -> dict[str, Any]:
         return {"error": None, "text": self.text}
 
 
-def attempt(fn: Callable[[], Any]) -> Any:
-    """Rank 0: `fn()`, or what went wrong as a value (not raised): `RolloutLost` when the engine gave
-    up, a failure every rank raises in `unwrap` for anything else."""
+def attempt(fn: Callable[[], Any], rank: int = 0) -> Any:
+    """Rank 0 (or the `rank` that talks to the engine): `fn()`, or what went wrong as a value (not
+    raised): `RolloutLost` when the engine gave up, a failure every rank raises in `unwrap` for
+    anything else."""
     try:
         return fn()
     except RolloutError as e:
         return RolloutLost(str(e))
-    except Exception as e:  # noqa: BLE001 - re-raised by unwrap, on rank 0 as itself
-        return _Failure(e)
+    except RolloutLost as e:  # another rank's, already raised here by `unwrap`
+        return e
+    except Exception as e:  # noqa: BLE001 - re-raised by unwrap, on the failing rank as itself
+        return _Failure(e, rank)
+
+
+def failed(payload: Any) -> bool:
+    """Whether a hand-off's payload is a failure (`attempt`'s) rather than a result."""
+    return isinstance(payload, (RolloutLost, _Failure))
 
 
 def unwrap(payload: Any) -> Any:

@@ -364,6 +364,17 @@ class SGLangClient(ServerPool):
             self._labels.append(version)
         self._weights_lost = False
 
+    def push_record(self) -> tuple[tuple[str, str | None] | None, list[str]]:
+        """The weights the servers serve as this client pushed them (`follow_push` of another client)."""
+        return self._target_weights, list(self._labels)
+
+    def follow_push(self, record: tuple[tuple[str, str | None] | None, list[str]]) -> None:
+        """Take another client's `push_record`: this client generates only (a data-parallel head's,
+        rollout.intake=heads) and accepts and labels its samples' weight versions as that one does."""
+        self._target_weights, labels = record
+        self._labels = list(labels)
+        self._weights_lost = False
+
     def update_weights_from_disk(self, path: str | Path, version: str | int | None = None) -> None:
         """POST /update_weights_from_disk to every (admin) server.
 

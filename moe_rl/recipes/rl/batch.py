@@ -23,7 +23,7 @@ from moe_rl.data.dataset import PromptDataset
 from moe_rl.dist.collectives import broadcast_object, share_out
 from moe_rl.recipes.rl.async_rollouts import check_staleness
 from moe_rl.recipes.rl.replay_health import coverage
-from moe_rl.recipes.rl.rollouts import generate, next_prompts, rollout, staleness_metrics, wait_for_prefetch
+from moe_rl.recipes.rl.rollouts import generate, next_prompts, rollout, wait_for_prefetch
 from moe_rl.rollout.outage import attempt, unwrap
 from moe_rl.samples import Samples, Share, response_mask, split, usable_groups
 
@@ -39,31 +39,76 @@ def task_rewards(run: Any, samples: Samples) -> torch.Tensor:
 
 
 def score(run: Any, samples: Samples) -> dict[str, float]:
-    """Task rewards of every sample (rank 0: the reward functions run once, where the samples are)."""
-    rewards = samples.rewards = task_rewards(run, samples)
-    lengths = torch.tensor(samples.lengths()) - samples.prompt_lens
-    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-           "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),  # the report's band stays inside
-           "reward/success_rate": float((rewards >= 1.0).float().mean()),
-           "reward/failures": float(run.rewards.failures),
-           "rollout/response_len": float(lengths.float().mean()),
-           "rollout/entropy": sampled_entropy(samples)}
-    if samples.action_masks is not None:  # multi-turn: how many turns, how much of the context is the environment's
-        env_tokens = sum(int((~a).sum()) for a in samples.action_masks)
-        out |= {"rollout/turns_mean": float(samples.turns.mean()),
-                "rollout/env_token_frac": env_tokens / max(1, int(lengths.sum()))}
+    """Task rewards of every sample, and the step's reward and rollout metrics of them."""
+    samples.rewards = task_rewards(run, samples)
+    return score_metrics(sample_stats(samples), float(run.rewards.failures))
+
+
+def sample_stats(samples: Samples, version: int | None = None) -> dict[str, torch.Tensor]:
+    """Per sample, what the step's reward, rollout and staleness metrics are made of (`[N]` each,
+    float64): a few numbers a sample, so the ranks that receive parts of a step can share them and
+    compute the same metrics as one process holding it all (`score_metrics`, `staleness_of`).
+    `version`: the trainer's weight version (the staleness columns; None: none)."""
+    masks = samples.action_masks or [None] * len(samples)
+    picked = [lp if m is None else lp[m[: lp.shape[0]].bool()] for lp, m in zip(samples.engine_logp, masks)]
+    col = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+    out = {"response_len": (torch.tensor(samples.lengths()) - samples.prompt_lens).double(),
+           "logp_sum": col([float(p.double().sum()) for p in picked]), "logp_tokens": col([p.numel() for p in picked])}
+    if samples.rewards is not None:
+        out["reward"] = samples.rewards.double()
+    if samples.action_masks is not None and samples.turns is not None:
+        out |= {"env_tokens": col([int((~a).sum()) for a in samples.action_masks]), "turns": samples.turns.double()}
+    if version is not None and samples.versions is not None:
+        lags = [version - v.double() for v in samples.versions]
+        out |= {"lag_sum": col([float(x.sum()) for x in lags]), "lag_tokens": col([x.numel() for x in lags]),
+                "lag_max": col([float(x.max()) if x.numel() else float("-inf") for x in lags]),
+                "partial": col([bool(v.numel()) and bool((v != v[0]).any()) for v in samples.versions])}
     return out
 
 
-def sampled_entropy(samples: Samples) -> float:
+def merge_stats(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The step's stats from its parts', in order (a column some part lacks is left out)."""
+    keys = [k for k in parts[0] if all(k in p for p in parts)]
+    return {k: torch.cat([p[k] for p in parts]) for k in keys}
+
+
+def score_metrics(st: dict[str, torch.Tensor], failures: float) -> dict[str, float]:
+    """The step's reward and rollout metrics from its samples' stats (`sample_stats`)."""
+    rewards, lengths = st["reward"], st["response_len"]
+    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+           "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),  # the report's band stays inside
+           "reward/success_rate": float((rewards >= 1.0).double().mean()),
+           "reward/failures": failures,
+           "rollout/response_len": float(lengths.mean()),
+           "rollout/entropy": entropy_of(st)}
+    if "env_tokens" in st:  # multi-turn: how many turns, how much of the context is the environment's
+        out |= {"rollout/turns_mean": float(st["turns"].mean()),
+                "rollout/env_token_frac": float(st["env_tokens"].sum()) / max(1, int(lengths.sum()))}
+    return out
+
+
+def entropy_of(st: dict[str, torch.Tensor]) -> float:
     """Mean -log pi_engine over the sampled response tokens (the model's, not an environment's): an
     unbiased estimate of the sampling policy's per-token entropy, E_a[-log pi(a)] = H(pi), free because
     the engine returns the log-probs. Near 0: the policy samples one answer (the collapse alarm's floor,
     drift.alarm.collapse_entropy). NaN without tokens."""
-    masks = samples.action_masks or [None] * len(samples.engine_logp)
-    picked = [lp if m is None else lp[m[: lp.shape[0]].bool()] for lp, m in zip(samples.engine_logp, masks)]
-    logp = torch.cat([p.float().reshape(-1) for p in picked]) if picked else torch.zeros(0)
-    return float(-logp.mean()) if logp.numel() else float("nan")
+    tokens = float(st["logp_tokens"].sum())
+    return -float(st["logp_sum"].sum()) / tokens if tokens else float("nan")
+
+
+def staleness_of(st: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per token, how many weight versions the weights that generated it are behind the trainer's;
+    and the share of samples whose tokens come from more than one version (partial rollouts). Empty
+    when the engine reports no versions."""
+    if "lag_tokens" not in st or not float(st["lag_tokens"].sum()):
+        return {}
+    return {"rollout/staleness_mean": float(st["lag_sum"].sum() / st["lag_tokens"].sum()),
+            "rollout/staleness_max": float(st["lag_max"].max()), "rollout/partial_frac": float(st["partial"].mean())}
+
+
+def sampled_entropy(samples: Samples) -> float:
+    """`entropy_of` the samples."""
+    return entropy_of(sample_stats(samples))
 
 
 def dynamic_sampling_rounds(run: Any, samples: Samples, step: int) -> tuple[Samples | None, dict[str, float]]:
@@ -107,9 +152,15 @@ def advantages_and_filters(run: Any, samples: Samples | None) -> tuple[Samples |
     if uses_critic(a):  # per-token advantages come from the critic, after the old pass
         return samples, {}
     samples.advantages = compute_advantages(a.advantage, rewards, group_size=g, **advantage_params(a))
-    groups = rewards.reshape(-1, g)
-    uniform = (groups == groups[:, :1]).all(1).float().mean()  # groups that teach nothing: advantages 0
-    return samples, {"adv/abs_mean": float(samples.advantages.abs().mean()), "adv/uniform_groups": float(uniform)}
+    return samples, advantage_metrics(rewards, samples.advantages, g)
+
+
+def advantage_metrics(rewards: torch.Tensor, advantages: torch.Tensor, group_size: int) -> dict[str, float]:
+    """The advantages' size, and the share of groups whose rewards all agree (they teach nothing:
+    advantages 0); `rewards` in the step's order, G consecutive per group."""
+    groups = rewards.reshape(-1, group_size)
+    return {"adv/abs_mean": float(advantages.double().abs().mean()),
+            "adv/uniform_groups": float((groups == groups[:, :1]).all(1).double().mean())}
 
 
 def my_share(run: Any, samples: Samples, step: int, dp_rank: int | None = None) -> Share:
@@ -145,7 +196,8 @@ class StepBatch:
 def plan_step(run: Any, step: int) -> dict[int, StepBatch]:
     """Rank 0: the step's samples, rewards, refills and advantages, as each DP rank's batch."""
     samples, staleness, metrics = rollout(run, step)              # data/ -> rollout engine
-    metrics |= score(run, samples) | {"rollout/staleness": float(staleness)} | staleness_metrics(run, samples)
+    metrics |= score(run, samples) | {"rollout/staleness": float(staleness)}
+    metrics |= staleness_of(sample_stats(samples, run.weight_version))
     check_staleness(metrics, staleness_bound(run.cfg.algo))
     samples, more = dynamic_sampling_rounds(run, samples, step)  # DAPO: refill with informative groups
     metrics |= more
@@ -165,6 +217,18 @@ def rollout_batch(run: Any, step: int) -> StepBatch:
     if run.rank == 0 and not isinstance(plans, dict):  # a failure: the same for every rank
         plans = {d: plans for d in range(run.policy.dp_size)}
     return unwrap(share_out(plans, run.policy.dp_rank, run.policy.model_parallel_ranks))
+
+
+class RankZeroIntake:
+    """`rollout.intake=rank0`: rank 0 receives the whole step and hands each rank its share
+    (`rollout_batch`); the other intake, each data-parallel head receiving its own groups, is
+    moe_rl/recipes/rl/heads.py."""
+
+    def batch(self, run: Any, step: int) -> StepBatch:
+        return rollout_batch(run, step)
+
+    def pushed(self, run: Any) -> None:
+        """Rank 0's client made the push: nothing to tell."""
 
 
 def evaluate(run: Any, dataset: PromptDataset, step: int) -> dict[str, float]:

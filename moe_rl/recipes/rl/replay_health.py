@@ -95,9 +95,17 @@ def coverage(samples: Any, response: torch.Tensor, layer_ids: list[int], min_cov
     routed tokens: prompt and environment context) and `replay/coverage/layer_XX` (response tokens)
     of an R3 step; ReplayCoverageError when either share is below `min_coverage`, naming the samples
     (their index in the step and their token counts) and the layers. `response`: `[B, W]` bool.
-    Sample by sample, with `sample_cover` as the replay uses it: rank 0 holds the whole step."""
+    Sample by sample, with `sample_cover` as the replay uses it."""
+    return coverage_of([cover_counts(samples, response, layer_ids)], layer_ids, min_coverage)
+
+
+def cover_counts(samples: Any, response: torch.Tensor, layer_ids: list[int],
+                 index: list[int] | None = None) -> dict[str, Any]:
+    """What `coverage_of` needs of these samples (`index`: their places in the step; default 0, 1, ...):
+    per layer, the response and other tokens with an engine route, the tokens, and a line for each
+    sample with gaps."""
     L = len(layer_ids)
-    hits, totals, missing = torch.zeros(2, L, dtype=torch.float64), torch.zeros(2), []
+    hits, totals, missing = torch.zeros(2, L, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), []
     for i, (r, n) in enumerate(zip(samples.routes or [None] * len(samples), samples.lengths())):
         cover = sample_cover(r, n - 1, L)                         # [n - 1, L]
         resp = response[i, :n - 1]
@@ -107,15 +115,22 @@ def coverage(samples: Any, response: torch.Tensor, layer_ids: list[int], min_cov
         if not bool(cover.all()):
             miss = ~cover.all(-1)
             layers = [layer_ids[j] for j in (~cover).any(0).nonzero().flatten().tolist()]
-            missing.append(f"sample {i}: {int((miss & resp).sum())} of {int(resp.sum())} response and "
+            missing.append(f"sample {i if index is None else index[i]}: {int((miss & resp).sum())} of {int(resp.sum())} response and "
                            f"{int((miss & ~resp).sum())} of {int((~resp).sum())} prompt tokens, layers {layers}")
+    return {"hits": hits, "totals": totals, "missing": missing, "samples": len(samples)}
+
+
+def coverage_of(parts: list[dict[str, Any]], layer_ids: list[int], min_coverage: float) -> dict[str, float]:
+    """`coverage`'s metrics (and its error) from the counts of the step's parts (`cover_counts`)."""
+    hits, totals = sum(p["hits"] for p in parts), sum(p["totals"] for p in parts)
+    missing, count = [m for p in parts for m in p["missing"]], sum(p["samples"] for p in parts)
     share = hits / totals.clamp(min=1).unsqueeze(-1)
     out = {"replay/coverage": float(share[0].min()), "replay/coverage_prompt": float(share[1].min())}
     out |= {f"replay/coverage/layer_{lid:02d}": float(v) for lid, v in zip(layer_ids, share[0].tolist())}
     if min(out["replay/coverage"], out["replay/coverage_prompt"]) < min_coverage:
         more = f" (and {len(missing) - 8} more samples)" if len(missing) > 8 else ""
         raise ReplayCoverageError(
-            f"algo.replay=r3: {len(missing)} of {len(samples)} samples have tokens without an engine route to "
+            f"algo.replay=r3: {len(missing)} of {count} samples have tokens without an engine route to "
             f"replay (replay/coverage {out['replay/coverage']:.4f}, replay/coverage_prompt "
             f"{out['replay/coverage_prompt']:.4f} < algo.replay_min_coverage={min_coverage}): "
             + "; ".join(missing[:8]) + more + ". A server returned no routes for a sample (aborted?) or fewer "

@@ -10,7 +10,7 @@ the step's metrics (`observe`), `drain` what is in flight, give the data order t
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,10 +33,17 @@ def sampling_params(run: Any, seed: int | None, greedy: bool = False) -> Samplin
 
 class SyncRollouts:
     """The synchronous source: each step asks for its batch and waits for it (on-policy), so
-    nothing is ever in flight between steps."""
+    nothing is ever in flight between steps. `draw(run)` draws the prompts, `request(run, prompts,
+    step, greedy)` asks the engine: the ones below by default (a data-parallel head's, under
+    rollout.intake=heads: moe_rl/recipes/rl/heads.py)."""
+
+    def __init__(self, draw: Callable[[Any], list[Prompt]] | None = None,
+                 request: Callable[..., list] | None = None) -> None:
+        self.draw, self.request = draw, request
 
     def take(self, run: Any, step: int) -> tuple[Samples, int, dict[str, float]]:
-        return generate(run, next_prompts(run), step), 0, {}
+        prompts = (self.draw or next_prompts)(run)
+        return to_samples(run, prompts, (self.request or request)(run, prompts, step, False)), 0, {}
 
     def observe(self, step: int, metrics: dict[str, Any]) -> None:
         """Nothing to adjust: K is 0."""
@@ -75,11 +82,12 @@ def generate(run: Any, prompts: list[Prompt], step: int, greedy: bool = False) -
     return to_samples(run, prompts, request(run, prompts, step, greedy))
 
 
-def request(run: Any, prompts: list[Prompt], step: int, greedy: bool) -> list:
-    """Rank 0: the engine's outputs as plain Python data."""
+def request(run: Any, prompts: list[Prompt], step: int, greedy: bool, offset: int = 0) -> list:
+    """Rank 0: the engine's outputs as plain Python data. `offset`: the first prompt's place in the
+    step's draw (its seed is that place's)."""
     base = run.cfg.model.seed * 1_000_003 + step * 10_007
     requests = [GenerateRequest(prompt_ids=list(p.prompt_ids),
-                                sampling=sampling_params(run, base + i * 101, greedy),
+                                sampling=sampling_params(run, base + (offset + i) * 101, greedy),
                                 return_routed_experts=run.cfg.rollout.return_routed_experts)
                 for i, p in enumerate(prompts)]
     # resumes colocated servers released by the last call; rollout.env: each sample an episode of turns
@@ -140,17 +148,6 @@ def version_number(label: str) -> int:
     """The trainer's weight version of an engine's label: our pushes are numbered (the sync's
     version), and the weights a server starts with are version 0 (SGLang labels them "default")."""
     return int(label) if label.isdigit() else 0
-
-
-def staleness_metrics(run: Any, samples: Samples) -> dict[str, float]:
-    """Per token, how many weight versions the weights that generated it are behind the trainer's;
-    and the share of samples whose tokens come from more than one version (partial rollouts)."""
-    if samples.versions is None or not any(v.numel() for v in samples.versions):
-        return {}
-    lag = run.weight_version - torch.cat(samples.versions)
-    partial = sum(bool(v.numel()) and bool((v != v[0]).any()) for v in samples.versions) / len(samples.versions)
-    return {"rollout/staleness_mean": float(lag.float().mean()), "rollout/staleness_max": float(lag.max()),
-            "rollout/partial_frac": float(partial)}
 
 
 def wait_for_prefetch(run: Any) -> None:

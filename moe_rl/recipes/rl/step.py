@@ -5,11 +5,12 @@
       -> minibatch updates under routing replay -> weight sync -> drift -> metrics
 
 `rl_step` is the algorithm; the updates and the push are below it, each other stage in its
-own module: the batch (moe_rl/recipes/rl/batch.py, its samples from rollouts.py or
-async_rollouts.py), the old pass and its route decisions (old_pass.py), the critic (critic.py)
-and the drift views (drift_views.py). Every function runs on every trainer rank: rank 0 talks
-to the rollout engine, scores and plans the step, and each data-parallel rank receives and
-trains on its share of the samples (moe_rl/samples.py).
+own module: the batch (`run.intake`: rank 0 receives it all, batch.py, or each data-parallel head
+its own groups, heads.py; its samples from rollouts.py or async_rollouts.py), the old pass and its
+route decisions (old_pass.py), the critic (critic.py) and the drift views (drift_views.py). Every
+function runs on every trainer rank: rank 0 decides what is generated and when weights are
+pushed, and each data-parallel rank receives and trains on its share of the samples
+(moe_rl/samples.py).
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from moe_rl.algo.correction import DEFAULT_BOUNDS
 from moe_rl.algo.losses import compute_loss, ntp_loss
 from moe_rl.policy.compat import native
 from moe_rl.recipes.common import Stopwatch, combine_loss_metrics, mean_metrics
-from moe_rl.recipes.rl.batch import rollout_batch
 from moe_rl.recipes.rl.critic import critic_step
 from moe_rl.recipes.rl.drift_views import PerUpdateVolatility, measure_drift
 from moe_rl.recipes.rl.old_pass import OldPass, old_logprobs
@@ -35,7 +35,7 @@ from moe_rl.samples import Samples, Share, engine_logp_tokens, response_mask
 def rl_step(run: Run, step: int) -> dict[str, float]:
     """One RL step; returns the step's metrics (identical on every rank)."""
     clock = Stopwatch()
-    batch = rollout_batch(run, step)          # rank 0: rollouts, rewards, DAPO refills, advantages; this rank: its DP share
+    batch = run.intake.batch(run, step)       # rollouts, rewards, DAPO refills, advantages; this rank: its DP share
     clock.lap("rollout")
     metrics, share = batch.metrics, batch.share
     if share is None:                                             # DAPO: no informative group, step skipped
@@ -153,4 +153,5 @@ def sync_weights(run: Run) -> dict[str, float]:
     finally:
         if pause:
             run.engine.continue_generation()
+    run.intake.pushed(run)  # rollout.intake=heads: the heads' clients learn the weights now served
     return dict(getattr(run.weight_sync, "push_metrics", {}))

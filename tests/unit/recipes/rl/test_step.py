@@ -257,7 +257,8 @@ def test_a_stop_token_ends_the_completion_and_is_trained():
 
     from moe_rl.data.toy import ToyTokenizer
     from moe_rl.samples import response_mask
-    from moe_rl.recipes.rl.rollouts import to_samples, staleness_metrics
+    from moe_rl.recipes.rl.batch import sample_stats, staleness_of
+    from moe_rl.recipes.rl.rollouts import to_samples
 
     tok = ToyTokenizer()
     run = SimpleNamespace(dataset=SimpleNamespace(tokenizer=tok), eos_id=tok.eos_token_id)
@@ -268,8 +269,9 @@ def test_a_stop_token_ends_the_completion_and_is_trained():
     assert s.completion_ids() == [[2], [4, 2], [4, 5]] and s.completions == ["", "1", "12"]
     assert [v.tolist() for v in s.versions] == [[3], [3, 4], [0, 4]]  # "default": the starting weights
     run.weight_version = 5  # per token: 2; 2, 1; 5, 1 versions behind
-    assert staleness_metrics(run, s) == pytest.approx({"rollout/staleness_mean": 2.2, "rollout/staleness_max": 5.0,
-                                                       "rollout/partial_frac": 2 / 3})  # two span two versions
+    assert staleness_of(sample_stats(s, run.weight_version)) == pytest.approx({"rollout/staleness_mean": 2.2,
+                                                                      "rollout/staleness_max": 5.0,
+                                                                      "rollout/partial_frac": 2 / 3})  # two span two versions
     mask = response_mask(s, max(s.lengths()) - 1)
     p = len(prompt.prompt_ids)
     assert mask.tolist() == [[0.0] * (p - 1) + [1.0, 0.0], [0.0] * (p - 1) + [1.0, 1.0], [0.0] * (p - 1) + [1.0, 1.0]]
