@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -25,12 +26,13 @@ class SeededEngine:
     """Sample j of a request: a length in `answer` and ids drawn from (its seed, j, its prompt); engine
     log-probs and, with `geometry`, routes too (`[prompt + answer - 1, MoE layers, top-k]`, distinct ids).
     `wire`: each sample goes through SGLang's reply format (JSON, routes base64 of int32 over every
-    decoder layer) and `parse_reply`, as the SGLang client does; `bytes_in` counts those bytes.
-    `fail`: raised by `generate` when set."""
+    decoder layer) and `parse_reply`, as the SGLang client does; `bytes_in` counts those bytes and
+    `make_s` the CPU seconds spent making them (the server's part, not the receiver's). `fail`: raised by
+    `generate` when set."""
 
     def __init__(self, geometry: Geometry | None = None, answer: tuple[int, int] = (1, 6), wire: bool = False) -> None:
         self.geometry, self.answer, self.wire = geometry, answer, wire
-        self.bytes_in, self.fail = 0, None
+        self.bytes_in, self.make_s, self.fail = 0, 0.0, None
 
     def generate(self, requests: list[Any]) -> list[list[GenerateResult]]:
         if self.fail is not None:
@@ -38,6 +40,7 @@ class SeededEngine:
         return [[self._one(r, j) for j in range(r.sampling.n)] for r in requests]
 
     def _one(self, req: Any, j: int) -> GenerateResult:
+        start = time.process_time()
         g = np.random.default_rng([req.sampling.seed or 0, j, sum(req.prompt_ids)])
         n = int(g.integers(self.answer[0], self.answer[1] + 1))
         out = g.integers(3, VOCAB, n).tolist()
@@ -56,6 +59,7 @@ class SeededEngine:
         if self.wire:
             raw = json.dumps(body).encode()
             self.bytes_in += len(raw)
+            self.make_s += time.process_time() - start
             body = json.loads(raw)
         return parse_reply("seeded", replace(req, sampling=replace(req.sampling, n=1)), body, geo)[0]
 

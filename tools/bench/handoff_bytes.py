@@ -24,11 +24,27 @@ bytes are compared with the formula below, which then scales them to the flagshi
 The old-pass route recording (R2 and drift) all-reduces a `[B/DP, T, L, K]` buffer over TP x PP:
 int32 before, now `moe_rl.routes.record_dtype` (uint8 up to 255 experts).
 
-    python tools/bench/handoff_bytes.py
+**Who receives the replies** (`--json FILE` writes these rows): the step's whole intake, from SGLang's
+reply bytes to each rank's share, with the product's code on gloo ranks: `path` today
+(`rollout.intake=rank0`: rank 0 parses every reply, scores, plans and hands out the shares) and new
+(`rollout.intake=heads`: each data-parallel head parses its own groups' replies, the heads share a few
+numbers per sample and move the samples the token-balanced plan puts elsewhere). The replies come
+from `moe_rl.testing.intake.SeededEngine` in SGLang's format (JSON, routes base64 of int32 over every
+decoder layer), at the flagship's geometry (48 layers, top-8 of 128 experts) and shorter answers, R3 on.
+Per rank: the bytes it received (reply bytes, the heads' numbers and moved samples, or its share from
+its head or rank 0); rank 0's CPU seconds of the step's intake (receive + decode + score + plan +
+hand-off; the synthetic server's time to make the replies subtracted: on a cluster each head has its
+own cores, here 4 ranks share 2) and its peak RSS growth. Fitted and scaled to the flagship:
+
+    rank 0 bytes in   = N x b x rows x L x K        (today)   |   that / DP + the heads' numbers (new)
+    rank 0 seconds    = c x N x rows x L x K        (today)   |   that / DP                     (new)
+
+    python tools/bench/handoff_bytes.py [--json FILE] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import resource
 import sys
@@ -89,6 +105,123 @@ def _rank(variant: str, n: int, t: int, r: int, layers: int, k: int, experts: in
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"rank": me, "received": len(pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL)),
             "rss_growth": (peak - before) * 1024.0}
+
+
+LAYOUTS = {"dp2": [[0], [1]], "tp2xdp2": [[0, 1], [2, 3]], "dp4": [[0], [1], [2], [3]]}
+
+
+def _intake_rank(path: str, layout: str, prompts: int, answer: int, hidden: int, k: int, experts: int
+                 ) -> dict[str, Any]:
+    """One rank's intake of one step (`path` today or new), measured."""
+    import time
+
+    import common
+    import torch.distributed as dist
+
+    from moe_rl.config import load_config
+    from moe_rl.dist import collectives
+    from moe_rl.recipes.rl import heads as heads_module
+    from moe_rl.recipes.rl.batch import RankZeroIntake
+    from moe_rl.recipes.rl.heads import HeadsIntake
+    from moe_rl.recipes.rl.rollouts import SyncRollouts
+    from moe_rl.routes import Geometry
+    from moe_rl.testing.intake import SeededEngine, intake_run
+
+    me, groups = dist.get_rank(), LAYOUTS[layout]
+    collectives.init_control_group(600.0)
+    peers = next(g for g in groups if me in g)
+    cfg = load_config(None, ["rollout.n_samples=2", f"data.prompts_per_step={prompts}", "algo.num_minibatches=1",
+                             "algo.replay=r3", "algo.shuffle_minibatches=true"])
+    geo = Geometry(num_layers=hidden, topk=k, num_experts=experts, moe_layers=list(range(hidden)))
+    lo, hi = int(answer * 0.75), int(answer * 1.25)
+    if path == "new":
+        intake = HeadsIntake(me, groups.index(peers), peers, prompts)
+        engine = SeededEngine(geo, (lo, hi), wire=True) if intake.is_head else None
+        rollouts = SyncRollouts(draw=intake.draw, request=intake.request)
+    else:
+        intake, rollouts = RankZeroIntake(), SyncRollouts()
+        engine = SeededEngine(geo, (lo, hi), wire=True) if me == 0 else None
+    run = intake_run(cfg, me, groups.index(peers), len(groups), peers, engine, list(range(hidden)))
+    run.intake, run.rollouts = intake, rollouts
+    between = {"bytes": 0}  # what the heads receive from one another: the shared numbers, the moved samples
+    exchange, gather = heads_module.exchange, heads_module.all_gather_objects
+
+    def counted_exchange(outgoing: dict[int, Any], group: Any) -> dict[int, Any]:
+        got = exchange(outgoing, group)
+        between["bytes"] += sum(len(pickle.dumps(v)) for r, v in got.items() if r != collectives.rank(group))
+        return got
+
+    def counted_gather(obj: Any, group: Any = None) -> list[Any]:
+        parts = gather(obj, group)
+        between["bytes"] += sum(len(pickle.dumps(p)) for r, p in enumerate(parts) if r != collectives.rank(group))
+        return parts
+
+    heads_module.exchange, heads_module.all_gather_objects = counted_exchange, counted_gather
+    collectives.all_errors(None)  # every rank ready: the step starts together
+    with common.returned_memory(), common.PeakAbove() as peak:
+        cpu, wall = time.process_time(), time.perf_counter()
+        batch = intake.batch(run, 1)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    rows = sum(n - 1 for n in batch.share.samples.lengths())
+    replies = engine.bytes_in if engine is not None else 0
+    receives = engine is not None  # it asked the servers: reply bytes in, its share made here
+    share_bytes = 0 if receives else len(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+    return {"rank": me, "bytes_in": replies + between["bytes"] + share_bytes, "reply_bytes": replies,
+            "cpu_s": cpu - (engine.make_s if engine is not None else 0.0), "wall_s": wall, "peak_mb": peak.mb,
+            "share_rows": rows, "tokens": batch.tokens}
+
+
+def intake_rows(quick: bool = False) -> list[dict[str, Any]]:
+    """The step's intake today and new over the layouts, at a fixed step size."""
+    from moe_rl.testing import run_ranks
+
+    f = FLAGSHIP
+    prompts, answer = (8, 256) if quick else (32, 1024)
+    out = []
+    for layout, groups in LAYOUTS.items():
+        ranks = sum(len(g) for g in groups)
+        for path in ("today", "new"):
+            per = run_ranks(_intake_rank, ranks, path, layout, prompts, answer, f["layers"], f["topk"], f["experts"],
+                            timeout=900)
+            others = [p["bytes_in"] for p in per[1:]]
+            out.append({"path": path, "ranks": ranks, "layout": layout, "dp": len(groups), "samples": 2 * prompts,
+                        "tokens": per[0]["tokens"], "layers": f["layers"], "topk": f["topk"],
+                        "rank0_bytes_in": per[0]["bytes_in"], "mean_other_rank_bytes_in": sum(others) / len(others),
+                        "rank0_seconds": per[0]["cpu_s"], "rank0_wall_seconds": per[0]["wall_s"],
+                        "rank0_peak_rss_mb": per[0]["peak_mb"], "step_reply_bytes": sum(p["reply_bytes"] for p in per),
+                        "bytes_in_per_rank": [p["bytes_in"] for p in per]})
+    return out
+
+
+def intake_table(rows: list[dict[str, Any]]) -> str:
+    """The rows, the targets, and the fitted formulas at the flagship."""
+    f = FLAGSHIP
+    mb = lambda b: f"{b / 1e6:.1f} MB"  # noqa: E731
+    table = [(r["layout"], r["path"], mb(r["rank0_bytes_in"]), mb(r["mean_other_rank_bytes_in"]),
+              f"{r['rank0_bytes_in'] / max(1.0, r['mean_other_rank_bytes_in']):.2f}", f"{r['rank0_seconds']:.2f}",
+              f"{r['rank0_peak_rss_mb']:.0f}") for r in rows]
+    ids = lambda r: r["tokens"] * r["layers"] * r["topk"]  # noqa: E731  route ids of the step (about rows x L x K)
+    fit = {}  # per path: bytes and seconds per route id of the step, x DP for new (each head its 1/DP)
+    for path in ("today", "new"):
+        mine = [r for r in rows if r["path"] == path]
+        per = lambda r: 1 if path == "today" else r["dp"]  # noqa: E731
+        fit[path] = (sum(r["rank0_bytes_in"] * per(r) for r in mine) / sum(ids(r) for r in mine),
+                     sum(r["rank0_seconds"] * per(r) for r in mine) / sum(ids(r) for r in mine))
+    speed = {r["layout"]: r["rank0_seconds"] for r in rows if r["path"] == "today"}
+    drop = [(r["layout"], r["dp"], speed[r["layout"]] / r["rank0_seconds"]) for r in rows if r["path"] == "new"]
+    flag_ids, dp = f["samples"] * (f["tokens"] - 1) * f["layers"] * f["topk"], f["dp"]
+    (b, c), (b_new, c_new) = fit["today"], fit["new"]
+    lines = [f"Measured: one step of {rows[0]['samples']} samples ({rows[0]['tokens']:,} tokens), {f['layers']} MoE "
+             f"layers, top-{f['topk']}, R3 on; bytes each rank received, rank 0's CPU seconds and peak RSS growth.", "",
+             md_table(["layout", "path", "rank 0 bytes in", "mean of the other ranks", "ratio", "rank 0 s",
+                       "rank 0 peak MB"], table), "",
+             "Rank 0's seconds today / new: " + ", ".join(f"{lay} (DP {dp}) {x:.2f}x" for lay, dp, x in drop) + ".",
+             f"Fitted per route id of the step: today b = {b:.3f} bytes, c = {c * 1e9:.1f} ns on rank 0; new "
+             f"b = {b_new:.3f} bytes, c = {c_new * 1e9:.1f} ns x 1/DP (its own replies and the samples moved to it).",
+             "", md_table(["flagship (estimate, fitted)", "today (rank 0 receives)", f"new (rank 0, one of {dp} heads)"], [
+                 ("bytes in per step, rank 0", f"{b * flag_ids / 1e9:.1f} GB", f"{b_new * flag_ids / dp / 1e9:.1f} GB"),
+                 ("seconds per step, rank 0", f"{c * flag_ids:.0f} s", f"{c_new * flag_ids / dp:.0f} s")])]
+    return "\n".join(lines)
 
 
 def bench_rows(samples: int = 64, tokens: int = 2048, generated: int = 1024) -> list[dict[str, Any]]:
@@ -153,8 +286,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--generated", type=int, default=1024)
+    p.add_argument("--json", type=Path, default=None, help="write the intake rows here ({\"rows\": [...]})")
+    p.add_argument("--quick", action="store_true", help="a smaller step (8 prompts, 256-token answers)")
     a = p.parse_args(argv)
-    print(format_table(bench_rows(a.samples, a.tokens, a.generated), a.samples, a.tokens, a.generated))
+    if not a.quick:
+        print(format_table(bench_rows(a.samples, a.tokens, a.generated), a.samples, a.tokens, a.generated), "\n")
+    rows = intake_rows(a.quick)
+    if a.json is not None:
+        a.json.write_text(json.dumps({"rows": rows}, indent=1))
+    print(intake_table(rows))
 
 
 if __name__ == "__main__":

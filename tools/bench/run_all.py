@@ -98,9 +98,11 @@ def sections() -> list[Section]:
          lambda q: step_options.format_table(step_options.bench_rows(rounds=1) if q else step_options.bench_rows())),
         ("critic", "A critic (PPO / VAPO) vs GRPO: RL step time and peak memory per rank",
          lambda q: critic.format_table(critic.bench_rows(rounds=1, batch=8, seq=64) if q else critic.bench_rows())),
-        ("handoff", "Bytes per trainer rank per step: the step's samples and routes, before and now",
-         lambda q: handoff_bytes.format_table(handoff_bytes.bench_rows(16, 256, 128), 16, 256, 128) if q
-         else handoff_bytes.format_table(handoff_bytes.bench_rows())),
+        ("handoff", "Bytes per trainer rank per step: the step's samples and routes, before and now; who "
+         "receives the replies (rollout.intake rank0 vs heads)",
+         lambda q: (handoff_bytes.format_table(handoff_bytes.bench_rows(16, 256, 128), 16, 256, 128) if q
+                    else handoff_bytes.format_table(handoff_bytes.bench_rows()))
+         + "\n\n" + handoff_bytes.intake_table(handoff_bytes.intake_rows(q))),
         ("ckpt_memory", "Checkpoint host memory per rank with the distributed optimizer: megatron's gather vs each "
          "rank's own range", _ckpt_memory),
         ("route_intake", "R3's routes where they arrive: bytes, seconds and peak memory per SGLang reply and per "
