@@ -1,8 +1,8 @@
 """Object hand-offs between trainer ranks, on a gloo group of their own with a rollout-sized timeout.
 
-Rank 0 alone talks to the rollout servers. While it generates (and retries, and waits for a
-server to come back, up to the rollout budget `moe_rl.config.handoff_timeout_s`), the other
-ranks wait for its samples; while it starts servers or loads weights into them, they wait for
+Rank 0 (or, under rollout.intake=heads, each data-parallel head) talks to the rollout servers.
+While it generates (and retries, and waits for a server to come back, up to the rollout budget
+`moe_rl.config.handoff_timeout_s`), the other ranks wait for its samples; while it starts servers or loads weights into them, they wait for
 its answer. Those waits are hand-offs of Python objects, and they run here, on the *control
 group*: gloo (objects are pickled on the host anyway), made once per run with a timeout derived
 from the rollout budget, so no rank times out before rank 0's own "no server came back" path

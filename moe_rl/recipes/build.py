@@ -5,6 +5,7 @@ recipe takes the policy, model and tokenizer builders from here too."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -16,9 +17,9 @@ import torch.distributed as dist
 from moe_rl.algo.config import staleness_bound, uses_critic
 from moe_rl.config import ConfigError, RunConfig, handoff_timeout_s
 from moe_rl.data.toy import ToyTokenizer, save_toy_tokenizer
-from moe_rl.dist.collectives import barrier, broadcast_object, init_control_group
+from moe_rl.dist.collectives import all_gather_objects, barrier, broadcast_object, init_control_group
 from moe_rl.dist.ports import free_port
-from moe_rl.rollout.config import pause_mode, pushes_in_place
+from moe_rl.rollout.config import intake_on_heads, pause_mode, pushes_in_place
 from moe_rl.rollout.engines import engine_kind, weight_sync_kind
 
 
@@ -52,9 +53,11 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     engine, servers, reach = (start_engine(cfg, hf_dir, policy, launched) if rank == 0 else (None, None, None))
     # every rank that owns tensors talks to the servers (nccl): each needs the run's admin key
     keys = broadcast_object(getattr(engine, "keys", None))
-    intake = sample_intake(cfg, policy, rank)
-    if cfg.rollout.intake == "heads":  # each data-parallel head a client of the servers for its own groups
-        reach = broadcast_object(reach)
+    reach = broadcast_object(reach)
+    # rollout.intake, resolved once and alike everywhere: can every head reach the servers?
+    on_heads = intake_on_heads(cfg.rollout, (reach or {}).get("urls", ()), all_gather_objects(socket.gethostname()))
+    intake = sample_intake(cfg, policy, rank, on_heads)
+    if on_heads:  # each data-parallel head a client of the servers for its own groups
         if intake.is_head and rank != 0:
             engine = sglang_client(cfg, policy, hf_dir, reach, heads=len(intake.heads))
     sync = make_weight_sync(cfg, root=out / "weights", keep_last=2, keys=keys,
@@ -63,7 +66,7 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     governor = (StalenessGovernor(cfg.algo.auto_staleness_kl, cfg.algo.auto_staleness_steps)
                 if cfg.algo.auto_staleness else None)
     receives = engine is not None  # this rank asks the servers for samples (rank 0, or a head)
-    asks = {"draw": intake.draw, "request": intake.request} if cfg.rollout.intake == "heads" else {}
+    asks = {"draw": intake.draw, "request": intake.request} if on_heads else {}
     run = Run(cfg=cfg, policy=policy, dataset=dataset, sampler=sampler, rewards=runner, engine=engine,
               weight_sync=sync, eos_id=int(eos) if eos is not None else -1, rank=rank,
               critic=build_critic(cfg, policy.spec) if uses_critic(cfg.algo) else None,
@@ -75,9 +78,9 @@ def build_run(cfg: RunConfig, out: Path, rank: int) -> dict[str, Any]:
     return {"run": run, "eval": eval_set, "servers": servers}
 
 
-def sample_intake(cfg: RunConfig, policy: Any, rank: int) -> Any:
+def sample_intake(cfg: RunConfig, policy: Any, rank: int, on_heads: bool) -> Any:
     """Who receives the step's samples (`rollout.intake`), made on every rank (heads: collective)."""
-    if cfg.rollout.intake == "heads":
+    if on_heads:
         from moe_rl.recipes.rl.heads import HeadsIntake
 
         return HeadsIntake(rank, policy.dp_rank, policy.model_parallel_ranks, cfg.data.prompts_per_step)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
+from urllib.parse import urlsplit
 
 from moe_rl.algo.config import staleness_bound
-from moe_rl.configurable import choice, ranged
+from moe_rl.configurable import ConfigError, choice, ranged
+from moe_rl.rollout.auth import LOOPBACK_HOSTS
 from moe_rl.rollout.engines import ENGINE_KINDS, WEIGHT_SYNC_KINDS, engine_kind, weight_sync_kind
 
 
@@ -121,13 +123,14 @@ class RolloutConfig:
     included); last = the last turn's alone (the outcome, e.g. the answer without a tool-call bonus)."""
     concurrency: int = ranged(64, ge=1)
     """Requests in flight across all servers; bounds client memory and server queueing."""
-    intake: str = choice("rank0", ("rank0", "heads"))
-    """Which trainer ranks receive the step's samples from the servers. rank0 = trainer rank 0 receives,
-    scores and plans the whole step and hands each data-parallel rank its share; heads = rank 0 draws
-    the prompt groups and each data-parallel head (the first rank of each model-parallel group) asks
-    for, receives and scores its own, so a step's bytes arrive spread over the heads (the same samples
-    either way; `rollout.concurrency` is split over the heads). Needs servers (engine local or
-    sglang) and rollout.colocated=false."""
+    intake: str = choice("rank0", ("rank0", "heads", "auto"))
+    """Which trainer ranks receive the step's samples from the servers. heads = rank 0 draws the
+    prompt groups and each data-parallel head (the first rank of each model-parallel group) asks for,
+    receives and scores its own, so a step's bytes arrive spread over the heads
+    (`rollout.concurrency` is split over them); rank0 = trainer rank 0 receives, scores and plans the
+    whole step and hands each data-parallel rank its share. The same samples either way. heads needs
+    servers the heads can reach (engine local or sglang, rollout.colocated=false); auto = heads
+    where every head reaches the servers, else rank0."""
     timeout_s: float = ranged(120.0, gt=0.0)
     """Per-request HTTP timeout in seconds."""
     retries: int = ranged(3, ge=0)
@@ -193,6 +196,28 @@ class RolloutConfig:
         return self.tp_size if value is None else int(value)
 
 
+def heads_reach_servers(rollout: Any) -> bool:
+    """Whether every data-parallel head can be a client of the servers: they are servers (not the
+    in-process engine), and not colocated ones (rank 0 releases them after its rollout)."""
+    return engine_kind(rollout).runs_as_servers and not rollout.colocated
+
+
+def intake_on_heads(rollout: Any, urls: Sequence[str] = (), hosts: Sequence[str] = ()) -> bool:
+    """`rollout.intake` resolved, the same on every rank (`urls`: the servers rank 0 reaches, `hosts`:
+    every trainer rank's host): True when each data-parallel head receives its own samples. auto =
+    heads unless some head cannot reach the servers (in-process, colocated, or listening on loopback
+    while the trainer spans hosts); heads there is an error naming the fix."""
+    if rollout.intake == "rank0" or not heads_reach_servers(rollout):
+        return False
+    if urls and all(urlsplit(u).hostname in LOOPBACK_HOSTS for u in urls) and len(set(hosts)) > 1:
+        if rollout.intake == "heads":
+            raise ConfigError(f"rollout.intake: 'heads' needs servers every data-parallel head can reach, but they "
+                              f"listen on loopback ({urls[0]}) and the trainer spans {len(set(hosts))} hosts: set "
+                              "rollout.host to an address the other nodes reach, or rollout.intake=rank0")
+        return False
+    return True
+
+
 def check_rollout(cfg: Any) -> Iterator[str]:
     r = cfg.rollout
     if r.top_k == 0 or r.top_k < -1:
@@ -219,7 +244,7 @@ def check_rollout(cfg: Any) -> Iterator[str]:
         yield (f"rollout.colocated: true is not allowed with algo.max_staleness={k} (or algo.off_policy_overlap="
                "true): colocated servers release their GPU memory while the trainer trains, so they cannot "
                "generate meanwhile; set algo.max_staleness=0")
-    if r.intake == "heads" and (r.colocated or not engine_kind(r).runs_as_servers):
+    if r.intake == "heads" and not heads_reach_servers(r):
         yield (f"rollout.intake: 'heads' needs rollout servers the heads can reach, not "
                f"{'colocated ones (released by rank 0 after its rollout)' if r.colocated else 'an in-process engine'}"
                "; set rollout.intake=rank0")

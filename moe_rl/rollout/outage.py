@@ -1,6 +1,7 @@
 """When no rollout server recovers: every rank learns it at the same point and the run ends cleanly.
 
-Rank 0 alone talks to the servers; the other ranks wait for its samples in a hand-off. A
+Rank 0 (or each data-parallel head: rollout.intake=heads) talks to the servers; the other ranks
+wait for its samples in a hand-off. A
 `RolloutError` on rank 0 is therefore sent through that hand-off as a `RolloutLost` value
 (`attempt`), and every rank raises it (`unwrap`): the trainer then saves the checkpoint of the
 last finished step and exits non-zero, naming the servers (see trainer.train_rank). Any other

@@ -17,7 +17,7 @@ OVERRIDES = ["rollout.n_samples=2", "data.prompts_per_step=8", "algo.num_minibat
              "algo.dynamic_sampling_max_rounds=3", "algo.shuffle_minibatches=true", "algo.replay=r3"]
 
 
-def _runs(me: int):
+def _runs(me: int, groups: list[list[int]] = GROUPS):
     from moe_rl.config import load_config
     from moe_rl.recipes.rl.batch import RankZeroIntake
     from moe_rl.recipes.rl.heads import HeadsIntake
@@ -26,13 +26,13 @@ def _runs(me: int):
     from moe_rl.testing.intake import SeededEngine, intake_run
 
     cfg = load_config(None, OVERRIDES)
-    peers = next(g for g in GROUPS if me in g)
+    peers = next(g for g in groups if me in g)
     geo = Geometry(num_layers=3, topk=2, num_experts=8, moe_layers=[1, 2])
-    dp = GROUPS.index(peers)
-    ref = intake_run(cfg, me, dp, len(GROUPS), peers, SeededEngine(geo, wire=True) if me == 0 else None, [1, 2])
+    dp = groups.index(peers)
+    ref = intake_run(cfg, me, dp, len(groups), peers, SeededEngine(geo, wire=True) if me == 0 else None, [1, 2])
     ref.intake, ref.rollouts = RankZeroIntake(), SyncRollouts()
     heads = HeadsIntake(me, dp, peers, cfg.data.prompts_per_step)
-    new = intake_run(cfg, me, dp, len(GROUPS), peers, SeededEngine(geo, wire=True) if heads.is_head else None, [1, 2])
+    new = intake_run(cfg, me, dp, len(groups), peers, SeededEngine(geo, wire=True) if heads.is_head else None, [1, 2])
     new.intake, new.rollouts = heads, SyncRollouts(draw=heads.draw, request=heads.request)
     return ref, new
 
@@ -46,14 +46,14 @@ def _view(batch) -> dict:
             "routes": [r.tolist() for r in s.routes], "logp": [x.tolist() for x in s.engine_logp]}
 
 
-def _same_share_worker() -> dict:
+def _same_share_worker(groups: list[list[int]] = GROUPS) -> dict:
     import torch.distributed as dist
 
     from moe_rl.dist import collectives
 
     me = dist.get_rank()
     collectives.init_control_group(120.0)
-    ref, new = _runs(me)
+    ref, new = _runs(me, groups)
     steps = []
     for step in (1, 2, 3):
         steps.append((_view(ref.intake.batch(ref, step)), _view(new.intake.batch(new, step))))
@@ -79,6 +79,15 @@ def test_heads_give_every_rank_the_share_rank0_would():
     ref_in, new_in = [r["bytes_ref"] for r in results], [r["bytes_new"] for r in results]
     assert ref_in[1:] == [0, 0, 0] and new_in[1] == new_in[3] == 0
     assert new_in[0] + new_in[2] == ref_in[0] and new_in[0] <= 2 * new_in[2]
+
+
+def test_one_head_hands_its_peers_the_step():
+    """DP 1 (TP2 on 2 ranks): the one head receives the whole step; its heads' collectives are no-ops,
+    not collectives that wait for its peers (which wait in the hand-off): the step does not hang."""
+    results = run_ranks(_same_share_worker, 2, [[0, 1]], timeout=120)
+    for rank, r in enumerate(results):
+        for step, (ref, new) in enumerate(r["steps"], 1):
+            assert new.get("seqs") == ref.get("seqs") and new["metrics"] == pytest.approx(ref["metrics"]), (rank, step)
 
 
 def _failure_worker(kind: str) -> tuple[str, str]:

@@ -595,3 +595,29 @@ def test_the_advantage_estimator_is_the_registrys_and_reads_the_keys_its_functio
         load_config(cfg, ["algo.advantage=rloo", "algo.adv_eps=0.1"])
     with pytest.raises(ConfigError, match=r"algo.advantage: .*'ppo'"):
         load_config(cfg, ["algo.advantage=ppo"])
+
+
+@pytest.mark.parametrize("overrides, urls, hosts, heads", [
+    (["rollout.intake=auto"], ["http://127.0.0.1:30000"], ["node0", "node0"], True),  # servers here, one host
+    (["rollout.intake=auto"], ["http://127.0.0.1:30000"], ["node0", "node1"], False),  # loopback, 2 hosts
+    (["rollout.intake=auto"], ["http://10.0.0.5:30000"], ["node0", "node1"], True),  # reachable servers
+    (["rollout.intake=auto", "rollout.engine=inprocess"], [], ["node0"], False),  # no servers
+    (["rollout.intake=auto", "rollout.colocated=true", "rollout.weight_sync=disk"], ["http://127.0.0.1:1"], ["n0"], False),
+    ([], ["http://10.0.0.5:30000"], ["node0"], False),  # the default: rank0
+    (["rollout.intake=rank0"], ["http://10.0.0.5:30000"], ["node0", "node1"], False),
+])
+def test_intake_auto_picks_heads_where_every_head_reaches_the_servers(overrides, urls, hosts, heads):
+    from moe_rl.rollout.config import intake_on_heads
+
+    assert intake_on_heads(load_config(None, overrides).rollout, urls, hosts) is heads
+
+
+def test_intake_heads_where_a_head_cannot_reach_the_servers_names_the_fix():
+    from moe_rl.rollout.config import intake_on_heads
+
+    with pytest.raises(ConfigError, match="rollout.intake: 'heads' .* loopback .* spans 2 hosts: set rollout.host"):
+        intake_on_heads(load_config(None, ["rollout.intake=heads"]).rollout, ["http://127.0.0.1:1"], ["a", "b"])
+    for bad, needle in ((["rollout.engine=inprocess"], "an in-process engine"),
+                        (["rollout.colocated=true", "rollout.weight_sync=disk"], "colocated")):
+        with pytest.raises(ConfigError, match=f"rollout.intake: 'heads' needs rollout servers .*{needle}"):
+            load_config(None, ["rollout.intake=heads", *bad])

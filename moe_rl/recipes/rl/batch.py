@@ -1,8 +1,10 @@
 """The step's batch: rollouts (moe_rl/recipes/rl/rollouts.py) -> rewards -> DAPO refills -> advantages
 -> each data-parallel rank's share (moe_rl/samples.py).
 
-All of it runs on trainer rank 0, which alone talks to the rollout engine: the reward functions
-run once, where the samples are, and no other rank holds the whole step. Rank 0 then plans every
+Under `rollout.intake=rank0` all of it runs on trainer rank 0, which alone talks to the rollout
+engine: the reward functions run once, where the samples are, and no other rank holds the whole
+step. (Under `heads`, moe_rl/recipes/rl/heads.py, each data-parallel head runs these stages on its
+own groups, and the metrics come from every head's `sample_stats`.) Rank 0 then plans every
 data-parallel rank's share (its minibatch rows) and hands each share out (`rollout_batch`, over
 `moe_rl.dist.collectives.share_out`): a share goes once to the first rank of its model-parallel
 group, which passes it on to its TP x PP peers, so each rank receives 1/DP of the step's

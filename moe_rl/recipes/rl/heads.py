@@ -57,11 +57,16 @@ class HeadsIntake:
             log.info("rollout.intake=heads: %d data-parallel heads (trainer ranks %s) each receive their own "
                      "prompt groups from the servers", count, ", ".join(str(r) for _, r in self.heads))
 
+    def _broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every head (one head: itself; the heads' group is None then, and a
+        collective on None would wait for every rank)."""
+        return broadcast_object(obj, self.group) if len(self.heads) > 1 else obj
+
     # ---------------------------------------------------------------- what the head's rollouts ask for
 
     def draw(self, run: Any) -> list[Any]:
         """This head's block of the next prompts (collective over the heads: rank 0 draws them)."""
-        drawn = broadcast_object(run.sampler.next_batch() if run.rank == 0 else None, self.group)
+        drawn = self._broadcast(run.sampler.next_batch() if run.rank == 0 else None)
         lo, hi = self.block
         return [run.dataset[i] for i in drawn[lo:hi]]
 
@@ -74,7 +79,7 @@ class HeadsIntake:
         serve, so it checks its samples' versions as rank 0's client does."""
         if not self.is_head:
             return
-        record = broadcast_object(run.engine.push_record() if run.rank == 0 else None, self.group)
+        record = self._broadcast(run.engine.push_record() if run.rank == 0 else None)
         if run.rank != 0:
             run.engine.follow_push(record)
 
@@ -89,7 +94,8 @@ class HeadsIntake:
     def _gather(self, local: Any) -> tuple[Any, list[Any]]:
         """`local` = (what stays here, what every head gets) or a failure: this head's part and every
         head's shared part; a failure on any head raised on every head (its own as itself)."""
-        parts = all_gather_objects(local if failed(local) else local[1], self.group)
+        sent = local if failed(local) else local[1]
+        parts = all_gather_objects(sent, self.group) if len(self.heads) > 1 else [sent]
         if failed(local):
             unwrap(local)
         for part in parts:
@@ -204,7 +210,7 @@ class HeadsIntake:
                     if h != self.index}
         outgoing = {h: (ids, samples.select([here[i] for i in ids])) for h, (ids,) in outgoing.items() if ids}
         pool, ids = samples, list(index)
-        for _, (theirs, got) in sorted(exchange(outgoing, self.group).items()):
+        for _, (theirs, got) in sorted((exchange(outgoing, self.group) if len(self.heads) > 1 else {}).items()):
             pool, ids = pool + got, ids + theirs
         at = {i: k for k, i in enumerate(ids)}
         mine = plan[self.index]

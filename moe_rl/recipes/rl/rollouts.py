@@ -1,5 +1,6 @@
-"""The step's samples from the rollout engine (rank 0 alone talks to it): the prompts drawn, the
-requests asked, the engine's answers made `Samples` (moe_rl/samples.py).
+"""The step's samples from the rollout engine (rank 0 talks to it, or each data-parallel head for its
+own groups): the prompts drawn, the requests asked, the engine's answers made `Samples`
+(moe_rl/samples.py).
 
 Two sources give a step its samples, chosen once when the run is built (`run.rollouts`): the
 synchronous one (`SyncRollouts`: ask now, wait, train on-policy) and the asynchronous one
@@ -20,7 +21,8 @@ from moe_rl.samples import Samples
 
 
 def next_prompts(run: Any) -> list[Prompt]:
-    """The step's next prompts (rank 0 draws them: it alone generates)."""
+    """The step's next prompts (rank 0 draws them; a data-parallel head takes its block of them:
+    moe_rl/recipes/rl/heads.py)."""
     return [run.dataset[i] for i in run.sampler.next_batch()]
 
 
