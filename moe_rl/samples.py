@@ -110,13 +110,23 @@ class Share:
 
 def split(samples: Samples, dp: int, rank: int, num_minibatches: int, by_tokens: bool,
           order_key: str | None = None) -> Share:
-    """DP rank `rank`'s share of the samples, minibatch by minibatch (`share_indices`); `order_key`: taken
-    from the samples in that key's seeded random order (the same on every rank)."""
-    if order_key is not None:
-        samples = samples.select(seeded_shuffle(range(len(samples)), order_key))
-    mine = share_indices(samples.lengths(), dp, rank, num_minibatches, by_tokens=by_tokens)
-    bounds = list(itertools.accumulate((len(m) for m in mine), initial=0))
-    return Share(samples.select([i for m in mine for i in m]),
+    """DP rank `rank`'s share of the samples, minibatch by minibatch (`share_plan`)."""
+    return share_of(samples, share_plan(samples.lengths(), dp, rank, num_minibatches, by_tokens, order_key))
+
+
+def share_plan(lengths: list[int], dp: int, rank: int, num_minibatches: int, by_tokens: bool,
+               order_key: str | None = None) -> list[list[int]]:
+    """Indices (into `lengths`' order) of `rank`'s part of each minibatch (`share_indices`); `order_key`:
+    taken from the samples in that key's seeded random order (the same on every rank)."""
+    order = seeded_shuffle(range(len(lengths)), order_key) if order_key is not None else list(range(len(lengths)))
+    mine = share_indices([lengths[i] for i in order], dp, rank, num_minibatches, by_tokens=by_tokens)
+    return [[order[i] for i in m] for m in mine]
+
+
+def share_of(samples: Samples, minibatches: list[list[int]]) -> Share:
+    """The `Share` of a plan: its samples, minibatch after minibatch, and each minibatch's rows of them."""
+    bounds = list(itertools.accumulate((len(m) for m in minibatches), initial=0))
+    return Share(samples.select([i for m in minibatches for i in m]),
                  [list(range(a, b)) for a, b in zip(bounds, bounds[1:])])
 
 

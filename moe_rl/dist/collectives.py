@@ -2,9 +2,10 @@
 
 Rank 0 (or, under rollout.intake=heads, each data-parallel head) talks to the rollout servers.
 While it generates (and retries, and waits for a server to come back, up to the rollout budget
-`moe_rl.config.handoff_timeout_s`), the other ranks wait for its samples; while it starts servers or loads weights into them, they wait for
-its answer. Those waits are hand-offs of Python objects, and they run here, on the *control
-group*: gloo (objects are pickled on the host anyway), made once per run with a timeout derived
+`moe_rl.config.handoff_timeout_s`), the other ranks wait for its samples; while it starts
+servers or loads weights into them, they wait for its answer. Those waits are hand-offs of
+Python objects, and they run here, on the *control group*: gloo (objects are pickled on the
+host anyway), made once per run with a timeout derived
 from the rollout budget, so no rank times out before rank 0's own "no server came back" path
 has run, and no NCCL collective is pending meanwhile (NCCL's watchdog would abort the job at the
 default group's timeout, whatever the rollout settings). Tensor collectives stay on the

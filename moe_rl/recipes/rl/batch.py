@@ -41,9 +41,15 @@ def task_rewards(run: Any, samples: Samples) -> torch.Tensor:
 
 
 def score(run: Any, samples: Samples) -> dict[str, float]:
-    """Task rewards of every sample, and the step's reward and rollout metrics of them."""
+    """Task rewards of every sample, and the step's reward, rollout and staleness metrics of them."""
+    st = scored_stats(run, samples)
+    return score_metrics(st, float(run.rewards.failures)) | staleness_of(st)
+
+
+def scored_stats(run: Any, samples: Samples) -> dict[str, torch.Tensor]:
+    """Task rewards of every sample (set on them), and the samples' `sample_stats`."""
     samples.rewards = task_rewards(run, samples)
-    return score_metrics(sample_stats(samples), float(run.rewards.failures))
+    return sample_stats(samples, run.weight_version)
 
 
 def sample_stats(samples: Samples, version: int | None = None) -> dict[str, torch.Tensor]:
@@ -108,11 +114,6 @@ def staleness_of(st: dict[str, torch.Tensor]) -> dict[str, float]:
             "rollout/staleness_max": float(st["lag_max"].max()), "rollout/partial_frac": float(st["partial"].mean())}
 
 
-def sampled_entropy(samples: Samples) -> float:
-    """`entropy_of` the samples."""
-    return entropy_of(sample_stats(samples))
-
-
 def dynamic_sampling_rounds(run: Any, samples: Samples, step: int) -> tuple[Samples | None, dict[str, float]]:
     """DAPO's dynamic sampling: keep the groups whose task rewards differ, generating further
     rounds of prompts until `data.prompts_per_step` groups are kept or
@@ -168,9 +169,13 @@ def advantage_metrics(rewards: torch.Tensor, advantages: torch.Tensor, group_siz
 def my_share(run: Any, samples: Samples, step: int, dp_rank: int | None = None) -> Share:
     """DP rank `dp_rank`'s (default: this rank's) share of the samples, minibatch by minibatch
     (`algo.shuffle_minibatches`: taken from the samples in the step's seeded random order)."""
-    key = f"moe_rl.minibatches:{run.cfg.data.shuffle_seed}:{step}" if run.cfg.algo.shuffle_minibatches else None
     return split(samples, run.policy.dp_size, run.policy.dp_rank if dp_rank is None else dp_rank,
-                 run.cfg.algo.num_minibatches, run.policy.packs_sequences, key)
+                 run.cfg.algo.num_minibatches, run.policy.packs_sequences, minibatch_order(run, step))
+
+
+def minibatch_order(run: Any, step: int) -> str | None:
+    """The key of the step's seeded minibatch order (`algo.shuffle_minibatches`; None: the samples' order)."""
+    return f"moe_rl.minibatches:{run.cfg.data.shuffle_seed}:{step}" if run.cfg.algo.shuffle_minibatches else None
 
 
 def replay_coverage(run: Any, samples: Samples) -> dict[str, float]:
@@ -199,7 +204,6 @@ def plan_step(run: Any, step: int) -> dict[int, StepBatch]:
     """Rank 0: the step's samples, rewards, refills and advantages, as each DP rank's batch."""
     samples, staleness, metrics = rollout(run, step)              # data/ -> rollout engine
     metrics |= score(run, samples) | {"rollout/staleness": float(staleness)}
-    metrics |= staleness_of(sample_stats(samples, run.weight_version))
     check_staleness(metrics, staleness_bound(run.cfg.algo))
     samples, more = dynamic_sampling_rounds(run, samples, step)  # DAPO: refill with informative groups
     metrics |= more

@@ -26,15 +26,14 @@ import torch
 
 from moe_rl.algo.config import replay_mode, staleness_bound
 from moe_rl.algo.filters import dynamic_sampling
-from moe_rl.data.sampler import seeded_shuffle
 from moe_rl.dist.collectives import all_gather_objects, broadcast_object, exchange, heads, to_peers
 from moe_rl.recipes.rl.async_rollouts import check_staleness
 from moe_rl.recipes.rl.batch import (StepBatch, advantage_metrics, advantages_and_filters, merge_stats,
-                                     sample_stats, score_metrics, staleness_of, task_rewards)
+                                     minibatch_order, score_metrics, scored_stats, staleness_of)
 from moe_rl.recipes.rl.replay_health import cover_counts, coverage_of
 from moe_rl.recipes.rl.rollouts import request, rollout, to_samples, wait_for_prefetch
 from moe_rl.rollout.outage import attempt, failed, unwrap
-from moe_rl.samples import Samples, Share, response_mask, share_indices, usable_groups
+from moe_rl.samples import Samples, Share, response_mask, share_of, share_plan, usable_groups
 
 log = logging.getLogger(__name__)
 COUNTS = ("rollout/stale_resamples", "rollout/dropped_stale_groups")  # the take's metrics that add up over heads
@@ -104,8 +103,7 @@ class HeadsIntake:
         return local[0], parts
 
     def _scored(self, run: Any, samples: Samples) -> tuple[Samples, dict[str, Any]]:
-        samples.rewards = task_rewards(run, samples)
-        return samples, {"stats": sample_stats(samples, run.weight_version), "failures": run.rewards.failures}
+        return samples, {"stats": scored_stats(run, samples), "failures": run.rewards.failures}
 
     def _head_batch(self, run: Any, step: int) -> StepBatch:
         a, g = run.cfg.algo, run.cfg.rollout.n_samples
@@ -192,30 +190,22 @@ class HeadsIntake:
     def _share(self, run: Any, step: int, samples: Samples, index: list[int], parts: list[Any]) -> Share:
         """This head's share: the same plan as `batch.my_share` on the whole step (every head computes it
         from the shared lengths), its samples fetched from the heads that received them."""
-        a = run.cfg.algo
-        owner, length = {}, {}
+        owner, length = {}, {}                                      # by place in the step (0 .. N - 1)
         for h, p in enumerate(parts):
             for i, n in zip(p["index"], p["length"]):
                 owner[i], length[i] = h, n
-        places = sorted(length)                                     # the step's samples, in order
-        if a.shuffle_minibatches:
-            places = [places[k] for k in seeded_shuffle(range(len(places)),
-                                                        f"moe_rl.minibatches:{run.cfg.data.shuffle_seed}:{step}")]
-        lengths = [length[i] for i in places]
-        plan = {h: [[places[k] for k in m] for m in share_indices(lengths, run.policy.dp_size, key, a.num_minibatches,
-                                                                  run.policy.packs_sequences)]
+        lengths = [length[i] for i in range(len(length))]
+        plan = {h: share_plan(lengths, run.policy.dp_size, key, run.cfg.algo.num_minibatches,
+                              run.policy.packs_sequences, minibatch_order(run, step))
                 for h, (key, _) in enumerate(self.heads)}
         here = {i: k for k, i in enumerate(index)}
-        outgoing = {h: ([i for m in rows for i in m if owner[i] == self.index],) for h, rows in plan.items()
-                    if h != self.index}
-        outgoing = {h: (ids, samples.select([here[i] for i in ids])) for h, (ids,) in outgoing.items() if ids}
+        outgoing = {}                                               # what this head received for the others
+        for h, rows in plan.items():
+            ids = [i for m in rows for i in m if owner[i] == self.index]
+            if h != self.index and ids:
+                outgoing[h] = (ids, samples.select([here[i] for i in ids]))
         pool, ids = samples, list(index)
         for _, (theirs, got) in sorted((exchange(outgoing, self.group) if len(self.heads) > 1 else {}).items()):
             pool, ids = pool + got, ids + theirs
         at = {i: k for k, i in enumerate(ids)}
-        mine = plan[self.index]
-        bounds = [0]
-        for m in mine:
-            bounds.append(bounds[-1] + len(m))
-        return Share(pool.select([at[i] for m in mine for i in m]),
-                     [list(range(x, y)) for x, y in zip(bounds, bounds[1:])])
+        return share_of(pool, [[at[i] for i in m] for m in plan[self.index]])

@@ -115,7 +115,8 @@ def cover_counts(samples: Any, response: torch.Tensor, layer_ids: list[int],
         if not bool(cover.all()):
             miss = ~cover.all(-1)
             layers = [layer_ids[j] for j in (~cover).any(0).nonzero().flatten().tolist()]
-            missing.append(f"sample {i if index is None else index[i]}: {int((miss & resp).sum())} of {int(resp.sum())} response and "
+            where = i if index is None else index[i]
+            missing.append(f"sample {where}: {int((miss & resp).sum())} of {int(resp.sum())} response and "
                            f"{int((miss & ~resp).sum())} of {int((~resp).sum())} prompt tokens, layers {layers}")
     return {"hits": hits, "totals": totals, "missing": missing, "samples": len(samples)}
 

@@ -8,13 +8,17 @@ import torch
 
 from moe_rl.samples import Samples
 
-from moe_rl.recipes.rl.batch import advantages_and_filters, sampled_entropy
+from moe_rl.recipes.rl.batch import advantages_and_filters, entropy_of, sample_stats
 
 
 def _samples(logps: list[torch.Tensor], masks: list[torch.Tensor] | None = None) -> Samples:
     seqs = [torch.zeros(2 + len(lp), dtype=torch.long) for lp in logps]
     return Samples(prompts=[None] * len(logps), sequences=seqs, prompt_lens=torch.full((len(logps),), 2),
                    engine_logp=logps, routes=None, completions=[""] * len(logps), action_masks=masks)
+
+
+def sampled_entropy(samples: Samples) -> float:
+    return entropy_of(sample_stats(samples))
 
 
 def test_sampled_entropy_estimates_the_sampling_distributions_entropy():
