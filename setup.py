@@ -54,6 +54,8 @@ setup(
                 # The real router runs on CPU (a Rust binary): the router tests put it in front
                 # of `moe-rl serve`. Its own requirements are fastapi, uvicorn, orjson, setproctitle.
                 "sglang-router==0.3.2",
+                # LoRA's independent reference: HF transformers + PEFT on the same adapter (tests/distributed/test_lora.py)
+                "peft==0.21.2",
                 *SGLANG_IMPORT_TIME],
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12",  # the range megatron-core 0.16.1 declares
                 "sglang==0.5.23", "sglang-router==0.3.2"],

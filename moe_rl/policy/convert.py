@@ -105,7 +105,7 @@ class RankPlace:
                    dp_size=ps.get_data_parallel_world_size(), edp_size=ps.get_expert_data_parallel_world_size())
 
 
-def _shard_for(name: str, offset: int, place: RankPlace, arch: MoEArch) -> Shard | None:
+def shard_for(name: str, offset: int, place: RankPlace, arch: MoEArch) -> Shard | None:
     """The Shard of a chunk-local megatron parameter name (layer ids made global)."""
     wmap = WEIGHT_MAPS[arch.family]
     m = _LAYER.match(name)
@@ -214,23 +214,30 @@ def _local_slice(shard: Shard, parts: list[torch.Tensor], place: RankPlace, arch
 _WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
 
 
-def _param_items(chunks: list[Any], buffers: bool = True) -> Iterator[tuple[int, str, torch.Tensor, int]]:
-    """(chunk index, name, parameter, layer offset) over this rank's chunks, in a fixed order; with
-    `buffers`, the checkpoint's buffers (`_WEIGHT_BUFFERS`) after the parameters."""
+def chunk_offsets(chunks: list[Any]) -> Iterator[tuple[Any, int]]:
+    """(bare model, global index of its first layer) per chunk of this rank."""
     from moe_rl.policy.model import layer_offset
 
-    for i, chunk in enumerate(chunks):
-        model = _unwrap(chunk)
-        offset = layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
+    for chunk in chunks:
+        model = unwrap(chunk)
+        yield model, layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
+
+
+def _param_items(chunks: list[Any], buffers: bool = True) -> Iterator[tuple[int, str, torch.Tensor, int]]:
+    """(chunk index, name, parameter, layer offset) over this rank's chunks, in a fixed order; with
+    `buffers`, the checkpoint's buffers (`_WEIGHT_BUFFERS`) after the parameters. LoRA adapters
+    (`policy/lora.py`, `<layer>.lora.A|B.<part>`) are not the base checkpoint's and are left out."""
+    for i, (model, offset) in enumerate(chunk_offsets(chunks)):
         for name, param in model.named_parameters():
-            yield i, name, param, offset
+            if ".lora.A." not in name and ".lora.B." not in name:
+                yield i, name, param, offset
         if buffers:
             for name, buf in model.named_buffers():
                 if buf is not None and name.endswith(_WEIGHT_BUFFERS):
                     yield i, name, buf, offset
 
 
-def _unwrap(module: Any) -> Any:
+def unwrap(module: Any) -> Any:
     while hasattr(module, "module"):
         module = module.module
     return module
@@ -246,7 +253,7 @@ def load_hf_weights(chunks: list[Any], hf_dir: str | Path, arch: MoEArch) -> int
     place = RankPlace.current()
     count = 0
     for _, name, param, offset in _param_items(chunks):
-        shard = _shard_for(name, offset, place, arch)
+        shard = shard_for(name, offset, place, arch)
         if shard is None:
             raise ConversionError(f"megatron parameter {name!r} has no HF counterpart for {arch.family}")
         piece = _local_slice(shard, [ckpt.get(h) for h in shard.hf], place, arch)
@@ -353,7 +360,7 @@ def iter_hf_tensors(chunks: list[Any], arch: MoEArch, buffers: bool = True, spre
     """
     place = RankPlace.current()
     for index, (_, name, param, offset) in enumerate(_param_items(chunks, buffers)):
-        shard = _shard_for(name, offset, place, arch)
+        shard = shard_for(name, offset, place, arch)
         if shard is None:
             raise ConversionError(f"megatron parameter {name!r} has no HF counterpart for {arch.family}")
         full = _gather(param.data if dtype is None else param.data.to(dtype), shard, place, arch)

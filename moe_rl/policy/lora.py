@@ -1,0 +1,291 @@
+"""LoRA adapters on the megatron policy: attention and every MLP, routed experts included, under
+TP, SP, PP, EP and DP, with the base frozen.
+
+megatron-core 0.16.1 has no LoRA of its own, and no library adds one to its local layers:
+Megatron-Bridge's PEFT wraps them but its wheel needs Python 3.12 and an older transformers, and the
+`peft` library adapts HF modules (and its megatron hook expects megatron's fused linear layers to be
+HF-shaped, without TP's communication or the fused q/k/v and gate/up layouts). So the adapters are
+written here, as small modules hung on megatron's own `ColumnParallelLinear` / `RowParallelLinear`
+(a forward hook adds the low-rank term), which leaves every base weight where it was: its name,
+its checkpoint entry, its conversion to HF and its weight sync.
+
+What is adapted follows the HF model the adapter is for, so an adapter here is a PEFT adapter there:
+each HF projection (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`)
+has its own A and B, scaled by alpha / rank, and megatron's fused layers (q/k/v per query group,
+gate/up stacked) combine the projections' outputs the way they combine the weights (`families/`).
+A routed expert is what transformers 5 makes of it and what PEFT's `target_parameters` adapts: one
+`gate_up_proj` (gate and up share A; B's rows are [gate; up]) and one `down_proj`, per expert. SGLang
+takes that stacked form as well (its LoRA loader repeats the shared A over the two slots).
+
+Communication, per megatron layer (the adapter's is the layer's own, on its TP group):
+- column-parallel (A replicated, B split by output rows like the weight): without SP the rank of x
+  goes through `copy_to_tensor_model_parallel_region` (its backward sums the partial gradients of
+  A x over TP); with SP A x is gathered over the sequence (`gather_from_sequence_parallel_region`,
+  r columns, not the hidden size), and A is marked `sequence_parallel` so megatron sums its
+  per-shard gradient over TP in `finalize_model_grads`;
+- row-parallel (A split by input columns like the weight, B replicated): the partial A x is summed
+  over TP (`reduce_from_tensor_model_parallel_region`) or reduce-scattered to sequence shards under SP
+  (B then marked `sequence_parallel`).
+A routed expert's layers do no communication of their own (the token dispatcher does it), so their
+adapters are local matmuls; expert TP > 1 would split an expert's A x over ranks the dispatcher does
+not sum for A's gradient, and is refused.
+"""
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moe_rl.policy.arch import MoEArch
+from moe_rl.policy.convert import RankPlace, chunk_offsets, shard_for
+from moe_rl.policy.families.registry import engine_name
+
+# The HF projection names PEFT users target (transformers' module names: a family whose checkpoint
+# names differ, as Mixtral's w1/w2/w3, is read through its `engine_name`).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_EXPERT = re.compile(r"\.mlp\.experts\.")
+
+
+class LoraError(ValueError):
+    """A LoRA setting this model or layout cannot take."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What to adapt and how: PEFT's `r`, `lora_alpha`, `lora_dropout` and `target_modules`."""
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = TARGETS
+    seed: int = 0  # A's initial draw, per projection by its HF name, so every layout draws the same
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def _role(hf_name: str) -> str:
+    return hf_name.rsplit(".", 2)[-2]  # "...self_attn.q_proj.weight" -> "q_proj"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One HF projection's adapter on a megatron layer (or, for a routed expert's fc1, gate and up
+    together): its HF weight names, where its output goes in the layer's output and its sizes."""
+
+    key: str  # parameter key in the adapter ("q_proj", "gate_up_proj", ...)
+    hf: tuple[str, ...]  # the HF weights it adapts (gate and up for an expert's gate_up_proj)
+    in_features: int  # this rank's
+    out_features: int  # this rank's
+
+
+class LoraLinear(torch.nn.Module):
+    """The adapters of one megatron linear layer: A and B per part, and the layer's combine of the
+    parts' outputs (`kind`: copy, qkv or glu, as in `families.family.Shard`)."""
+
+    def __init__(self, layer: Any, parts: Sequence[Part], kind: str, column: bool, spec: LoraSpec,
+                 groups: int = 1) -> None:
+        super().__init__()
+        self.parts, self.kind, self.column, self.groups = list(parts), kind, column, groups
+        self.scale, self.dropout = spec.scale, spec.dropout
+        self.tp_group = layer.tp_group
+        self.tp = layer.tp_group.size()
+        self.sequence_parallel = bool(getattr(layer, "sequence_parallel", False)) and self.tp > 1
+        self.local = bool(getattr(layer, "explicit_expert_comm", False)) or self.tp == 1
+        dtype, device = layer.weight.dtype, layer.weight.device
+        self.A = torch.nn.ParameterDict()
+        self.B = torch.nn.ParameterDict()
+        rank = spec.rank
+        tp_rank = layer.tp_group.rank()
+        for p in self.parts:
+            a = _initial_a(rank, p.in_features * (1 if column else self.tp), p.hf[0], spec.seed)
+            if not column:
+                a = a.chunk(self.tp, dim=1)[tp_rank]
+            self.A[p.key] = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
+            self.B[p.key] = torch.nn.Parameter(torch.zeros(p.out_features, rank, device=device, dtype=dtype))
+            self._mark(self.A[p.key], self.B[p.key])
+
+    def _mark(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
+        """megatron's parameter attributes: which tensors are split over TP (grad-norm counting, export)
+        and which need their gradient summed over TP under SP."""
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        split, whole = (b, a) if self.column else (a, b)
+        set_tensor_model_parallel_attributes(split, True, 0 if self.column else 1, 1)
+        if self.sequence_parallel:
+            setattr(whole, "sequence_parallel", True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The low-rank term of this rank's output of the layer for input `x` (what the layer itself got)."""
+        from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                                   gather_from_sequence_parallel_region,
+                                                   reduce_from_tensor_model_parallel_region,
+                                                   reduce_scatter_to_sequence_parallel_region)
+
+        if self.dropout and self.training:
+            x = F.dropout(x, self.dropout)
+        outs = []
+        for p in self.parts:
+            h = F.linear(x, self.A[p.key])
+            if not self.local:
+                if self.column:
+                    h = (gather_from_sequence_parallel_region(h, group=self.tp_group) if self.sequence_parallel
+                         else copy_to_tensor_model_parallel_region(h, group=self.tp_group))
+                else:
+                    h = (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+                         if self.sequence_parallel else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
+            outs.append(F.linear(h, self.B[p.key]) * self.scale)
+        return self._combine(outs)
+
+    def _combine(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        if self.kind == "qkv":  # per local query group [q heads | k | v], as the fused weight's rows
+            g = self.groups
+            return torch.cat([o.unflatten(-1, (g, -1)) for o in outs], dim=-1).flatten(-2)
+        return torch.cat(outs, dim=-1)
+
+
+def _initial_a(rank: int, in_features: int, name: str, seed: int) -> torch.Tensor:
+    """PEFT's initial A (kaiming-uniform, a = sqrt(5)), drawn whole from a generator seeded by the
+    projection's HF name, so TP ranks agree on a replicated A and slice the same split one."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    a = torch.empty(rank, in_features)
+    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
+    return a
+
+
+def _hook(layer: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    out, bias = output
+    return out + layer.lora(args[0] if args else kwargs["input_"]), bias
+
+
+def _parts(name: str, layer: Any, shard: Any, targets: set[str], arch: MoEArch) -> tuple[list[Part], int]:
+    """The adapted parts of one megatron linear layer (none when no projection is targeted), and for
+    q/k/v the layer's local query groups."""
+    chosen = [h for h in shard.hf if _role(h) in targets]
+    if not chosen:
+        return [], 1
+    out_local, in_local = layer.weight.shape
+    if shard.dim == 1:  # row-parallel: one projection
+        return [Part(_role(chosen[0]), tuple(chosen), in_local, out_local)], 1
+    if _EXPERT.search("." + name) and shard.kind == "glu":
+        if len(chosen) != 2:
+            raise LoraError(f"model.lora.target_modules: a routed expert's gate_proj and up_proj are one weight "
+                            f"in HF (gate_up_proj, {name}): target both or neither")
+        return [Part("gate_up_proj", tuple(shard.hf), in_local, out_local)], 1
+    if shard.kind == "glu":
+        return [Part(_role(h), (h,), in_local, out_local // 2) for h in shard.hf if h in chosen], 1
+    if shard.kind == "qkv":
+        d, per = arch.kv_channels, arch.num_attention_heads // arch.num_query_groups
+        groups = out_local // ((per + 2) * d)
+        widths = {"q_proj": groups * per * d, "k_proj": groups * d, "v_proj": groups * d}
+        if len(chosen) != 3:
+            raise LoraError(f"model.lora.target_modules: q_proj, k_proj and v_proj are one fused layer here "
+                            f"({name}); target all three or none")
+        return [Part(_role(h), (h,), in_local, widths[_role(h)]) for h in shard.hf], groups
+    if shard.kind == "copy":
+        return [Part(_role(chosen[0]), tuple(chosen), in_local, out_local)], 1
+    raise LoraError(f"model.lora: {name} ({shard.kind} layout) cannot take an adapter yet; drop "
+                    f"{', '.join(sorted({_role(h) for h in chosen}))} from model.lora.target_modules")
+
+
+def attach_lora(chunks: list[Any], arch: MoEArch, spec: LoraSpec) -> int:
+    """Hang adapters on this rank's targeted linear layers and freeze everything else. Returns the
+    number of adapted layers on this rank. Call once, after the base weights are loaded."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    unknown = sorted(set(spec.target_modules) - set(TARGETS))
+    if unknown:
+        raise LoraError(f"model.lora.target_modules: {unknown} are not projections moe_rl adapts; use some of "
+                        f"{list(TARGETS)}")
+    if spec.rank < 1:
+        raise LoraError(f"model.lora.rank: {spec.rank} must be >= 1")
+    targets = set(spec.target_modules)
+    place = RankPlace.current()
+    count = 0
+    for model, offset in chunk_offsets(chunks):
+        for name, layer in list(model.named_modules()):
+            if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) or hasattr(layer, "lora"):
+                continue
+            shard = _module_names(shard_for(name + ".weight", offset, place, arch))
+            if shard is None or shard.dim is None:
+                continue
+            parts, groups = _parts(name, layer, shard, targets, arch)
+            if not parts:
+                continue
+            if _EXPERT.search("." + name) and place.etp_size > 1:
+                raise LoraError("model.lora on routed experts needs parallel.etp=1 (expert TP splits an "
+                                "expert's A x over ranks whose gradients of A nobody sums); set parallel.etp=1 "
+                                "or drop gate_proj, up_proj and down_proj from model.lora.target_modules")
+            layer.lora = LoraLinear(layer, parts, shard.kind, isinstance(layer, ColumnParallelLinear), spec, groups)
+            layer.register_forward_hook(_hook, with_kwargs=True)
+            count += 1
+        for name, module in model.named_modules():
+            if hasattr(module, "grouped") and any(hasattr(m, "lora") for m in module.modules()):
+                module.grouped = False  # the grouped experts' matmuls bypass the layers' hooks
+        for name, param in model.named_parameters():
+            param.requires_grad_(is_adapter(name))
+            if is_adapter(name) and _EXPERT.search("." + name):
+                param.allreduce = False  # an expert's: reduced over expert-DP, as build_model marks the weights
+    return count
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a megatron parameter name is an adapter's."""
+    return ".lora.A." in name or ".lora.B." in name
+
+
+def adapter_items(chunks: list[Any], arch: MoEArch) -> Iterator[tuple[str, torch.Tensor, Any, int]]:
+    """(PEFT name stem, this rank's tensor, its `LoraLinear`, global expert id or -1) for every adapter
+    parameter on this rank; the stem is the HF module path (`model.layers.0.self_attn.q_proj`, and for an
+    expert `model.layers.0.mlp.experts` + the part) plus `.lora_A` / `.lora_B`."""
+    place = RankPlace.current()
+    for model, offset in chunk_offsets(chunks):
+        for name, layer in model.named_modules():
+            lora = getattr(layer, "lora", None)
+            if not isinstance(lora, LoraLinear):
+                continue
+            shard = _module_names(shard_for(name + ".weight", offset, place, arch))
+            expert = _expert_id(shard)
+            for p in lora.parts:
+                module = p.hf[0].rsplit(".", 1)[0]  # "...q_proj.weight" -> "...q_proj"
+                if expert >= 0:
+                    module = module.rsplit(".", 1)[0] + "." + p.key  # "...experts.3.gate_proj" -> "...experts.3.gate_up_proj"
+                yield f"{module}.lora_A", lora.A[p.key], lora, expert
+                yield f"{module}.lora_B", lora.B[p.key], lora, expert
+
+
+def _module_names(shard: Any) -> Any:
+    """The shard with its HF names as transformers' (and PEFT's) module names."""
+    return None if shard is None else replace(shard, hf=tuple(engine_name(h) for h in shard.hf))
+
+
+def _expert_id(shard: Any) -> int:
+    m = re.search(r"\.experts\.(\d+)\.", shard.hf[0])
+    return int(m.group(1)) if m else -1
+
+
+@torch.no_grad()
+def set_adapters(chunks: list[Any], arch: MoEArch, full: dict[str, torch.Tensor]) -> int:
+    """Copy whole (unsplit) adapter tensors, named as `adapter_items` names them (`...q_proj.lora_A`,
+    `...experts.3.gate_up_proj.lora_B`), into this rank's pieces. Returns how many were set; a missing
+    or misshapen one is an error naming it."""
+    count = 0
+    for stem, param, lora, _ in adapter_items(chunks, arch):
+        if stem not in full:
+            raise LoraError(f"adapter tensor {stem} is missing")
+        t = full[stem]
+        split = (stem.endswith("lora_B") and lora.column) or (stem.endswith("lora_A") and not lora.column)
+        if split and not lora.local:
+            t = t.chunk(lora.tp, dim=0 if lora.column else 1)[lora.tp_group.rank()]
+        if tuple(t.shape) != tuple(param.shape):
+            raise LoraError(f"adapter tensor {stem}: shape {tuple(full[stem].shape)} does not fit this model "
+                            f"(this rank's piece {tuple(param.shape)})")
+        param.copy_(t.to(param.dtype))
+        count += 1
+    return count
