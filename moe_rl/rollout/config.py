@@ -123,7 +123,7 @@ class RolloutConfig:
     included); last = the last turn's alone (the outcome, e.g. the answer without a tool-call bonus)."""
     concurrency: int = ranged(64, ge=1)
     """Requests in flight across all servers; bounds client memory and server queueing."""
-    intake: str = choice("rank0", ("rank0", "heads", "auto"))
+    intake: str = choice("auto", ("rank0", "heads", "auto"))
     """Which trainer ranks receive the step's samples from the servers. heads = rank 0 draws the
     prompt groups and each data-parallel head (the first rank of each model-parallel group) asks for,
     receives and scores its own, so a step's bytes arrive spread over the heads

@@ -59,7 +59,7 @@ def objective_matrix_worker(cfg_dict: dict[str, Any], run_dir: str, combos: list
             return out
         # One-step off-policy overlap: the next rollout runs while this step trains.
         run.cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, max_staleness=1, tis_cap=2.0))
-        if rank == 0:
+        if run.engine is not None:  # every rank that receives samples: rank 0, or each head (rollout.intake)
             run.rollouts = AsyncRollouts(1)
         for step in range(len(combos) + 1, len(combos) + 4):
             out.append({"loss": cfg.algo.loss, "replay": cfg.algo.replay, "overlap": True,

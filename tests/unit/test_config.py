@@ -603,7 +603,8 @@ def test_the_advantage_estimator_is_the_registrys_and_reads_the_keys_its_functio
     (["rollout.intake=auto"], ["http://10.0.0.5:30000"], ["node0", "node1"], True),  # reachable servers
     (["rollout.intake=auto", "rollout.engine=inprocess"], [], ["node0"], False),  # no servers
     (["rollout.intake=auto", "rollout.colocated=true", "rollout.weight_sync=disk"], ["http://127.0.0.1:1"], ["n0"], False),
-    ([], ["http://10.0.0.5:30000"], ["node0"], False),  # the default: rank0
+    ([], ["http://10.0.0.5:30000"], ["node0"], True),  # the default: auto
+    ([], ["http://127.0.0.1:30000"], ["node0", "node1"], False),
     (["rollout.intake=rank0"], ["http://10.0.0.5:30000"], ["node0", "node1"], False),
 ])
 def test_intake_auto_picks_heads_where_every_head_reaches_the_servers(overrides, urls, hosts, heads):
