@@ -17,6 +17,28 @@ from moe_rl.policy.families.registry import BY_NAME, TINY_FAMILIES, family_of
 
 
 DTYPES = ("fp32", "bf16", "fp16")
+# The HF projections LoRA can adapt, by transformers' module names (moe_rl/policy/lora.py).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA: train low-rank adapters on a frozen base (PEFT's `r`, `lora_alpha`, `lora_dropout`,
+    `target_modules`). The adapters sit on megatron's own layers under every layout; weight pushes
+    and HF exports carry the merged weights (W + alpha / rank * B A)."""
+
+    rank: int = ranged(0, ge=0)
+    """Adapter rank r; 0 = off (full-parameter training)."""
+    alpha: float = ranged(16.0, gt=0.0)
+    """Scale numerator: the adapter adds alpha / rank * B A x."""
+    dropout: float = ranged(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input (training only). PEFT refuses it on routed experts' fused
+    weights, so a run that adapts the experts keeps 0 to stay exportable as PEFT does it."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Which projections get adapters: q_proj, k_proj, v_proj, o_proj (attention; q, k and v
+    together, they are one fused layer), gate_proj, up_proj, down_proj (every MLP: dense, shared
+    and each routed expert, whose gate and up are one weight in HF, gate_up_proj, so both or
+    neither). The router is never adapted."""
 
 
 @dataclass
@@ -100,6 +122,8 @@ class ModelConfig:
     and the engines get the bias with every weight push."""
     seed: int = 1234
     """Seed for model init and megatron's RNG tracker (data order has its own seed)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full-parameter training (`model.lora.rank` > 0)."""
 
 
 @dataclass
@@ -199,6 +223,7 @@ def _divides(key: str, size: int, shape: dict[str, tuple[int, str]], dim: str,
 
 def check_model(cfg: Any) -> Iterator[str]:
     tiny = cfg.model.tiny
+    yield from _check_lora(cfg)
     if cfg.model.hf_path is None:
         if tiny.num_experts_per_tok > tiny.num_experts:
             yield (f"model.tiny.num_experts_per_tok: {tiny.num_experts_per_tok} must be <= "
@@ -214,6 +239,31 @@ def check_model(cfg: Any) -> Iterator[str]:
     elif cfg.model.moe_router_fusion and cfg.drift.enabled:
         yield ("model.moe_router_fusion: true is not allowed with drift.enabled=true: the fused router skips "
                "RouterReplay, which records the routes drift compares (set drift.enabled=false or fusion false)")
+
+
+def _check_lora(cfg: Any) -> Iterator[str]:
+    lora = cfg.model.lora
+    if not lora.rank:
+        return
+    targets = list(lora.target_modules)
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        yield (f"model.lora.target_modules: {unknown or targets} {'are not' if unknown else 'names no'} "
+               f"projections moe_rl adapts; use some of {list(LORA_TARGETS)}")
+    qkv = [t for t in ("q_proj", "k_proj", "v_proj") if t in targets]
+    if qkv and len(qkv) < 3:
+        yield (f"model.lora.target_modules: {qkv} without the rest of q_proj, k_proj, v_proj: megatron fuses "
+               "them into one layer; target all three or none")
+    mlp = {"gate_proj", "up_proj", "down_proj"} & set(targets)
+    if ("gate_proj" in mlp) != ("up_proj" in mlp):
+        yield ("model.lora.target_modules: a routed expert's gate_proj and up_proj are one weight in HF "
+               "(gate_up_proj): target both or neither")
+    if mlp and lora.dropout:
+        yield (f"model.lora.dropout: {lora.dropout} with {sorted(mlp)} targeted: PEFT adapts routed experts "
+               "without dropout (it cannot factor it out of their fused weights); set model.lora.dropout=0")
+    if mlp and cfg.parallel.etp > 1:
+        yield (f"model.lora: adapters on routed experts need parallel.etp=1 (got {cfg.parallel.etp}); set "
+               "parallel.etp=1 or drop gate_proj, up_proj and down_proj from model.lora.target_modules")
 
 
 def check_parallel(cfg: Any) -> Iterator[str]:

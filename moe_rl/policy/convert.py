@@ -357,13 +357,17 @@ def iter_hf_tensors(chunks: list[Any], arch: MoEArch, buffers: bool = True, spre
     in turn, so a weight push leaves every replica with a share; else replica 0 writes them all
     (gradients, whose replicas may hold only their own reduced shard, need that). `dtype`: cast
     before the gathers (a push in the servers' bf16 gathers half the bytes of fp32 parameters).
+    A layer with LoRA adapters (`policy/lora.py`) gives its merged weight.
     """
     place = RankPlace.current()
     for index, (_, name, param, offset) in enumerate(_param_items(chunks, buffers)):
         shard = shard_for(name, offset, place, arch)
         if shard is None:
             raise ConversionError(f"megatron parameter {name!r} has no HF counterpart for {arch.family}")
-        full = _gather(param.data if dtype is None else param.data.to(dtype), shard, place, arch)
+        data = param.data
+        if (delta := getattr(param, "lora_delta", None)) is not None:  # a LoRA'd layer: W + alpha / r * B A
+            data = data + delta()
+        full = _gather(data if dtype is None else data.to(dtype), shard, place, arch)
         if not _writes(shard, place, index if spread else 0) or (name == "output_layer.weight" and arch.tie_word_embeddings):
             continue
         yield from _to_hf(full, shard, arch)

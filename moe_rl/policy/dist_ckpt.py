@@ -132,8 +132,47 @@ def _default_common_step(loaded_optimizer: Any, optimizer: Any) -> None:
 
 
 def _model_state(policy: Any) -> dict[str, Any]:
+    """The model chunks' sharded state; of a LoRA policy the adapters alone (`<layer>.lora.A|B.<part>`):
+    its base is frozen, the HF checkpoint it is built from, so a checkpoint holds what trains."""
     md = _metadata()
-    return {f"model{i}": chunk.sharded_state_dict(metadata=md) for i, chunk in enumerate(policy.chunks)}
+    state = {f"model{i}": chunk.sharded_state_dict(metadata=md) for i, chunk in enumerate(policy.chunks)}
+    if _adapters_only(policy):
+        state = {k: {n: t for n, t in chunk.items() if ".lora.A." in n or ".lora.B." in n} for k, chunk in state.items()}
+    return state
+
+
+def _adapters_only(policy: Any) -> bool:
+    return getattr(getattr(policy, "spec", None), "lora", None) is not None
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint holding another kind of model state than the policy trains (LoRA or full)."""
+
+
+def _check_model_state(policy: Any, ckpt_dir: str | Path) -> None:
+    """A LoRA checkpoint into a full-parameter policy, or the other way round, named before megatron
+    reports the missing keys."""
+    from megatron.core import dist_checkpointing
+
+    held = (dist_checkpointing.load_content_metadata(str(ckpt_dir)) or {}).get("model_state", "full")
+    want = "lora_adapters" if _adapters_only(policy) else "full"
+    if held != want:
+        raise CheckpointMismatch(
+            f"{ckpt_dir} holds {'LoRA adapters' if held == 'lora_adapters' else 'the full model'}, and this run "
+            f"trains {'LoRA adapters' if want == 'lora_adapters' else 'the full model'}: resume it with the "
+            "model.lora settings it was saved with (model.lora.rank > 0 for adapters, 0 for the full model)")
+
+
+def _load_model(policy: Any, loaded: dict[str, Any]) -> None:
+    """Copy the loaded model state into the chunks (a LoRA policy's: its adapters, every one of them)."""
+    for i, chunk in enumerate(policy.chunks):
+        if not _adapters_only(policy):
+            chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+            continue
+        result = chunk.load_state_dict(loaded[f"model{i}"], strict=False)
+        missing = [k for k in result.missing_keys if ".lora.A." in k or ".lora.B." in k]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"LoRA checkpoint: adapters missing {missing[:3]} / unexpected {result.unexpected_keys[:3]}")
 
 
 @contextmanager
@@ -238,6 +277,7 @@ def save_sharded(policy: Any, ckpt_dir: str | Path, *, async_save: bool = False,
             state, str(ckpt_dir), sharded_strategy=strategy,
             async_sharded_save=async_save,
             content_metadata={"format": FORMAT, "distrib_optim_sharding_type": SHARDING_TYPE,
+                              "model_state": "lora_adapters" if _adapters_only(policy) else "full",
                               "distrib_optim_ranges": "gathered" if gathered else "own",
                               "singleton_local_shards": SINGLETON_LOCAL_SHARDS})
 
@@ -250,12 +290,12 @@ def load_sharded(policy: Any, ckpt_dir: str | Path, *, gathered: bool = False) -
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
+    _check_model_state(policy, ckpt_dir)
     state = sharded_state_dict(policy, is_loading=True, gathered=gathered)
     loaded = dist_checkpointing.load(state, str(ckpt_dir), sharded_strategy=TorchDistLoadShardedStrategy(),
                                      strict="raise_all")
     with torch.no_grad():  # fp32 DistributedOptimizer main params are views of the model's parameters
-        for i, chunk in enumerate(policy.chunks):
-            chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+        _load_model(policy, loaded)
         _default_common_step(loaded["optimizer"], policy.opt.optimizer)
         with _skip_step_in_param_state_copy(policy.opt.optimizer), _optimizer_ranges(policy, gathered):
             policy.opt.optimizer.load_state_dict(loaded["optimizer"])
@@ -269,12 +309,12 @@ def load_sharded_weights(policy: Any, ckpt_dir: str | Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
+    _check_model_state(policy, ckpt_dir)
     state = _model_state(policy)
     loaded = dist_checkpointing.load(state, str(ckpt_dir), sharded_strategy=TorchDistLoadShardedStrategy(),
                                      strict="raise_unexpected")
     with torch.no_grad():
-        for i, chunk in enumerate(policy.chunks):
-            chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+        _load_model(policy, loaded)
     policy.opt.optimizer.reload_model_params()  # the optimizer's main copies follow the loaded weights
 
 

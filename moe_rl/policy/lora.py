@@ -43,11 +43,12 @@ import torch.nn.functional as F
 
 from moe_rl.policy.arch import MoEArch
 from moe_rl.policy.convert import RankPlace, chunk_offsets, shard_for
+from moe_rl.policy.config import LORA_TARGETS
 from moe_rl.policy.families.registry import engine_name
 
-# The HF projection names PEFT users target (transformers' module names: a family whose checkpoint
-# names differ, as Mixtral's w1/w2/w3, is read through its `engine_name`).
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The HF projection names PEFT users target are transformers' module names: a family whose checkpoint
+# names differ, as Mixtral's w1/w2/w3, is read through its `engine_name`.
+TARGETS = LORA_TARGETS
 _EXPERT = re.compile(r"\.mlp\.experts\.")
 
 
@@ -68,6 +69,12 @@ class LoraSpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @classmethod
+    def of(cls, model: Any) -> "LoraSpec | None":
+        """The run config's `model` section (`model.lora`, `model.seed`) as a spec; None when off."""
+        lora = model.lora
+        return cls(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), model.seed) if lora.rank else None
 
 
 def _role(hf_name: str) -> str:
@@ -143,11 +150,19 @@ class LoraLinear(torch.nn.Module):
             outs.append(F.linear(h, self.B[p.key]) * self.scale)
         return self._combine(outs)
 
-    def _combine(self, outs: list[torch.Tensor]) -> torch.Tensor:
+    def _combine(self, outs: list[torch.Tensor], dim: int = -1) -> torch.Tensor:
+        """The parts' outputs (or weight rows, `dim` 0) laid out as the fused layer lays out its own."""
         if self.kind == "qkv":  # per local query group [q heads | k | v], as the fused weight's rows
-            g = self.groups
-            return torch.cat([o.unflatten(-1, (g, -1)) for o in outs], dim=-1).flatten(-2)
-        return torch.cat(outs, dim=-1)
+            g, dim = self.groups, dim % outs[0].dim()
+            return torch.cat([o.unflatten(dim, (g, -1)) for o in outs], dim=dim + 1).flatten(dim, dim + 1)
+        return torch.cat(outs, dim=dim)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's piece of alpha / rank * B A in the layer's weight layout: what merging adds to the
+        weight (pushes and HF exports carry W + this). Local: each rank has its rows (column-parallel)
+        or columns (row-parallel) of every part's B A."""
+        return self._combine([(self.B[p.key] @ self.A[p.key]) * self.scale for p in self.parts], dim=0)
 
 
 def _initial_a(rank: int, in_features: int, name: str, seed: int) -> torch.Tensor:
@@ -162,6 +177,26 @@ def _initial_a(rank: int, in_features: int, name: str, seed: int) -> torch.Tenso
 def _hook(layer: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     out, bias = output
     return out + layer.lora(args[0] if args else kwargs["input_"]), bias
+
+
+def _with_adapter(layer: Any) -> Any:
+    """The layer's `sharded_state_dict` (megatron's, as `ColumnParallelLinear` / `RowParallelLinear` make
+    it) with its adapter in it: the split tensors (B of a column-parallel layer, A of a row-parallel one)
+    sharded over TP along their split dimension like the weight, the others replicated (megatron's own
+    treats every key it does not know as replicated, which would keep TP rank 0's piece alone)."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    lora = layer.lora
+    axis = {"weight": 0, "bias": 0} if lora.column else {"weight": 1}
+    split = "B" if lora.column else "A"
+    axis.update({f"lora.{split}.{p.key}": 0 if lora.column else 1 for p in lora.parts})
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
+        return make_sharded_tensors_for_checkpoint(layer.state_dict(prefix="", keep_vars=True), prefix, axis,
+                                                   sharded_offsets, tp_group=layer.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+    return sharded_state_dict
 
 
 def _parts(name: str, layer: Any, shard: Any, targets: set[str], arch: MoEArch) -> tuple[list[Part], int]:
@@ -205,6 +240,12 @@ def attach_lora(chunks: list[Any], arch: MoEArch, spec: LoraSpec) -> int:
                         f"{list(TARGETS)}")
     if spec.rank < 1:
         raise LoraError(f"model.lora.rank: {spec.rank} must be >= 1")
+    from moe_rl.policy.model import use_transformer_engine
+
+    if use_transformer_engine():
+        raise LoraError("model.lora: adapters hang on megatron's local linear layers; transformer-engine's fused "
+                        "ones (layer norm inside the q/k/v and fc1 GEMMs) cannot take them yet: run without "
+                        "transformer-engine or set model.lora.rank=0")
     targets = set(spec.target_modules)
     place = RankPlace.current()
     count = 0
@@ -224,6 +265,8 @@ def attach_lora(chunks: list[Any], arch: MoEArch, spec: LoraSpec) -> int:
                                 "or drop gate_proj, up_proj and down_proj from model.lora.target_modules")
             layer.lora = LoraLinear(layer, parts, shard.kind, isinstance(layer, ColumnParallelLinear), spec, groups)
             layer.register_forward_hook(_hook, with_kwargs=True)
+            layer.weight.lora_delta = layer.lora.delta_weight  # the HF conversion merges it (convert.py)
+            layer.sharded_state_dict = _with_adapter(layer)
             count += 1
         for name, module in model.named_modules():
             if hasattr(module, "grouped") and any(hasattr(m, "lora") for m in module.modules()):

@@ -21,6 +21,7 @@ from moe_rl.dist.devices import compute_device
 from moe_rl.policy.convert import export_hf, is_hf_writer, iter_hf_tensors, load_hf_weights
 from moe_rl.policy.dist_ckpt import load_sharded, load_sharded_weights, save_sharded
 from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
+from moe_rl.policy.lora import LoraSpec, attach_lora
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.perf import PerfRequest, resolve
@@ -50,6 +51,7 @@ class PolicySpec:
     perf: PerfRequest = PerfRequest()  # fused kernels and DDP overlap (moe_rl/policy/perf.py; auto: on GPU)
     moe_aux_loss_coef: float | None = None  # set: replaces the checkpoint's router_aux_loss_coef
     expert_bias_update_rate: float = 0.0  # sigmoid routers' selection bias: 0 frozen, > 0 balanced per update
+    lora: LoraSpec | None = None  # set: train adapters on a frozen base (moe_rl/policy/lora.py)
 
 
 def with_aux_loss_coef(arch: MoEArch, coef: float | None) -> MoEArch:
@@ -101,6 +103,8 @@ class MegatronModel:
                             moe=self.arch.num_moe_experts is not None)
         chunks = build_model(self.arch, spec.layout, spec.dtype, spec.recompute, self.perf)
         self._load_weights(chunks)
+        if spec.lora is not None:  # after the base weights: the optimizer then holds the adapters only
+            attach_lora(chunks, self.arch, spec.lora)
         self.opt = PolicyOptimizer(chunks, replace(spec.optim, overlap_grad_reduce=self.perf.overlap_grad_reduce,
                                                    overlap_param_gather=self.perf.overlap_param_gather),
                                    frozen_rows(self.arch))

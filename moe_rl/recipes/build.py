@@ -108,6 +108,7 @@ def episode_runner(cfg: RunConfig, tokenizer: Any, hf_config: dict[str, Any], eo
 def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature: float = 1.0) -> Any:
     """The megatron policy of `hf_dir` in the configured layout, optimizer and LR schedule; its
     log-probs are of softmax(logits / `temperature`) (RL: the rollout's sampling temperature)."""
+    from moe_rl.policy.lora import LoraSpec
     from moe_rl.policy.parallel import ParallelLayout, read_dist_env
     from moe_rl.policy.policy import Policy, PolicySpec
 
@@ -117,7 +118,8 @@ def make_policy(cfg: RunConfig, hf_dir: Path, updates_per_step: int, temperature
                              cfg.model.recompute, p.micro_batch_size, cfg.model.seed, p.max_tokens_per_microbatch,
                              temperature=temperature, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,
                              expert_bias_update_rate=cfg.model.expert_bias_update_rate,
-                             collective_timeout_s=cfg.train.collective_timeout_s, perf=perf_request(cfg)))
+                             collective_timeout_s=cfg.train.collective_timeout_s, perf=perf_request(cfg),
+                             lora=LoraSpec.of(cfg.model)))
 
 
 def optim_config(cfg: RunConfig, updates_per_step: int) -> Any:

@@ -7,7 +7,8 @@ The policy's megatron distributed checkpoint (`step_N/policy/`) is read resharde
 on CPU, then written with the trainer's own HF exporter (the weight map weight sync uses). The
 source model, for the architecture and the tokenizer, is the run's: `RUN/init_model/` (the tiny
 model a run without `model.hf_path` wrote) or `model.hf_path` of `RUN/config.yaml`. RL, critic-
-bearing and DPO checkpoints alike: the critic is left out.
+bearing and DPO checkpoints alike: the critic is left out. A LoRA run's (`model.lora.rank` > 0)
+is written merged, W + alpha / rank * B A, a plain HF model.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.train.integrity import not_a_checkpoint
@@ -30,34 +32,37 @@ class ExportError(ValueError):
     """A checkpoint or destination export cannot use."""
 
 
-def source_model(checkpoint: Path) -> tuple[Path, str]:
-    """The HF checkpoint the run started from (architecture, tokenizer) and the dtype it trained in."""
+def source_model(checkpoint: Path) -> tuple[Path, Any]:
+    """The HF checkpoint the run started from (architecture, tokenizer) and its config's `model`
+    section (the dtype it trained in, its LoRA settings)."""
     run_dir = checkpoint.parent.parent
     config = run_dir / "config.yaml"
     if not config.is_file():
         raise ExportError(f"{config} is missing: --checkpoint must be RUN/checkpoints/step_N of a moe-rl run")
     model = load_config(config).model
     if (run_dir / "init_model" / "config.json").is_file():
-        return run_dir / "init_model", model.dtype
+        return run_dir / "init_model", model
     if not model.hf_path or not (Path(model.hf_path) / "config.json").is_file():
         raise ExportError(f"{config}: model.hf_path {model.hf_path!r} is not a HF checkpoint directory on this machine")
-    return Path(model.hf_path), model.dtype
+    return Path(model.hf_path), model
 
 
 def export_policy(policy_dir: Path, source: Path, out: Path, dtype: str | None = None,
-                  trained_dtype: str = "fp32") -> Path:
+                  trained_dtype: str = "fp32", lora: Any = None) -> Path:
     """Write the model of the distributed checkpoint `policy_dir` (any layout; parameters in
-    `trained_dtype`) as a HF checkpoint in `out`, on one local process; `dtype`: cast on the way."""
+    `trained_dtype`) as a HF checkpoint in `out`, on one local process; `dtype`: cast on the way.
+    `lora`: the run's `LoraSpec` (its checkpoint holds adapters; the export is the merged model)."""
     from moe_rl.dist.spawn import run_ranks
 
-    run_ranks(_export_rank, 1, str(policy_dir), str(source), str(out), dtype, trained_dtype, timeout=3600)
+    run_ranks(_export_rank, 1, str(policy_dir), str(source), str(out), dtype, trained_dtype, lora, timeout=3600)
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
     return out
 
 
-def _export_rank(policy_dir: str, source: str, out: str, dtype: str | None, trained_dtype: str) -> None:
+def _export_rank(policy_dir: str, source: str, out: str, dtype: str | None, trained_dtype: str,
+                 lora: Any = None) -> None:
     import torch
 
     from moe_rl.policy.parallel import ParallelLayout
@@ -65,7 +70,7 @@ def _export_rank(policy_dir: str, source: str, out: str, dtype: str | None, trai
     from moe_rl.policy.train_step import OptimConfig
 
     policy = Policy(PolicySpec(hf_dir=source, layout=ParallelLayout.parse("single"), optim=OptimConfig(lr=1e-6),
-                               dtype=trained_dtype))
+                               dtype=trained_dtype, lora=lora))
     policy.load_sharded(policy_dir, weights_only=True)
     policy.export_hf(out, dtype=None if dtype is None else getattr(torch, DTYPES[dtype]))
 
@@ -88,10 +93,12 @@ def run(args: argparse.Namespace) -> int:
                               "resume it once (train.resume=...) and export the checkpoint that run writes")
         if out.exists() and any(out.iterdir()):
             raise ExportError(f"--out {out} is not empty")
-        source, trained_dtype = source_model(ckpt)
+        source, model = source_model(ckpt)
     except (ExportError, ConfigError) as e:
         print(f"moe-rl export: {e}", file=sys.stderr)
         return 2
-    export_policy(ckpt / "policy", source, out, args.dtype, trained_dtype)
+    from moe_rl.policy.lora import LoraSpec
+
+    export_policy(ckpt / "policy", source, out, args.dtype, model.dtype, LoraSpec.of(model))
     print(f"wrote {out} (from {ckpt}, model and tokenizer of {source})")
     return 0

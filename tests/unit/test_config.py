@@ -622,3 +622,26 @@ def test_intake_heads_where_a_head_cannot_reach_the_servers_names_the_fix():
                         (["rollout.colocated=true", "rollout.weight_sync=disk"], "colocated")):
         with pytest.raises(ConfigError, match=f"rollout.intake: 'heads' needs rollout servers .*{needle}"):
             load_config(None, ["rollout.intake=heads", *bad])
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.lora.rank=8", "model.lora.target_modules=[q_proj,k_proj,v_proj,lm_head]"], r"\['lm_head'\] are not"),
+    (["model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]"], "target all three or none"),
+    (["model.lora.rank=8", "model.lora.target_modules=[gate_proj,down_proj]"], "gate_up_proj\\): target both"),
+    (["model.lora.rank=8", "model.lora.dropout=0.1"], "model.lora.dropout: 0.1 .* set model.lora.dropout=0"),
+    (["model.lora.rank=8", "parallel.etp=2"], "need parallel.etp=1 \\(got 2\\)"),
+    (["model.lora.rank=-1"], "model.lora.rank"),
+])
+def test_lora_settings_a_model_cannot_take_name_the_field_and_the_fix(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+
+
+def test_lora_off_by_default_and_attention_only_takes_dropout():
+    from moe_rl.policy.lora import LoraSpec
+
+    assert LoraSpec.of(load_config(None, []).model) is None
+    cfg = load_config(None, ["model.lora.rank=4", "model.lora.dropout=0.1",
+                             "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"])
+    spec = LoraSpec.of(cfg.model)
+    assert (spec.rank, spec.scale, spec.dropout, spec.target_modules) == (4, 4.0, 0.1, ("q_proj", "k_proj", "v_proj", "o_proj"))
