@@ -314,6 +314,95 @@ def _expert_id(shard: Any) -> int:
 
 
 @torch.no_grad()
+def whole_adapters(chunks: list[Any], arch: MoEArch) -> dict[str, torch.Tensor]:
+    """This rank's adapters as whole tensors (gathered over TP; a routed expert's: this rank's experts),
+    named as `adapter_items` names them (collective over each layer's TP group)."""
+    import torch.distributed as dist
+
+    out = {}
+    for stem, param, lora, _ in adapter_items(chunks, arch):
+        t = param.detach()
+        if _split(stem, lora) and not lora.local:
+            pieces = [torch.empty_like(t) for _ in range(lora.tp)]
+            dist.all_gather(pieces, t.contiguous(), group=lora.tp_group)
+            t = torch.cat(pieces, dim=0 if lora.column else 1)
+        out[stem] = t.clone()
+    return out
+
+
+def _split(stem: str, lora: LoraLinear) -> bool:
+    """Whether this adapter tensor is split over TP like its layer's weight (B of a column-parallel layer,
+    A of a row-parallel one)."""
+    return stem.endswith("lora_B") if lora.column else stem.endswith("lora_A")
+
+
+_EXPERT_STEM = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(lora_[AB])$")
+EXPERT_PARTS = ("gate_up_proj", "down_proj")  # PEFT's target_parameters order (its wrappers nest by it)
+
+
+def peft_tensors(whole: dict[str, torch.Tensor], num_experts: int) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """Whole adapters (every rank's, merged) in PEFT's names and layout for the transformers model:
+    projections as `base_model.model.<module>.lora_A|B.weight`; a layer's routed experts stacked as
+    PEFT's `target_parameters` wrapper holds them (A [r*E, in], expert e's rows e*r..; B [out, r*E],
+    column j*E + e), the first-listed parameter's wrapper the innermost (`.base_layer`). Returns the
+    tensors, `target_modules` and `target_parameters`."""
+    out: dict[str, torch.Tensor] = {}
+    modules, params = set(), set()
+    experts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
+    for stem, t in whole.items():
+        if m := _EXPERT_STEM.match(stem):
+            experts.setdefault((m.group(1), m.group(3), m.group(4)), {})[int(m.group(2))] = t
+            params.add(m.group(3))
+        else:
+            out[f"base_model.model.{stem}.weight"] = t
+            modules.add(stem.rsplit(".", 2)[-2])
+    parts = [p for p in EXPERT_PARTS if p in params]
+    for (path, part, ab), per in experts.items():
+        if sorted(per) != list(range(num_experts)):
+            raise LoraError(f"{path}.{part}: adapters of experts {sorted(per)} only; every rank's are needed")
+        nest = ".base_layer" * (len(parts) - 1 - parts.index(part))
+        stacked = [per[e] for e in range(num_experts)]
+        t = torch.cat(stacked, 0) if ab == "lora_A" else torch.stack(stacked, -1).flatten(1)
+        out[f"base_model.model.{path}{nest}.{ab}.weight"] = t
+    return out, sorted(modules), [f"mlp.experts.{p}" for p in parts]
+
+
+@torch.no_grad()
+def export_peft(chunks: list[Any], arch: MoEArch, spec: LoraSpec, out_dir: str, base_model: str = "") -> None:
+    """Write the adapters as a PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`) that
+    `peft.PeftModel.from_pretrained` loads on the HF base (collective; rank 0 writes). The adapters are
+    gathered whole to rank 0 (small beside the model, not small: rank 8 on every routed expert of
+    Qwen3-30B-A3B is ~0.3 B parameters, 1.3 GB in fp32; a streaming writer is left for later)."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    mine = {k: v.cpu() for k, v in whole_adapters(chunks, arch).items()}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    every: list[Any] = [mine]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, every, dst=0)
+    if rank != 0:
+        dist.barrier()
+        return
+    whole = {k: v for part in every for k, v in part.items()}
+    tensors, modules, params = peft_tensors(whole, arch.num_moe_experts or 0)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "bias": "none",
+              "target_modules": modules, "target_parameters": params or None, "fan_in_fan_out": False,
+              "inference_mode": True, "init_lora_weights": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@torch.no_grad()
 def set_adapters(chunks: list[Any], arch: MoEArch, full: dict[str, torch.Tensor]) -> int:
     """Copy whole (unsplit) adapter tensors, named as `adapter_items` names them (`...q_proj.lora_A`,
     `...experts.3.gate_up_proj.lora_B`), into this rank's pieces. Returns how many were set; a missing
@@ -323,8 +412,7 @@ def set_adapters(chunks: list[Any], arch: MoEArch, full: dict[str, torch.Tensor]
         if stem not in full:
             raise LoraError(f"adapter tensor {stem} is missing")
         t = full[stem]
-        split = (stem.endswith("lora_B") and lora.column) or (stem.endswith("lora_A") and not lora.column)
-        if split and not lora.local:
+        if _split(stem, lora) and not lora.local:
             t = t.chunk(lora.tp, dim=0 if lora.column else 1)[lora.tp_group.rank()]
         if tuple(t.shape) != tuple(param.shape):
             raise LoraError(f"adapter tensor {stem}: shape {tuple(full[stem].shape)} does not fit this model "

@@ -21,7 +21,7 @@ from moe_rl.dist.devices import compute_device
 from moe_rl.policy.convert import export_hf, is_hf_writer, iter_hf_tensors, load_hf_weights
 from moe_rl.policy.dist_ckpt import load_sharded, load_sharded_weights, save_sharded
 from moe_rl.policy.forward import LogProbs, Microbatch, build_microbatches, compute_logprobs, microbatch_logprobs
-from moe_rl.policy.lora import LoraSpec, attach_lora
+from moe_rl.policy.lora import LoraSpec, attach_lora, export_peft
 from moe_rl.policy.model import MoEArch, build_model, read_hf_config
 from moe_rl.policy.parallel import ParallelLayout, data_parallel_rank_and_size, init_distributed
 from moe_rl.policy.perf import PerfRequest, resolve
@@ -285,6 +285,13 @@ class Policy(MegatronModel):
         """Write the current weights as a HF checkpoint (collective); `dtype`: cast them."""
         sync_params(self.opt.chunks)  # overlap_param_gather left the gather to the next forward
         export_hf(self.chunks, out_dir, self.arch, self.hf_config, dtype=dtype)
+
+    def export_peft(self, out_dir: str | Path) -> None:
+        """Write the LoRA adapters in PEFT's format (collective; `lora.export_peft`)."""
+        if self.spec.lora is None:
+            raise ValueError("export_peft: this policy trains the full model (model.lora.rank=0): it has no adapter")
+        sync_params(self.opt.chunks)
+        export_peft(self.chunks, self.arch, self.spec.lora, str(out_dir), self.spec.hf_dir)
 
     def hf_tensors(self, spread: bool = False, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for the tensors this rank owns (collective); `spread`: over every data-parallel

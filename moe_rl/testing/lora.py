@@ -87,17 +87,19 @@ def peft_reference(model: Any, sequences: list[torch.Tensor]) -> tuple[list[torc
 
 
 def lora_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], adapter: dict[str, torch.Tensor],
-                rank: int, alpha: float, micro_batch_size: int = 2, export_dir: str | None = None) -> dict[str, Any]:
+                rank: int, alpha: float, micro_batch_size: int = 2, export_dir: str | None = None,
+                peft_dir: str | None = None) -> dict[str, Any]:
     """On every rank: the megatron policy under `layout_name` with `adapter` on, this DP rank's
     log-probs, and the whole-batch loss's gradient of every adapter tensor this rank holds (gathered
     over TP to whole tensors). Also the number of trainable parameters outside the adapters; with
-    `export_dir`, the HF export (merged weights) written there first."""
+    `export_dir`, the HF export (merged weights) written there first; with `peft_dir`, the adapter in
+    PEFT's format."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from moe_rl.policy.convert import export_hf, load_hf_weights
     from moe_rl.policy.forward import build_microbatches, compute_logprobs, microbatch_logprobs
-    from moe_rl.policy.lora import LoraSpec, adapter_items, attach_lora, is_adapter, set_adapters
+    from moe_rl.policy.lora import LoraSpec, adapter_items, attach_lora, export_peft, is_adapter, set_adapters
     from moe_rl.policy.model import build_model, read_hf_config
     from moe_rl.policy.parallel import ParallelLayout, init_distributed
     from moe_rl.policy.train_step import OptimConfig, PolicyOptimizer, frozen_rows
@@ -107,9 +109,11 @@ def lora_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], ad
     init_distributed(layout.validate(arch))
     chunks = build_model(arch, layout)
     load_hf_weights(chunks, hf_dir, arch)
-    attach_lora(chunks, arch, LoraSpec(rank=rank, alpha=alpha, target_modules=(*ATTENTION, "gate_proj", "up_proj",
-                                                                               "down_proj")))
+    spec = LoraSpec(rank=rank, alpha=alpha, target_modules=(*ATTENTION, "gate_proj", "up_proj", "down_proj"))
+    attach_lora(chunks, arch, spec)
     set_adapters(chunks, arch, adapter)
+    if peft_dir is not None:
+        export_peft(chunks, arch, spec, peft_dir, hf_dir)
     if export_dir is not None:
         export_hf(chunks, export_dir, arch, json.loads((Path(hf_dir) / "config.json").read_text()))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -149,30 +153,12 @@ def lora_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], ad
     return result
 
 
-def _whole_adapters(chunks: list[Any], arch: Any) -> dict[str, torch.Tensor]:
-    """This rank's adapter tensors, gathered over TP to whole ones (experts: this rank's)."""
-    import torch.distributed as dist
-
-    from moe_rl.policy.lora import adapter_items
-
-    out = {}
-    for stem, param, lora, _ in adapter_items(chunks, arch):
-        t = param.detach().clone()
-        split = (stem.endswith("lora_B") and lora.column) or (stem.endswith("lora_A") and not lora.column)
-        if split and not lora.local:
-            pieces = [torch.empty_like(t) for _ in range(lora.tp)]
-            dist.all_gather(pieces, t.contiguous(), group=lora.tp_group)
-            t = torch.cat(pieces, dim=0 if lora.column else 1)
-        out[stem] = t
-    return out
-
-
 def lora_checkpoint_worker(layout_name: str, hf_dir: str, ckpt: str, batch: list[torch.Tensor], save: bool,
                            rank: int = 4, alpha: float = 8.0) -> dict[str, Any]:
     """A LoRA policy (distributed optimizer) under `layout_name`: with `save`, one update, a checkpoint
     in `ckpt`, then a second update; else the checkpoint loaded, then the same second update. Returns the
     whole adapters after the checkpoint's state and after the second update, and the base's HF tensors."""
-    from moe_rl.policy.lora import LoraSpec
+    from moe_rl.policy.lora import LoraSpec, whole_adapters
     from moe_rl.policy.parallel import ParallelLayout
     from moe_rl.policy.policy import Policy, PolicySpec
     from moe_rl.policy.train_step import OptimConfig
@@ -190,7 +176,7 @@ def lora_checkpoint_worker(layout_name: str, hf_dir: str, ckpt: str, batch: list
         policy.save_sharded(ckpt)
     else:
         policy.load_sharded(ckpt)
-    held = _whole_adapters(policy.chunks, policy.arch)
+    held = whole_adapters(policy.chunks, policy.arch)
     policy.update(mine, {}, loss)
-    return {"held": held, "next": _whole_adapters(policy.chunks, policy.arch),
+    return {"held": held, "next": whole_adapters(policy.chunks, policy.arch),
             "merged": {n: t.clone() for n, t in policy.hf_tensors()}}

@@ -1,7 +1,7 @@
 """`moe-rl export`: a HF checkpoint (safetensors, `config.json`, the source model's tokenizer) from a
 run's checkpoint, whatever layout wrote it.
 
-    moe-rl export --checkpoint RUN/checkpoints/step_N --out DIR [--dtype bf16]
+    moe-rl export --checkpoint RUN/checkpoints/step_N --out DIR [--dtype bf16] [--peft]
 
 The policy's megatron distributed checkpoint (`step_N/policy/`) is read resharded into one process
 on CPU, then written with the trainer's own HF exporter (the weight map weight sync uses). The
@@ -48,13 +48,17 @@ def source_model(checkpoint: Path) -> tuple[Path, Any]:
 
 
 def export_policy(policy_dir: Path, source: Path, out: Path, dtype: str | None = None,
-                  trained_dtype: str = "fp32", lora: Any = None) -> Path:
+                  trained_dtype: str = "fp32", lora: Any = None, peft: bool = False) -> Path:
     """Write the model of the distributed checkpoint `policy_dir` (any layout; parameters in
     `trained_dtype`) as a HF checkpoint in `out`, on one local process; `dtype`: cast on the way.
-    `lora`: the run's `LoraSpec` (its checkpoint holds adapters; the export is the merged model)."""
+    `lora`: the run's `LoraSpec` (its checkpoint holds adapters; the export is the merged model, or with
+    `peft` the adapter in PEFT's format)."""
     from moe_rl.dist.spawn import run_ranks
 
-    run_ranks(_export_rank, 1, str(policy_dir), str(source), str(out), dtype, trained_dtype, lora, timeout=3600)
+    run_ranks(_export_rank, 1, str(policy_dir), str(source), str(out), dtype, trained_dtype, lora, peft,
+              timeout=3600)
+    if peft:
+        return out
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
@@ -62,7 +66,7 @@ def export_policy(policy_dir: Path, source: Path, out: Path, dtype: str | None =
 
 
 def _export_rank(policy_dir: str, source: str, out: str, dtype: str | None, trained_dtype: str,
-                 lora: Any = None) -> None:
+                 lora: Any = None, peft: bool = False) -> None:
     import torch
 
     from moe_rl.policy.parallel import ParallelLayout
@@ -72,6 +76,9 @@ def _export_rank(policy_dir: str, source: str, out: str, dtype: str | None, trai
     policy = Policy(PolicySpec(hf_dir=source, layout=ParallelLayout.parse("single"), optim=OptimConfig(lr=1e-6),
                                dtype=trained_dtype, lora=lora))
     policy.load_sharded(policy_dir, weights_only=True)
+    if peft:
+        policy.export_peft(out)
+        return
     policy.export_hf(out, dtype=None if dtype is None else getattr(torch, DTYPES[dtype]))
 
 
@@ -81,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="where to write the HF checkpoint (new or empty)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="cast the weights (default: as trained, the policy's parameter dtype)")
+    parser.add_argument("--peft", action="store_true",
+                        help="a LoRA run (model.lora.rank > 0): write the adapter in PEFT's format "
+                             "(adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained "
+                             "on the base model) instead of the merged model")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,11 +105,14 @@ def run(args: argparse.Namespace) -> int:
         if out.exists() and any(out.iterdir()):
             raise ExportError(f"--out {out} is not empty")
         source, model = source_model(ckpt)
+        if args.peft and not model.lora.rank:
+            raise ExportError(f"--peft: {ckpt} is of a full-parameter run (model.lora.rank=0); it has no adapter")
     except (ExportError, ConfigError) as e:
         print(f"moe-rl export: {e}", file=sys.stderr)
         return 2
     from moe_rl.policy.lora import LoraSpec
 
-    export_policy(ckpt / "policy", source, out, args.dtype, model.dtype, LoraSpec.of(model))
-    print(f"wrote {out} (from {ckpt}, model and tokenizer of {source})")
+    export_policy(ckpt / "policy", source, out, args.dtype, model.dtype, LoraSpec.of(model), args.peft)
+    print(f"wrote {out} (from {ckpt}, {'the PEFT adapter of the base' if args.peft else 'model and tokenizer of'} "
+          f"{source})")
     return 0

@@ -56,14 +56,23 @@ def test_the_adapter_changes_the_output(tiny_hf_dir, sequences, single):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_give_the_single_process_log_probs_and_adapter_gradients(layout, tiny_hf_dir, sequences,
-                                                                         reference, single):
+                                                                         reference, single, tmp_path):
     from moe_rl.policy.parallel import ParallelLayout
 
     world = ParallelLayout.parse(layout).world_size
+    peft_dir = tmp_path / "adapter"
     results = run_ranks(lora_worker, world, layout, str(tiny_hf_dir), sequences, reference[0], RANK, ALPHA,
-                        timeout=600)
+                        timeout=600, peft_dir=str(peft_dir) if layout == "tp2-ep2" else None)
     mx, _ = compare(results, reference[1])
     assert mx <= 1e-4
+    if layout == "tp2-ep2":  # the adapter written in PEFT's format is the one it was given, as PEFT loads it
+        import peft
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_hf_dir), dtype=torch.float32)
+        loaded = peft_adapter(peft.PeftModel.from_pretrained(base, str(peft_dir)))
+        assert set(loaded) == set(reference[0])
+        assert all(torch.equal(loaded[k], reference[0][k]) for k in loaded)
     grads = {}
     for r in results:
         grads.update(r["grads"])
