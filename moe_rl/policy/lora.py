@@ -402,6 +402,58 @@ def export_peft(chunks: list[Any], arch: MoEArch, spec: LoraSpec, out_dir: str, 
         dist.barrier()
 
 
+def read_peft(path: str, arch: MoEArch) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter directory (`export_peft`'s, or PEFT's `save_pretrained` of a transformers 5
+    model) for `arch`, as a `LoraSpec` and whole tensors in `adapter_items`' names, for `set_adapters`.
+    A layer's two routed-expert wrappers are told apart by their shapes (gate_up_proj: A [r*E, hidden],
+    B [2 * expert FFN, r*E]; down_proj: A [r*E, expert FFN], B [hidden, r*E]): PEFT nests them in the
+    order it was given, which its saved config need not keep."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+    modules, params = cfg.get("target_modules") or [], cfg.get("target_parameters") or []
+    if cfg.get("peft_type") != "LORA" or isinstance(modules, str):
+        raise LoraError(f"{path}: a LoRA adapter with target_modules as a list is needed (got peft_type "
+                        f"{cfg.get('peft_type')!r}, target_modules {modules!r})")
+    if cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise LoraError(f"{path}: DoRA, rsLoRA and per-module ranks or alphas are not supported")
+    parts = {p.rsplit(".", 1)[-1] for p in params}
+    if parts - set(EXPERT_PARTS):
+        raise LoraError(f"{path}: target_parameters {sorted(parts - set(EXPERT_PARTS))} are not routed experts' "
+                        f"{list(EXPERT_PARTS)}")
+    targets = set(modules)
+    if "gate_up_proj" in parts:
+        targets |= {"gate_proj", "up_proj"}
+    if "down_proj" in parts:
+        targets.add("down_proj")
+    spec = LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout") or 0.0),
+                    tuple(t for t in TARGETS if t in targets))
+    tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
+    whole: dict[str, torch.Tensor] = {}
+    shapes = {"gate_up_proj": (arch.hidden_size, 2 * (arch.moe_ffn_hidden_size or 0)),
+              "down_proj": (arch.moe_ffn_hidden_size, arch.hidden_size)}
+    for name, t in tensors.items():
+        stem = name.removeprefix("base_model.model.").removesuffix(".weight")
+        module, ab = stem.rsplit(".", 1)
+        if not module.endswith(".experts") and ".experts.base_layer" not in module:
+            whole[stem] = t
+            continue
+        a, b = (tensors[name.replace(f".{ab}.", f".{x}.")] for x in ("lora_A", "lora_B"))
+        part = next((p for p, shape in shapes.items() if (a.shape[1], b.shape[0]) == shape), None)
+        if part is None:
+            raise LoraError(f"{path}: {name}: shapes {tuple(a.shape)} / {tuple(b.shape)} fit neither routed-expert "
+                            f"weight of this model")
+        r, base = spec.rank, module.replace(".base_layer", "")
+        experts = a.shape[0] // r
+        for e in range(experts):
+            whole[f"{base}.{e}.{part}.{ab}"] = (t.reshape(experts, r, -1)[e] if ab == "lora_A"
+                                                else t.reshape(t.shape[0], r, experts)[:, :, e]).clone()
+    return spec, whole
+
+
 @torch.no_grad()
 def set_adapters(chunks: list[Any], arch: MoEArch, full: dict[str, torch.Tensor]) -> int:
     """Copy whole (unsplit) adapter tensors, named as `adapter_items` names them (`...q_proj.lora_A`,

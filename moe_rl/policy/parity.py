@@ -34,11 +34,18 @@ def sample_sequences(vocab_size: int, num: int = 8, max_len: int = 24, seed: int
 
 
 @torch.no_grad()
-def hf_logprobs(hf_dir: str | Path, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Reference log-probs from HF transformers, one sequence at a time (no padding), fp32."""
+def hf_logprobs(hf_dir: str | Path, sequences: list[torch.Tensor], lora: str | None = None) -> list[torch.Tensor]:
+    """Reference log-probs from HF transformers, one sequence at a time (no padding), fp32; `lora`: with
+    that PEFT adapter on (the `peft` library's own forward)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    if lora is not None:
+        try:
+            import peft
+        except ImportError:
+            raise ImportError("a LoRA parity check compares against the peft library: pip install peft") from None
+        model = peft.PeftModel.from_pretrained(model, lora).eval()
     out = []
     for seq in sequences:
         logits = model(seq.unsqueeze(0)).logits[0, :-1].float()
@@ -54,8 +61,9 @@ def token_weights(sequences: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def layout_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], micro_batch_size: int = 2,
                   export_dir: str | None = None, grads: bool = False, recompute: bool = False,
-                  pack_tokens: int | None = None, dtype: str = "fp32") -> dict[str, Any]:
-    """Runs on every rank: log-probs of this DP rank's share, optional HF export and gradients.
+                  pack_tokens: int | None = None, dtype: str = "fp32", lora: str | None = None) -> dict[str, Any]:
+    """Runs on every rank: log-probs of this DP rank's share, optional HF export and gradients;
+    `lora`: a PEFT adapter directory put on the model first (`policy/lora.py`).
 
     Returns {"rank", "dp_rank", "index", "logp", "grads" (HF name -> tensor, this rank's share)}.
     With `pack_tokens`, also the same computed on token-balanced DP shards packed into
@@ -75,6 +83,12 @@ def layout_worker(layout_name: str, hf_dir: str, sequences: list[torch.Tensor], 
     init_distributed(layout)
     chunks = build_model(arch, layout, dtype, recompute=recompute)
     load_hf_weights(chunks, hf_dir, arch)
+    if lora is not None:
+        from moe_rl.policy.lora import attach_lora, read_peft, set_adapters
+
+        spec, adapter = read_peft(lora, arch)
+        attach_lora(chunks, arch, spec)
+        set_adapters(chunks, arch, adapter)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     index = list(range(dp_rank, len(sequences), dp))
     mine = [sequences[i] for i in index]
@@ -181,23 +195,24 @@ def compare(results: list[dict[str, Any]], reference: list[torch.Tensor], packed
 
 def check_layouts(hf_dir: str | Path, layouts: list[str], num_tokens: int = 24, num_sequences: int = 8,
                   tolerance: float = 1e-4, timeout: float = 600.0, progress: Any = None,
-                  pack_tokens: int | None = None) -> list[ParityRow]:
+                  pack_tokens: int | None = None, lora: str | None = None) -> list[ParityRow]:
     """Run each layout on local processes and compare with HF transformers.
 
-    `pack_tokens`: also score the sequences packed into rows of this many tokens.
+    `pack_tokens`: also score the sequences packed into rows of this many tokens; `lora`: with this
+    PEFT adapter on both sides (HF through the peft library).
     """
     from moe_rl.dist.spawn import run_ranks
 
     arch = read_hf_config(hf_dir)
     sequences = sample_sequences(arch.vocab_size, num=num_sequences, max_len=num_tokens)
-    reference = hf_logprobs(hf_dir, sequences)
+    reference = hf_logprobs(hf_dir, sequences, lora)
     rows = []
     for name in layouts:
         start = time.monotonic()
         try:
             layout = ParallelLayout.parse(name).validate(arch)
             results = run_ranks(layout_worker, layout.world_size, name, str(hf_dir), sequences, timeout=timeout,
-                                pack_tokens=pack_tokens)
+                                pack_tokens=pack_tokens, lora=lora)
             mx, mean = compare(results, reference)
             packed = compare(results, reference, packed=True)[0] if pack_tokens else None
             ok = mx <= tolerance and (packed is None or packed <= tolerance)
@@ -233,6 +248,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pack-tokens", type=int, default=None,
                    help="also score the sequences packed several to a row of this many tokens (as with "
                         "parallel.max_tokens_per_microbatch), on token-balanced DP shards")
+    p.add_argument("--lora", metavar="ADAPTER", default=None,
+                   help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, e.g. "
+                        "`moe-rl export --peft`'s): compare with it on, against HF + the peft library")
     p.add_argument("--json", dest="json_out", help="also write the results as a JSON list to this file")
 
 
@@ -244,6 +262,8 @@ def _argument_problem(args: argparse.Namespace, layouts: list[str]) -> str | Non
         read_hf_config(args.hf_model)  # a family or a setting megatron-core cannot reproduce: said before any rank
     except ValueError as e:
         return f"--hf-model {args.hf_model}: {e}"
+    if args.lora is not None and not (Path(args.lora) / "adapter_config.json").is_file():
+        return f"--lora {args.lora}: no adapter_config.json there; give a PEFT adapter directory"
     if not layouts:
         return "--layouts names no layout; give e.g. --layouts tp2,ep2"
     for name in layouts:
@@ -284,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
               f"least {args.tokens}", file=sys.stderr)
         return 2
     rows = check_layouts(args.hf_model, layouts, args.tokens, args.sequences, args.tolerance, progress=progress,
-                         pack_tokens=pack)
+                         pack_tokens=pack, lora=args.lora)
     table = Table(title="log-prob parity vs HF transformers")
     columns = ["layout", "ranks", "max |Δ log p|", "mean |Δ log p|"] + (["packed max |Δ log p|"] if pack else [])
     for col in columns + ["seconds", "ok"]:
