@@ -34,6 +34,7 @@ import dpo_step
 import experts
 import critic
 import handoff_bytes
+import lora
 import losses
 import memory
 import overhead
@@ -108,6 +109,9 @@ def sections() -> list[Section]:
         ("route_intake", "R3's routes where they arrive: bytes, seconds and peak memory per SGLang reply and per "
          "step on the receiving process", lambda q: route_intake.format_table(route_intake.bench_rows(quick=q))),
     ]
+    out.append(("lora", "LoRA vs full-parameter training: trainable parameters, optimizer bytes, update time, push "
+                "bytes (same model, batch and layout)",
+                lambda q: lora.format_table(lora.bench_rows(rounds=1, worlds=(1,)) if q else lora.bench_rows())))
     out.append(("dpo", "DPO step vs the RL update: tokens/s on the same tokens and layout",
                 lambda q: dpo_step.format_table(dpo_step.bench_rows(rounds=2, worlds=(1,)) if q
                                                 else dpo_step.bench_rows())))

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "tools" / "bench"
 MODULES = ("common", "overhead", "scaling", "weight_sync", "memory", "gpu_update", "step_options", "run_all",
            "handoff_bytes", "async_rl", "experts", "ckpt_memory",
-           "route_intake")
+           "route_intake", "lora")
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m != "common"])
